@@ -1,0 +1,159 @@
+"""Pending graph -> one JAX function -> ``jax.jit`` executable, cached by the graph's structure.
+
+The cache key is the program's structure (ops, static args, wiring), the inputs' shapes, dtypes and
+shardings, which inputs are donated, and the config flags that change programs. Data never enters
+the key: device buffers and lifted Python scalars are arguments, so the same step traced again
+reuses its executable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from . import config, counters, rng
+from .graph import RNG_SPLIT, Program, substitute
+from .lowering import LOWERINGS
+from .lowering.dtypes import to_jax_dtype
+
+_SCALAR_AVAL = jax.ShapeDtypeStruct((), jnp.float64, weak_type=True)
+
+
+class LoweringError(RuntimeError):
+    """A lowering returned something other than what PyTorch's meta kernel promised."""
+
+
+@dataclass
+class Executable:
+    compiled: Any
+    key: str  # short hex digest, for debug lines
+    n_nodes: int
+
+
+@dataclass
+class CacheKey:
+    structure: tuple
+    inputs: tuple
+    donated: tuple
+    n_scalars: int
+    flags: tuple
+
+    def parts(self) -> tuple:
+        return (self.structure, self.inputs, self.donated, self.n_scalars, self.flags)
+
+
+def cache_key(program: Program, arrays: list, donated: tuple) -> CacheKey:
+    inputs = tuple((a.shape, a.dtype, a.sharding) for a in arrays)
+    return CacheKey(program.structure(), inputs, donated, len(program.scalars), config.cache_key())
+
+
+def build_function(program: Program, donated: tuple) -> Callable:
+    """The program as a function of (donated inputs, kept inputs, scalars) -> outputs."""
+    slots = []  # input position -> (is donated, index within its group)
+    counts = [0, 0]
+    for is_donated in donated:
+        slots.append((is_donated, counts[is_donated]))
+        counts[is_donated] += 1
+    steps = [
+        (node.op, node.args, node.kwargs, program._wiring(node),
+         tuple((a.shape, to_jax_dtype(a.dtype)) for a in node.avals))
+        for node in program.nodes
+    ]
+    outputs = [program._locate(ref) for ref in program.outputs]
+
+    def run(donated_inputs, kept_inputs, scalars):
+        groups = (kept_inputs, donated_inputs)
+        results: list = []
+
+        def value(location):
+            kind = location[0]
+            if kind == "n":
+                return results[location[1]][location[2]]
+            if kind == "in":
+                is_donated, k = slots[location[1]]
+                return groups[is_donated][k]
+            return scalars[location[1]]
+
+        for op, args, kwargs, wiring, avals in steps:
+            sources = [value(w) for w in wiring]
+            with jax.named_scope(str(op)):
+                results.append(_lower_step(op, args, kwargs, sources, avals))
+        return [value(o) for o in outputs]
+
+    return run
+
+
+def _lower_step(op, args, kwargs, sources: list, avals: tuple) -> list:
+    if op == RNG_SPLIT:
+        return list(rng.split(sources[0]))
+    lowering = LOWERINGS[op]
+    if lowering.random:
+        sources = [rng.wrap(sources[0])] + sources[1:]
+    out = lowering.fn(*substitute(args, sources), **substitute(kwargs, sources))
+    outs = [o for o in out if o is not None] if isinstance(out, (tuple, list)) else [out]
+    if len(outs) != len(avals):
+        raise LoweringError(f"lowering of {op} returned {len(outs)} outputs, expected {len(avals)}")
+    fixed = []
+    for o, (shape, dtype) in zip(outs, avals):
+        o = jnp.asarray(o)
+        if o.shape != shape:
+            raise LoweringError(f"lowering of {op} returned shape {o.shape}, expected {shape}")
+        fixed.append(o if o.dtype == dtype else o.astype(dtype))
+    return fixed
+
+
+_CACHE: dict[tuple, Executable] = {}
+_HISTORY: list[tuple] = []  # recent key parts, to explain recompilations
+
+
+def lookup_or_compile(program: Program, arrays: list, donated: tuple) -> tuple[Executable, bool]:
+    """The executable for ``program`` on these inputs; compiles on a miss. Returns (exe, was_hit)."""
+    key = cache_key(program, arrays, donated)
+    parts = key.parts()
+    executable = _CACHE.get(parts)
+    if executable is not None:
+        counters.bump("CachedCompile")
+        return executable, True
+    counters.bump("UncachedCompile")
+    digest = hashlib.sha1(repr(parts[0]).encode()).hexdigest()[:8]
+    start = time.perf_counter_ns()
+    function = build_function(program, donated)
+    abstract_inputs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in arrays]
+    kept = [a for a, d in zip(abstract_inputs, donated) if not d]
+    given = [a for a, d in zip(abstract_inputs, donated) if d]
+    jitted = jax.jit(function, donate_argnums=(0,) if any(donated) else ())
+    compiled = jitted.lower(given, kept, [_SCALAR_AVAL] * len(program.scalars)).compile()
+    counters.record("CompileTime", time.perf_counter_ns() - start)
+    executable = _CACHE[parts] = Executable(compiled, digest, len(program.nodes))
+    _HISTORY.append(parts)
+    del _HISTORY[:-16]
+    return executable, False
+
+
+def explain_miss(parts: tuple) -> str:
+    """Why ``parts`` missed the cache: the first key part differing from the most similar key."""
+    previous = [p for p in _HISTORY if p is not parts]
+    if not previous:
+        return "first compilation"
+    names = ("graph", "input shapes/dtypes/shardings", "donated inputs", "lifted scalars", "flags")
+    best = max(previous, key=lambda p: sum(a == b for a, b in zip(p, parts)))
+    for name, old, new in zip(names, best, parts):
+        if old != new:
+            if name == "graph":
+                return f"graph changed ({len(old[0])} -> {len(new[0])} nodes)"
+            if name.startswith("input") and len(old) == len(new):
+                diffs = [f"input {i}: {o[:2]} -> {n[:2]}" for i, (o, n) in
+                         enumerate(zip(old, new)) if o != n]
+                return f"{name} changed: " + "; ".join(diffs[:3])
+            return f"{name} changed"
+    return "unknown"
+
+
+def clear_cache() -> None:
+    _CACHE.clear()
+    _HISTORY.clear()

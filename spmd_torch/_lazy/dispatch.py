@@ -1,0 +1,328 @@
+"""The single ``__torch_dispatch__``: every aten call on an xla tensor is resolved once to a handler.
+
+Lookup order, cached per overload: engine specials (transfers, scalars) -> foreach -> views ->
+a lowering -> in-place/out through the functional op -> PyTorch's decomposition -> CPU fallback
+(counted as ``aten::<op>`` and warned about once).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import torch
+from torch._decomp import decomposition_table
+
+from . import counters, rng, views
+from .graph import Aval, Value
+from .lowering import LOWERINGS
+from .record import DeviceMismatchError, emit, emit_value
+from .tensor import DEVICE, LazyTensor, wrap, wrap_data
+from .transfer import to_device_array
+
+aten = torch.ops.aten
+
+_HANDLERS: dict = {}
+_TENSOR_LIST = torch._C.ListType(torch._C.TensorType.get())
+
+
+def dispatch(func, args: tuple, kwargs: dict) -> Any:
+    handler = _HANDLERS.get(func)
+    if handler is None:
+        handler = _HANDLERS[func] = _resolve(func)
+    return handler(func, args, kwargs)
+
+
+def _resolve(func) -> Callable:
+    if func in SPECIALS:
+        return SPECIALS[func]
+    name = func._schema.name.split("::")[1]
+    if name.startswith("_foreach_"):
+        return _foreach
+    if func in views.IDENTITY_VIEWS:
+        return lambda f, args, kwargs: views.alias(args[0])
+    if func in views.SPLIT_VIEWS:
+        return lambda f, args, kwargs: views.split_views(args[0], f, args[1:])
+    if func.is_view:
+        return _view
+    lowering = LOWERINGS.get(func)
+    if lowering is not None:
+        if lowering.random:
+            return _record_random
+        return _record_pointwise if torch.Tag.pointwise in func.tags else _record
+    functional = _functional_variant(func)
+    if functional is not None:
+        return _mutation(functional)
+    if not any(a.type.isSubtypeOf(_TENSOR_LIST) or "Tensor" in str(a.type)
+               for a in func._schema.arguments):
+        return _cpu_fallback  # factories decompose into themselves; make them on the CPU
+    if func in decomposition_table:
+        decomposition = decomposition_table[func]
+        return lambda f, args, kwargs: decomposition(*args, **kwargs)
+    if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+        return lambda f, args, kwargs: f.decompose(*args, **kwargs)
+    return _cpu_fallback
+
+
+# --- recording -----------------------------------------------------------------------------------
+
+
+def _wrap_outputs(node, structure) -> Any:
+    if structure is None:
+        return wrap((node, 0), node.avals[0])
+    container, is_tensor = structure
+    outputs, k = [], 0
+    for tensor in is_tensor:
+        if tensor:
+            outputs.append(wrap((node, k), node.avals[k]))
+            k += 1
+        else:
+            outputs.append(None)
+    return container(outputs)
+
+
+def _record(func, args: tuple, kwargs: dict) -> Any:
+    node, structure = emit(func, args, kwargs)
+    return _wrap_outputs(node, structure)
+
+
+def _record_pointwise(func, args: tuple, kwargs: dict) -> Any:
+    node, structure = emit(func, args, kwargs, lift_floats=True)
+    return _wrap_outputs(node, structure)
+
+
+def _record_random(func, args: tuple, kwargs: dict) -> Any:
+    node, structure = emit(func, args, kwargs, key=rng.next_key())
+    return _wrap_outputs(node, structure)
+
+
+def _view(func, args: tuple, kwargs: dict) -> LazyTensor:
+    if kwargs:
+        args = args + tuple(kwargs.values())
+    return views.make_view(args[0], func, args[1:])
+
+
+# --- mutation ------------------------------------------------------------------------------------
+
+_FUNCTIONAL_SPECIAL = {
+    "normal_": "normal_functional",
+    "bernoulli_.float": "bernoulli.p",
+}
+
+
+def _functional_variant(func):
+    """The out-of-place overload computing what in-place or ``out=`` ``func`` writes, or None."""
+    schema = func._schema
+    name = schema.name.split("::")[1]
+    overload = func._overloadname
+    mutated = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    if not mutated:
+        return None
+    special = _FUNCTIONAL_SPECIAL.get(f"{name}.{overload}", _FUNCTIONAL_SPECIAL.get(name))
+    if special is not None:
+        packet_name, _, special_overload = special.partition(".")
+        packet = getattr(aten, packet_name, None)
+        return getattr(packet, special_overload or "default", None) if packet else None
+    if name.endswith("_") and mutated[0].name == "self" and len(mutated) == 1:
+        packet = getattr(aten, name[:-1], None)
+        return getattr(packet, overload, None) if packet is not None else None
+    if all(a.kwarg_only for a in mutated):  # out= variants
+        packet = getattr(aten, name, None)
+        wanted = [(a.name, str(a.type)) for a in schema.arguments if a not in mutated]
+        for candidate in packet.overloads() if packet is not None else ():
+            op = getattr(packet, candidate)
+            if op is not func and [(a.name, str(a.type)) for a in op._schema.arguments] == wanted:
+                return op
+    return None
+
+
+def _mutation(functional) -> Callable:
+    def mutate(func, args: tuple, kwargs: dict) -> Any:
+        schema = func._schema
+        out_names = [a.name for a in schema.arguments if a.kwarg_only and a.alias_info
+                     and a.alias_info.is_write]
+        if out_names:  # out= variant: compute, then write into the out tensors
+            outs = [kwargs[n] for n in out_names]
+            kwargs = {k: v for k, v in kwargs.items() if k not in out_names}
+            result = dispatch(functional, args, kwargs)
+            results = result if isinstance(result, (tuple, list)) else (result,)
+            for out, value in zip(outs, results):
+                _assign(out, value, func)
+            return outs[0] if len(outs) == 1 else tuple(outs)
+        result = dispatch(functional, args, kwargs)
+        _assign(args[0], result, func)
+        return args[0]
+
+    return mutate
+
+
+def _assign(target: LazyTensor, value: Any, func) -> None:
+    """Write ``value`` into ``target`` with in-place semantics: same shape, castable dtype."""
+    if not isinstance(value, LazyTensor):
+        value = torch.as_tensor(value, dtype=target.dtype)
+    if tuple(value.shape) != tuple(target.shape):
+        raise RuntimeError(
+            f"{func}: output with shape {list(target.shape)} doesn't match the broadcast shape "
+            f"{list(value.shape)}"
+        )
+    if value.dtype != target.dtype:
+        if not torch.can_cast(value.dtype, target.dtype):
+            raise RuntimeError(
+                f"{func}: result type {_dtype_name(value.dtype)} can't be cast to the desired "
+                f"output type {_dtype_name(target.dtype)}"
+            )
+        value = emit_value(aten._to_copy.default, value, dtype=target.dtype)
+        target._write(value.ref)
+        return
+    target._write(value._ref())
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "Float", torch.int64: "Long", torch.int32: "Int", torch.bool: "Bool",
+            torch.float64: "Double", torch.bfloat16: "BFloat16", torch.float16: "Half"}.get(
+        dtype, str(dtype))
+
+
+def _copy_(func, args: tuple, kwargs: dict) -> LazyTensor:
+    """``dst.copy_(src)``: the way data enters the device (``.to('xla')``) and writes through views."""
+    dst, src = args[0], args[1]
+    if not isinstance(dst, LazyTensor):  # device -> CPU copy into an existing CPU tensor
+        from .execute import to_cpu
+
+        return dst.copy_(to_cpu(src))
+    if isinstance(src, LazyTensor):
+        value = emit_value(aten.copy.default, dst, src)
+    else:
+        cpu = src.detach().to(dst.dtype).expand(dst.shape).contiguous()
+        value = Value(wrap_data(to_device_array(cpu), Aval(tuple(dst.shape), dst.dtype))._ref())
+    dst._write(value.ref)
+    return dst
+
+
+# --- foreach -------------------------------------------------------------------------------------
+
+_FOREACH_TARGETS = {"norm": "linalg_vector_norm"}
+
+
+def _foreach(func, args: tuple, kwargs: dict) -> Any:
+    """``_foreach_X(lists...)`` as X applied per element (XLA fuses them again)."""
+    name = func._schema.name.split("::")[1][len("_foreach_"):]
+    inplace = name.endswith("_")
+    base = name[:-1] if inplace else name
+    op = getattr(aten, _FOREACH_TARGETS.get(base, base) + ("_" if inplace else ""))
+    length = next(len(a) for a in args if isinstance(a, (list, tuple)))
+    results = []
+    for i in range(length):
+        element = [a[i] if isinstance(a, (list, tuple)) else a for a in args]
+        element_kwargs = {k: v[i] if isinstance(v, (list, tuple)) else v for k, v in kwargs.items()}
+        results.append(op(*element, **element_kwargs))
+    return None if inplace else results
+
+
+# --- specials ------------------------------------------------------------------------------------
+
+
+def _to_copy(func, args: tuple, kwargs: dict) -> Any:
+    """``.to(device/dtype)``: leaving the device materialises; staying records a conversion."""
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type != DEVICE.type:
+        from .execute import to_cpu
+
+        out = to_cpu(args[0])
+        dtype = kwargs.get("dtype")
+        return out.to(dtype) if dtype is not None else out
+    node, structure = emit(func, args, kwargs)
+    return _wrap_outputs(node, structure)
+
+
+def _local_scalar_dense(func, args: tuple, kwargs: dict) -> Any:
+    from .execute import to_cpu
+
+    return to_cpu(args[0]).item()
+
+
+def _materialising(func, args: tuple, kwargs: dict) -> Any:
+    """Ops whose result is host data (equal, is_nonzero, nonzero...): run on the CPU copies."""
+    return _cpu_fallback(func, args, kwargs, count=False)
+
+
+_WARNED: set = set()
+
+
+def _cpu_fallback(func, args: tuple, kwargs: dict, count: bool = True) -> Any:
+    """Run an op with no lowering eagerly on CPU: inputs materialised, result uploaded."""
+    from .execute import to_cpu
+
+    name = func._schema.name.split("::")[1]
+    if count:
+        counters.bump(f"aten::{name}")
+        if func not in _WARNED:
+            _WARNED.add(func)
+            warnings.warn(f"{func} has no xla lowering; it runs on the CPU (slow: a device round trip)",
+                          stacklevel=3)
+    lazy = []
+
+    def to_host(x):
+        if isinstance(x, LazyTensor):
+            lazy.append(x)
+            return to_cpu(x)
+        if isinstance(x, torch.device) and x.type == DEVICE.type:
+            return torch.device("cpu")
+        if isinstance(x, (list, tuple)):
+            return type(x)(to_host(v) for v in x)
+        return x
+
+    host_args = to_host(args)
+    host_kwargs = {k: to_host(v) for k, v in kwargs.items()}
+    out = func(*host_args, **host_kwargs)
+    names = [a.name for a in func._schema.arguments]
+    for argument in func._schema.arguments:  # CPU-side mutations go back to the device tensors
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        position = names.index(argument.name)
+        if argument.kwarg_only:
+            target, source = kwargs.get(argument.name), host_kwargs.get(argument.name)
+        elif position < len(args):
+            target, source = args[position], host_args[position]
+        else:
+            continue
+        if isinstance(target, LazyTensor):
+            _copy_(aten.copy_.default, (target, source), {})
+            if out is source:
+                return target
+    return _upload(out)
+
+
+def _upload(out: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        out = out.contiguous()
+        return wrap_data(to_device_array(out), Aval(tuple(out.shape), out.dtype))
+    if isinstance(out, (list, tuple)):
+        return type(out)(_upload(o) for o in out)
+    return out
+
+
+def _set_(func, args: tuple, kwargs: dict) -> LazyTensor:
+    """``t.set_(src)``: make ``t`` an alias of ``src``'s value (``param.data = x``)."""
+    dst, src = args[0], args[1]
+    if tuple(dst.shape) != tuple(src.shape) or dst.dtype != src.dtype:
+        raise RuntimeError(f"set_: cannot rebind a {list(dst.shape)} tensor to {list(src.shape)}")
+    dst._storage = src._storage
+    dst._view = src._view
+    dst._cache, dst._cache_version = src._cache, src._cache_version
+    return dst
+
+
+SPECIALS: dict = {
+    aten.copy_.default: _copy_,
+    aten._to_copy.default: _to_copy,
+    aten._local_scalar_dense.default: _local_scalar_dense,
+    aten.set_.source_Tensor: _set_,
+    aten.equal.default: _materialising,
+    aten.is_nonzero.default: _materialising,
+    aten.nonzero.default: _materialising,
+    aten.masked_select.default: _materialising,
+    aten._unique2.default: _materialising,
+}
+
+__all__ = ["dispatch", "DeviceMismatchError"]

@@ -1,0 +1,144 @@
+"""The barrier: gather every live pending tensor, run one compiled program, rebind the results.
+
+``sync()`` returns once the program is dispatched (JAX runs it asynchronously); only reading values
+(``.item()``, ``.cpu()``) waits. A read of one pending tensor runs just the part of the graph it
+needs and leaves the rest pending.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import jax
+import torch
+
+from . import compile as compiler
+from . import config, counters
+from .graph import DATA, Node, linearize, to_text
+from .tensor import PENDING, LazyTensor
+from .transfer import to_torch
+
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH_ROOT = os.path.dirname(os.path.abspath(torch.__file__))
+
+_in_flight: list = []  # outputs of the last dispatched program, for wait_device_ops()
+
+
+def sync(wait: bool = False) -> None:
+    """Compile (or reuse) and dispatch one program computing every live pending tensor."""
+    counters.bump("MarkStep")
+    storages = list(PENDING)
+    PENDING.clear()
+    owners: dict = {}  # (id(node), index) -> (ref, [storages])
+    for storage in storages:
+        node, index = storage.ref
+        if node.is_leaf(index):
+            if node.op != DATA:  # computed by an earlier partial run: drop its history
+                storage.set((Node.data(node.arrays[index], node.avals[index]), 0))
+            continue
+        owners.setdefault((id(node), index), (storage.ref, []))[1].append(storage)
+    if not owners:
+        return
+    refs = [ref for ref, _ in owners.values()]
+    arrays = run(refs, donate=True)
+    for (ref, holders), array in zip(owners.values(), arrays):
+        data = Node.data(array, ref[0].avals[ref[1]])
+        for storage in holders:
+            storage.set((data, 0))
+    if wait:
+        jax.block_until_ready(arrays)
+
+
+def run(refs: list, donate: bool) -> list:
+    """Compute graph references; donates inputs no live tensor holds any more when ``donate``."""
+    program = linearize(refs)
+    arrays = [node.arrays[i] for node, i in program.leaves]
+    donated = tuple(
+        donate and node.op == DATA and node.holders == 0 for node, _ in program.leaves
+    )
+    executable, hit = compiler.lookup_or_compile(program, arrays, donated)
+    if config.DEBUG_LEVEL.value:
+        _debug_line(program, executable, hit)
+    kept = [a for a, d in zip(arrays, donated) if not d]
+    given = [a for a, d in zip(arrays, donated) if d]
+    scalars = [node.args[0] for node in program.scalars]
+    start = time.perf_counter_ns()
+    outputs = executable.compiled(given, kept, scalars)
+    counters.record("ExecuteTime", time.perf_counter_ns() - start)
+    _in_flight[:] = outputs
+    return outputs
+
+
+def materialize(tensors: list[LazyTensor]) -> list[jax.Array]:
+    """The arrays of ``tensors``, running only the part of the graph they need (no donation)."""
+    refs = [t._ref() for t in tensors]
+    missing = [ref for ref in refs if not ref[0].is_leaf(ref[1])]
+    if missing:
+        unique = list({(id(n), i): (n, i) for n, i in missing}.values())
+        for (node, index), array in zip(unique, run(unique, donate=False)):
+            if node.arrays is None:
+                node.arrays = [None] * len(node.avals)
+            node.arrays[index] = array
+    return [node.arrays[index] for node, index in refs]
+
+
+def to_cpu(t: LazyTensor) -> torch.Tensor:
+    """A CPU copy of a device tensor (waits for its value)."""
+    (array,) = materialize([t])
+    return to_torch(array, t.dtype)
+
+
+def wait_device_ops() -> None:
+    """Block until every dispatched program has finished."""
+    jax.block_until_ready(_in_flight)
+
+
+def pending_text(tensors: list[LazyTensor] | None = None) -> str:
+    """The pending graph of ``tensors`` (default: all live pending tensors) as text."""
+    refs = _pending_refs(tensors)
+    return to_text(linearize(refs))
+
+
+def pending_hlo(tensors: list[LazyTensor] | None = None) -> str:
+    """The pending graph of ``tensors`` lowered to StableHLO text (nothing runs)."""
+    refs = _pending_refs(tensors)
+    program = linearize(refs)
+    arrays = [node.arrays[i] for node, i in program.leaves]
+    donated = (False,) * len(arrays)
+    function = compiler.build_function(program, donated)
+    abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in arrays]
+    scalars = [compiler._SCALAR_AVAL] * len(program.scalars)
+    return jax.jit(function).lower([], abstract, scalars).as_text()
+
+
+def _pending_refs(tensors) -> list:
+    if tensors is None:
+        refs = [s.ref for s in list(PENDING) if not s.ref[0].is_leaf(s.ref[1])]
+    else:
+        refs = [t._ref() for t in tensors]
+    return list({(id(n), i): (n, i) for n, i in refs}.values())
+
+
+def _debug_line(program, executable, hit: bool) -> None:
+    status = "hit" if hit else "MISS"
+    line = f"compile key={executable.key} {status} {len(program.nodes)} nodes at {_user_frame()}"
+    if not hit:
+        compile_ns = counters.METRICS["CompileTime"][-1]
+        line += f" {compile_ns / 1e9:.2f}s; reason: "
+        line += compiler.explain_miss(compiler._HISTORY[-1])
+    print(f"[spmd_torch] {line}", file=sys.stderr)
+    if config.DEBUG_LEVEL.value >= 2:
+        print(to_text(program), file=sys.stderr)
+
+
+def _user_frame() -> str:
+    """file:line of the innermost frame outside spmd_torch and torch: where the graph was cut."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith((_PACKAGE_ROOT, _TORCH_ROOT)) and "importlib" not in filename:
+            return f"{os.path.basename(filename)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "<unknown>"

@@ -1,0 +1,220 @@
+"""The IR: one small node type for the whole pending graph, linearised without recursion.
+
+A ``Node`` is one call of an aten overload (or one of the engine's own ops below). Tensor arguments
+live in ``src`` as ``(node, output_index)`` references and appear in ``args``/``kwargs`` as ``Arg``
+placeholders, so the same structure serves the compile-cache key and the lowering. Leaves are nodes
+whose arrays are known: device data, or results computed by an earlier partial run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+DATA = "data"  # a leaf holding device arrays
+SCALAR = "scalar"  # a Python float lifted to a program input, so changing it never recompiles
+RNG_SPLIT = "rng_split"  # threads the device PRNG key: key -> (next key, subkey)
+
+
+class Arg:
+    """Placeholder for the i-th tensor source of a node inside its args/kwargs."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def __repr__(self) -> str:
+        return f"Arg({self.index})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Arg and other.index == self.index
+
+    def __hash__(self) -> int:
+        return hash(("Arg", self.index))
+
+
+@dataclass(frozen=True)
+class Aval:
+    """Shape and PyTorch dtype of one node output: known at trace time, from the meta kernel."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class Node:
+    __slots__ = ("op", "src", "args", "kwargs", "avals", "arrays", "holders", "where", "__weakref__")
+
+    def __init__(self, op: Any, src: tuple, args: tuple, kwargs: dict, avals: tuple[Aval, ...]):
+        self.op = op
+        self.src = src  # tuple of (Node, output index)
+        self.args = args
+        self.kwargs = kwargs
+        self.avals = avals
+        self.arrays: list | None = None  # per-output jax arrays once known
+        self.holders = 0  # live storages whose value is this node (donation bookkeeping)
+        self.where: str | None = None  # user file:line, captured only when debugging
+
+    @classmethod
+    def data(cls, array: Any, aval: Aval) -> Node:
+        node = cls(DATA, (), (), {}, (aval,))
+        node.arrays = [array]
+        return node
+
+    def is_leaf(self, index: int) -> bool:
+        return self.arrays is not None and self.arrays[index] is not None
+
+    def __repr__(self) -> str:
+        return f"Node({self.op}, {len(self.src)} src)"
+
+
+Ref = tuple  # (Node, output index)
+
+
+class Value:
+    """A graph reference passed where an op expects a tensor, inside the engine."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, ref: Ref):
+        self.ref = ref
+
+    @property
+    def aval(self) -> Aval:
+        return self.ref[0].avals[self.ref[1]]
+
+
+@dataclass
+class Program:
+    """A pending graph in topological order, with its leaves numbered as program inputs."""
+
+    nodes: list[Node]  # computed nodes, topologically sorted
+    leaves: list[Ref]  # leaf references, in first-use order
+    scalars: list[Node]  # lifted Python scalars, in first-use order
+    outputs: list[Ref]
+    index: dict  # id(node) -> position among nodes; leaves: (id(node), i) -> input position
+
+    def structure(self) -> tuple:
+        """The hashable structure of the program: ops, static args and wiring, not data."""
+        rows = []
+        for node in self.nodes:
+            rows.append((node.op, _freeze(node.args), _freeze(node.kwargs), self._wiring(node)))
+        outs = tuple(self._locate(ref) for ref in self.outputs)
+        return (tuple(rows), outs)
+
+    def _wiring(self, node: Node) -> tuple:
+        return tuple(self._locate(ref) for ref in node.src)
+
+    def _locate(self, ref: Ref) -> tuple:
+        node, i = ref
+        if node.op == SCALAR:
+            return ("s", self.index[id(node)])
+        if node.is_leaf(i):
+            return ("in", self.index[(id(node), i)])
+        return ("n", self.index[id(node)], i)
+
+
+def linearize(outputs: list[Ref]) -> Program:
+    """Topologically sort everything ``outputs`` need, stopping at leaves; iterative DFS."""
+    nodes: list[Node] = []
+    leaves: list[Ref] = []
+    scalars: list[Node] = []
+    index: dict = {}
+    visiting: set[int] = set()
+    for root in outputs:
+        stack = [root]
+        while stack:
+            node, i = stack[-1]
+            if node.op == SCALAR:
+                if id(node) not in index:
+                    index[id(node)] = len(scalars)
+                    scalars.append(node)
+                stack.pop()
+                continue
+            if node.is_leaf(i):
+                if (id(node), i) not in index:
+                    index[(id(node), i)] = len(leaves)
+                    leaves.append((node, i))
+                stack.pop()
+                continue
+            if id(node) in index:
+                stack.pop()
+                continue
+            if id(node) not in visiting:
+                visiting.add(id(node))
+                stack.extend(ref for ref in reversed(node.src) if not _done(ref, index))
+                continue
+            visiting.discard(id(node))
+            index[id(node)] = len(nodes)
+            nodes.append(node)
+            stack.pop()
+    return Program(nodes, leaves, scalars, list(outputs), index)
+
+
+def _done(ref: Ref, index: dict) -> bool:
+    node, i = ref
+    if node.op != SCALAR and node.is_leaf(i):
+        return (id(node), i) in index
+    return id(node) in index
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _freeze(v)) for k, v in value.items())
+    return value
+
+
+_DTYPE_NAMES = {
+    torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16", torch.float16: "f16",
+    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
+    torch.bool: "pred",
+}
+
+
+def _aval_text(aval: Aval) -> str:
+    name = _DTYPE_NAMES.get(aval.dtype, str(aval.dtype).removeprefix("torch."))
+    return f"{name}[{','.join(map(str, aval.shape))}]"
+
+
+def to_text(program: Program) -> str:
+    """One line per node: ``%3:f32[4,8] = aten.addmm.default(%0, %1, %2)  # file.py:12``."""
+    lines = []
+    for k, (node, i) in enumerate(program.leaves):
+        lines.append(f"%in{k}:{_aval_text(node.avals[i])} = input")
+    for k, node in enumerate(program.scalars):
+        lines.append(f"%s{k} = scalar")
+
+    def name(ref: Ref) -> str:
+        kind, *pos = program._locate(ref)
+        if kind == "in":
+            return f"%in{pos[0]}"
+        if kind == "s":
+            return f"%s{pos[0]}"
+        return f"%{pos[0]}" + (f".{pos[1]}" if pos[1] else "")
+
+    for k, node in enumerate(program.nodes):
+        avals = ", ".join(_aval_text(a) for a in node.avals)
+        refs = [name(ref) for ref in node.src]
+        static = [repr(a) for a in substitute(node.args, refs)]
+        static += [f"{key}={v!r}" for key, v in substitute(node.kwargs, refs).items()]
+        args = ", ".join(s.replace("'", "") for s in static)
+        where = f"  # {node.where}" if node.where else ""
+        lines.append(f"%{k}:{avals} = {node.op}({args}){where}")
+    lines.append("return " + ", ".join(name(ref) for ref in program.outputs))
+    return "\n".join(lines)
+
+
+def substitute(value: Any, sources: list) -> Any:
+    """``value`` with each Arg placeholder replaced by its source."""
+    if type(value) is Arg:
+        return sources[value.index]
+    if isinstance(value, (list, tuple)):
+        return type(value)(substitute(v, sources) for v in value)
+    if isinstance(value, dict):
+        return {k: substitute(v, sources) for k, v in value.items()}
+    return value
+

@@ -1,0 +1,127 @@
+"""Recording one op call as a Node: tensors become sources, output shapes come from meta kernels.
+
+This is the hot path of tracing (every op pays for it), so the argument walk builds the node's
+static arguments and the meta-cache key in one pass, and meta kernels run once per distinct
+signature: a training step traced again never calls them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import counters
+from .graph import SCALAR, Arg, Aval, Node, Ref, Value
+from .lowering.dtypes import to_jax_dtype
+from .tensor import DEVICE, LazyTensor, wrap_data
+
+_META_DEVICE = torch.device("meta")
+_SCALAR_AVAL = Aval((), torch.float64)
+
+# (op, argument signature) -> (output avals, output structure)
+_META_CACHE: dict[tuple, tuple] = {}
+
+
+class DeviceMismatchError(RuntimeError):
+    pass
+
+
+def emit(
+    func, args: tuple, kwargs: dict, lift_floats: bool = False, key: Ref | None = None
+) -> tuple[Node, Any]:
+    """Record ``func(*args, **kwargs)``; returns the node and its output structure.
+
+    Tensor arguments are LazyTensors or ``Value``s (graph references the engine passes around);
+    with ``lift_floats`` Python floats become program inputs instead of constants. A random op gets
+    its PRNG ``key`` as first source and first argument.
+    """
+    src: list = [key] if key is not None else []
+    signature: list = [func]
+    static_args = tuple(_walk(a, src, signature, lift_floats) for a in args)
+    static_kwargs = {k: _walk(v, src, signature, lift_floats) for k, v in kwargs.items()}
+    if kwargs:
+        signature.append(tuple(kwargs))
+    signature = tuple(signature)
+    meta = _META_CACHE.get(signature)
+    if meta is None:
+        meta = _META_CACHE[signature] = _infer(func, args, kwargs)
+    avals, structure = meta
+    if key is not None:
+        static_args = (Arg(0),) + static_args
+    return Node(func, tuple(src), static_args, static_kwargs, avals), structure
+
+
+def _walk(x: Any, src: list, key: list, lift_floats: bool) -> Any:
+    cls = type(x)
+    if cls is LazyTensor:
+        src.append(x._ref())
+        key.append(src[-1][0].avals[src[-1][1]])
+        return Arg(len(src) - 1)
+    if cls is Value:
+        src.append(x.ref)
+        key.append(x.aval)
+        return Arg(len(src) - 1)
+    if cls is float and lift_floats:
+        src.append((Node(SCALAR, (), (x,), {}, (_SCALAR_AVAL,)), 0))
+        key.append(float)
+        return Arg(len(src) - 1)
+    if cls is list or cls is tuple:
+        key.append(len(x))
+        return tuple(_walk(v, src, key, lift_floats) for v in x)
+    if isinstance(x, torch.Tensor):
+        return _walk(_upload_scalar_tensor(x), src, key, lift_floats)
+    key.append(x)
+    key.append(cls)  # 1, 1.0 and True are equal keys but give different result dtypes
+    return x
+
+
+def _upload_scalar_tensor(t: torch.Tensor) -> LazyTensor:
+    """A 0-dim CPU tensor may join a device op, as in PyTorch; any other CPU tensor may not."""
+    if t.dim() != 0 or t.device.type != "cpu":
+        raise DeviceMismatchError(
+            "Expected all tensors to be on the same device, but found at least two devices, "
+            f"{DEVICE} and {t.device}! (a {tuple(t.shape)} {t.dtype} tensor on {t.device})"
+        )
+    from .transfer import to_device_array
+
+    return wrap_data(to_device_array(t), Aval((), t.dtype))
+
+
+def _infer(func, args: tuple, kwargs: dict) -> tuple:
+    """Output avals and structure from PyTorch's meta kernel; validates dtypes once per signature."""
+    counters.bump("MetaInference")
+    out = func(*_to_meta(args), **_to_meta(kwargs))
+    if isinstance(out, torch.Tensor):
+        structure, tensors = None, [out]
+    elif isinstance(out, (tuple, list)):
+        structure = (type(out), tuple(isinstance(o, torch.Tensor) for o in out))
+        tensors = [o for o in out if isinstance(o, torch.Tensor)]
+    else:
+        raise NotImplementedError(f"{func} returned {type(out).__name__}, not tensors")
+    avals = tuple(Aval(tuple(t.shape), t.dtype) for t in tensors)
+    for aval in avals:
+        to_jax_dtype(aval.dtype, func)
+    return avals, structure
+
+
+def _to_meta(x: Any) -> Any:
+    if type(x) is LazyTensor:
+        return torch.empty(x.shape, dtype=x.dtype, device=_META_DEVICE)
+    if isinstance(x, torch.Tensor):
+        return torch.empty(x.shape, dtype=x.dtype, device=_META_DEVICE)
+    if type(x) is Value:
+        return torch.empty(x.aval.shape, dtype=x.aval.dtype, device=_META_DEVICE)
+    if isinstance(x, torch.device):
+        return _META_DEVICE if x.type == DEVICE.type else x
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_meta(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _to_meta(v) for k, v in x.items()}
+    return x
+
+
+def emit_value(func, *args: Any, **kwargs: Any) -> Value:
+    """Record a single-output op on graph values; the engine's own building block."""
+    node, _ = emit(func, args, kwargs)
+    return Value((node, 0))

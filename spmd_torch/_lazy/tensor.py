@@ -1,0 +1,128 @@
+"""LazyTensor: a PyTorch tensor on the ``xla`` device whose value is a node of the pending graph.
+
+Tensors that alias (views, ``detach()``) share one ``Storage``; a view also carries the chain of
+view ops that reads it from the storage and writes it back, so in-place updates through any alias
+become functional updates of the storage's value (see views.py).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .graph import Aval, Node, Ref
+
+DEVICE = torch.device("xla", 0)
+
+# Storages whose value may still be pending: the barrier computes exactly these (dead ones vanish).
+PENDING: weakref.WeakSet = weakref.WeakSet()
+
+
+class Storage:
+    """The value shared by a tensor and all its aliases, with a version bumped on every write."""
+
+    __slots__ = ("ref", "version", "__weakref__")
+
+    def __init__(self, ref: Ref):
+        self.ref = None
+        self.version = 0
+        self.set(ref)
+
+    def set(self, ref: Ref) -> None:
+        node, index = ref
+        node.holders += 1
+        if self.ref is not None:
+            self.ref[0].holders -= 1
+        self.ref = ref
+        self.version += 1
+        if not node.is_leaf(index):
+            PENDING.add(self)
+
+    @property
+    def aval(self) -> Aval:
+        node, index = self.ref
+        return node.avals[index]
+
+    def __del__(self) -> None:
+        if self.ref is not None:
+            self.ref[0].holders -= 1
+
+
+class LazyTensor(torch.Tensor):
+    """A tensor on the xla device; ``_storage`` holds its value, ``_view`` how to read it from there."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, storage: Storage, aval: Aval, view: tuple | None = None) -> LazyTensor:
+        t = torch.Tensor._make_wrapper_subclass(cls, aval.shape, dtype=aval.dtype, device=DEVICE)
+        t._storage = storage
+        t._view = view
+        t._cache = None
+        t._cache_version = -1
+        return t
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from .dispatch import dispatch
+
+        return dispatch(func, args, kwargs or {})
+
+    def _ref(self) -> Ref:
+        """The graph value of this tensor, read through its view chain when it is a view."""
+        if self._view is None:
+            return self._storage.ref
+        if self._cache_version == self._storage.version:
+            return self._cache
+        ref = self._storage.ref
+        for entry in self._view:
+            ref = entry.read(ref)
+        self._cache = ref
+        self._cache_version = self._storage.version
+        return ref
+
+    def _write(self, ref: Ref) -> None:
+        """Make ``ref`` this tensor's value, writing it back through the view chain to the storage."""
+        if self._view is None:
+            self._storage.set(ref)
+            return
+        bases = [self._storage.ref]
+        for entry in self._view[:-1]:
+            bases.append(entry.read(bases[-1]))
+        new = ref
+        for entry, base in zip(reversed(self._view), reversed(bases)):
+            new = entry.write(base, new)
+        self._storage.set(new)
+        self._cache = ref
+        self._cache_version = self._storage.version
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        from .execute import to_cpu
+
+        text = repr(to_cpu(self))
+        suffix = f", device='{DEVICE}'"
+        if text.endswith(")"):
+            return text[:-1] + suffix + ")"
+        return text
+
+    def __reduce_ex__(self, protocol):
+        from .execute import to_cpu
+
+        return (_rebuild_on_device, (to_cpu(self).detach(), self.requires_grad))
+
+
+def _rebuild_on_device(cpu: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    return cpu.to(DEVICE).requires_grad_(requires_grad)
+
+
+def wrap(ref: Ref, aval: Aval) -> LazyTensor:
+    """A fresh tensor (its own storage) whose value is ``ref``."""
+    return LazyTensor(Storage(ref), aval)
+
+
+def wrap_data(array, aval: Aval) -> LazyTensor:
+    return wrap((Node.data(array, aval), 0), aval)

@@ -1,0 +1,45 @@
+"""Moving data between CPU torch tensors and device arrays, timed and counted as PyTorch/XLA does."""
+
+from __future__ import annotations
+
+import jax
+import ml_dtypes
+import numpy as np
+import torch
+
+from . import counters
+from .lowering.dtypes import to_jax_dtype
+
+
+def to_device_array(t: torch.Tensor, sharding=None) -> jax.Array:
+    """Upload a CPU tensor as the device dtype (bf16 switches applied)."""
+    with counters.timed("TransferToDeviceTime"):
+        host = _to_numpy(t.detach())
+        device_dtype = to_jax_dtype(t.dtype)
+        if host.dtype != device_dtype:
+            host = host.astype(device_dtype)
+        array = jax.device_put(host, sharding)
+    counters.bump("TransferToDevice")
+    return array
+
+
+def to_torch(array: jax.Array, dtype: torch.dtype) -> torch.Tensor:
+    """Download an array as a CPU tensor of PyTorch ``dtype`` (waits for it to be computed)."""
+    with counters.timed("TransferFromDeviceTime"):
+        host = np.asarray(array)
+        if dtype is torch.bfloat16:
+            out = torch.from_numpy(host.astype(ml_dtypes.bfloat16).view(np.uint16).copy())
+            out = out.view(torch.bfloat16)
+        else:
+            if host.dtype == ml_dtypes.bfloat16:
+                host = host.astype(np.float32)
+            out = torch.from_numpy(np.array(host, copy=True)).to(dtype)
+    counters.bump("TransferFromDevice")
+    return out
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    if t.dtype is torch.bfloat16:
+        return t.contiguous().view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
+    return t.contiguous().numpy()
+

@@ -1,0 +1,125 @@
+"""Views made functional: each view op knows how to read itself from its base and how to write an
+updated view back into the base, so ``x[0] += 1`` and ``p.grad.zero_()`` become updates of the
+storage every alias shares (the torchax ``ViewInfo`` idea, over graph values).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .graph import Ref, Value
+from .record import emit_value
+from .tensor import LazyTensor
+
+aten = torch.ops.aten
+
+# Views that are the very same value as their base: the alias shares the base's storage and chain.
+IDENTITY_VIEWS = {aten.alias.default, aten.detach.default, aten.lift_fresh.default}
+
+
+def _reshape_back(base: Value, new: Value, *args) -> Value:
+    return emit_value(aten.view.default, new, list(base.aval.shape))
+
+
+def _permute_back(base: Value, new: Value, dims) -> Value:
+    rank = len(dims)
+    inverse = sorted(range(rank), key=lambda i: dims[i] % rank)
+    return emit_value(aten.permute.default, new, inverse)
+
+
+def _no_write_back(name: str) -> Callable:
+    def refuse(base: Value, new: Value, *args) -> Value:
+        raise RuntimeError(
+            f"writing through a view made by {name} is not supported: more than one element of "
+            "the written-to tensor may refer to a single memory location; clone() it first"
+        )
+
+    return refuse
+
+
+WRITE_BACK: dict = {
+    aten.view.default: _reshape_back,
+    aten._unsafe_view.default: _reshape_back,
+    aten.unsqueeze.default: _reshape_back,
+    aten.squeeze.default: _reshape_back,
+    aten.squeeze.dim: _reshape_back,
+    aten.squeeze.dims: _reshape_back,
+    aten._reshape_alias.default: _reshape_back,
+    aten.permute.default: _permute_back,
+    aten.transpose.int: lambda base, new, d0, d1: emit_value(aten.transpose.int, new, d0, d1),
+    aten.t.default: lambda base, new: emit_value(aten.t.default, new),
+    aten.select.int: lambda base, new, *a: emit_value(aten.select_scatter.default, base, new, *a),
+    aten.slice.Tensor: lambda base, new, *a: emit_value(aten.slice_scatter.default, base, new, *a),
+    aten.diagonal.default: lambda base, new, *a: emit_value(
+        aten.diagonal_scatter.default, base, new, *a
+    ),
+    aten.as_strided.default: lambda base, new, *a: emit_value(
+        aten.as_strided_scatter.default, base, new, *a
+    ),
+    aten.expand.default: _no_write_back("expand"),
+    aten.unfold.default: _no_write_back("unfold"),
+}
+
+
+class View:
+    """One step of a view chain: ``func(base, *args)`` and its write-back."""
+
+    __slots__ = ("func", "args")
+
+    def __init__(self, func, args: tuple):
+        self.func = func
+        self.args = args
+
+    def read(self, base: Ref) -> Ref:
+        return emit_value(self.func, Value(base), *self.args).ref
+
+    def write(self, base: Ref, new: Ref) -> Ref:
+        write_back = WRITE_BACK.get(self.func)
+        if write_back is None:
+            raise NotImplementedError(f"in-place update through a view made by {self.func}")
+        return write_back(Value(base), Value(new), *self.args).ref
+
+
+def make_view(base: LazyTensor, func, args: tuple) -> LazyTensor:
+    """A tensor aliasing ``base`` through ``func(base, *args)``."""
+    entry = View(func, args)
+    ref = entry.read(base._ref())
+    aval = ref[0].avals[ref[1]]
+    view = LazyTensor(base._storage, aval, (base._view or ()) + (entry,))
+    view._cache = ref
+    view._cache_version = base._storage.version
+    return view
+
+
+def alias(base: LazyTensor) -> LazyTensor:
+    """Another tensor for the very same value (detach, alias): same storage, same chain."""
+    ref = base._ref()
+    view = LazyTensor(base._storage, ref[0].avals[ref[1]], base._view)
+    view._cache = ref
+    view._cache_version = base._cache_version
+    return view
+
+
+def split_views(base: LazyTensor, func, args: tuple) -> list[LazyTensor]:
+    """Multi-output views (split, unbind) as one single-output view per piece."""
+    if func is aten.unbind.int:
+        dim = args[0] if args else 0
+        return [make_view(base, aten.select.int, (dim, i)) for i in range(base.shape[dim])]
+    dim = args[1] if len(args) > 1 else 0
+    dim %= base.dim()
+    length = base.shape[dim]
+    if func is aten.split.Tensor:
+        step = args[0]
+        sizes = [min(step, length - start) for start in range(0, length, step)] or [0]
+    else:
+        sizes = list(args[0])
+    views, start = [], 0
+    for size in sizes:
+        views.append(make_view(base, aten.slice.Tensor, (dim, start, start + size)))
+        start += size
+    return views
+
+
+SPLIT_VIEWS = {aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int}
