@@ -3,7 +3,7 @@
 We do the steps of ``torch.utils.backend_registration._setup_privateuseone_for_python_backend``
 ourselves, skipping its generated ``Tensor.is_xla``-style methods (that name is PyTorch's own).
 Factory calls (``torch.empty(..., device='xla')``) reach the PrivateUse1 key with no tensor
-argument; one fallback kernel sends them to the same dispatcher as every other op.
+argument; a kernel per factory sends them to the same dispatcher as every other op.
 """
 
 from __future__ import annotations
@@ -60,10 +60,27 @@ class _DeviceGuard(torch._C._acc.DeviceGuard):
         return torch._C._autograd.DeviceType.PrivateUse1
 
 
-def _factory_kernel(op, *args, **kwargs):
-    from .dispatch import dispatch
+aten = torch.ops.aten
 
-    return dispatch(op, args, kwargs)
+# Ops that reach the PrivateUse1 key itself: factories (no tensor argument), and copies that
+# torch.tensor(..., device='xla') makes with the Python key excluded.
+_BACKEND_OPS = [
+    aten.copy_.default, aten._copy_from.default, aten._copy_from_and_resize.default,
+    aten.empty.memory_format, aten.empty_strided.default, aten.full.default, aten.zeros.default,
+    aten.ones.default, aten.scalar_tensor.default, aten.arange.default, aten.arange.start,
+    aten.arange.start_step, aten.linspace.default, aten.eye.default, aten.eye.m,
+    aten.rand.default, aten.randn.default, aten.randint.default, aten.randint.low,
+    aten.randperm.default,
+]
+
+
+def _factory_kernel(op):
+    def kernel(*args, **kwargs):
+        from .dispatch import dispatch
+
+        return dispatch(op, args, kwargs)
+
+    return kernel
 
 
 _registered: list = []
@@ -78,6 +95,10 @@ def register() -> None:
     torch._register_device_module(DEVICE.type, _BackendModule())
     torch._C._acc.register_python_privateuseone_hook(_Hooks())
     torch._C._acc.register_python_privateuseone_device_guard(_DeviceGuard())
-    library = torch.library.Library("_", "IMPL")
-    library.fallback(_factory_kernel, "PrivateUse1")
+    library = torch.library.Library("aten", "IMPL")
+    for op in _BACKEND_OPS:
+        name = op._schema.name.split("::")[1]
+        if op._overloadname != "default":
+            name += "." + op._overloadname
+        library.impl(name, _factory_kernel(op), "PrivateUse1")
     _registered.append(library)

@@ -1,8 +1,8 @@
 """The single ``__torch_dispatch__``: every aten call on an xla tensor is resolved once to a handler.
 
-Lookup order, cached per overload: engine specials (transfers, scalars) -> foreach -> views ->
-a lowering -> in-place/out through the functional op -> PyTorch's decomposition -> CPU fallback
-(counted as ``aten::<op>`` and warned about once).
+Lookup order, cached per overload: engine specials (transfers, scalars) -> foreach -> aliases ->
+a lowering (views keep aliasing) -> CompositeImplicit decomposition -> in-place/out through the
+functional op -> PyTorch's decomposition -> CPU fallback (counted as ``aten::<op>``, warned once).
 """
 
 from __future__ import annotations
@@ -24,6 +24,11 @@ aten = torch.ops.aten
 
 _HANDLERS: dict = {}
 _TENSOR_LIST = torch._C.ListType(torch._C.TensorType.get())
+# PyTorch's decompositions into aten ops; the torch._refs ones end in prims, which we don't lower.
+_DECOMPOSITIONS = {
+    op: fn for op, fn in decomposition_table.items()
+    if not getattr(fn, "__module__", "").startswith("torch._refs")
+}
 
 
 def dispatch(func, args: tuple, kwargs: dict) -> Any:
@@ -43,24 +48,24 @@ def _resolve(func) -> Callable:
         return lambda f, args, kwargs: views.alias(args[0])
     if func in views.SPLIT_VIEWS:
         return lambda f, args, kwargs: views.split_views(args[0], f, args[1:])
-    if func.is_view:
-        return _view
     lowering = LOWERINGS.get(func)
     if lowering is not None:
+        if func.is_view:
+            return _view
         if lowering.random:
             return _record_random
         return _record_pointwise if torch.Tag.pointwise in func.tags else _record
+    if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+        return lambda f, args, kwargs: f.decompose(*args, **kwargs)
     functional = _functional_variant(func)
-    if functional is not None:
+    if functional is not None and (functional in LOWERINGS or func not in _DECOMPOSITIONS):
         return _mutation(functional)
     if not any(a.type.isSubtypeOf(_TENSOR_LIST) or "Tensor" in str(a.type)
                for a in func._schema.arguments):
         return _cpu_fallback  # factories decompose into themselves; make them on the CPU
-    if func in decomposition_table:
-        decomposition = decomposition_table[func]
+    decomposition = _DECOMPOSITIONS.get(func)
+    if decomposition is not None:
         return lambda f, args, kwargs: decomposition(*args, **kwargs)
-    if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
-        return lambda f, args, kwargs: f.decompose(*args, **kwargs)
     return _cpu_fallback
 
 
@@ -222,6 +227,11 @@ def _foreach(func, args: tuple, kwargs: dict) -> Any:
 # --- specials ------------------------------------------------------------------------------------
 
 
+def _copy_from(func, args: tuple, kwargs: dict) -> LazyTensor:
+    """``_copy_from(src, dst)``: the backend half of ``dst.copy_(src)``."""
+    return _copy_(aten.copy_.default, (args[1], args[0]), {})
+
+
 def _to_copy(func, args: tuple, kwargs: dict) -> Any:
     """``.to(device/dtype)``: leaving the device materialises; staying records a conversion."""
     device = kwargs.get("device")
@@ -315,6 +325,8 @@ def _set_(func, args: tuple, kwargs: dict) -> LazyTensor:
 
 SPECIALS: dict = {
     aten.copy_.default: _copy_,
+    aten._copy_from.default: _copy_from,
+    aten._copy_from_and_resize.default: _copy_from,
     aten._to_copy.default: _to_copy,
     aten._local_scalar_dense.default: _local_scalar_dense,
     aten.set_.source_Tensor: _set_,

@@ -109,6 +109,11 @@ class LazyTensor(torch.Tensor):
             return text[:-1] + suffix + ")"
         return text
 
+    def tolist(self) -> list:
+        from .execute import to_cpu
+
+        return to_cpu(self).tolist()
+
     def __reduce_ex__(self, protocol):
         from .execute import to_cpu
 

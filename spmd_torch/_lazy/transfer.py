@@ -16,8 +16,8 @@ def to_device_array(t: torch.Tensor, sharding=None) -> jax.Array:
     with counters.timed("TransferToDeviceTime"):
         host = _to_numpy(t.detach())
         device_dtype = to_jax_dtype(t.dtype)
-        if host.dtype != device_dtype:
-            host = host.astype(device_dtype)
+        # A copy we own: JAX's CPU backend may alias host memory, which the tensor may mutate.
+        host = host.astype(device_dtype, copy=True)
         array = jax.device_put(host, sharding)
     counters.bump("TransferToDevice")
     return array

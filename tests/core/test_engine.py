@@ -1,0 +1,222 @@
+"""The lazy engine's contract: tracing, views and in-place, the barrier, caching, RNG, donation."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import pytest
+import torch
+
+import spmd_torch
+from spmd_torch._lazy import counters
+from spmd_torch._lazy.tensor import PENDING
+from tests.helpers import assert_close, assert_compiles, assert_counter_delta
+
+dev = spmd_torch.device()
+
+
+def _pending_count() -> int:
+    return sum(1 for s in list(PENDING) if not s.ref[0].is_leaf(s.ref[1]))
+
+
+def test_device_is_xla0():
+    assert dev == torch.device("xla:0")
+    t = torch.ones(2, 3, device=dev)
+    assert t.device == dev and t.device.type == "xla"
+    assert t.dtype == torch.float32 and t.shape == (2, 3) and t.is_contiguous()
+
+
+def test_ops_record_without_running():
+    spmd_torch.sync()
+    x = torch.arange(6.0).reshape(2, 3).to(dev)
+    with assert_compiles(0):
+        y = (x * 2).exp().sum(dim=1)
+        assert y.shape == (2,) and y.dtype == torch.float32
+    assert_close(y, (torch.arange(6.0).reshape(2, 3) * 2).exp().sum(dim=1))
+
+
+def test_sync_with_nothing_pending_compiles_nothing():
+    spmd_torch.sync()
+    with assert_compiles(0):
+        spmd_torch.sync()
+
+
+def test_inplace_through_index_updates_base():
+    x = torch.zeros(3, 4, device=dev)
+    x[0] += 1
+    x[:, 1] = 5.0
+    expected = torch.zeros(3, 4)
+    expected[0] += 1
+    expected[:, 1] = 5.0
+    assert_close(x, expected)
+
+
+def test_views_see_writes_to_base_and_base_sees_writes_through_views():
+    base_cpu = torch.arange(12.0).reshape(3, 4)
+    base = base_cpu.to(dev)
+    views = [base.view(12), base.transpose(0, 1), base[1:, ::2]]
+    base.mul_(2)
+    base_cpu.mul_(2)
+    for view, cpu_view in zip(views, [base_cpu.view(12), base_cpu.t(), base_cpu[1:, ::2]]):
+        assert_close(view, cpu_view)
+    views[1][0].fill_(-1)  # write through the transpose: first column of base
+    base_cpu.t()[0].fill_(-1)
+    assert_close(base, base_cpu)
+    views[2].add_(100)
+    base_cpu[1:, ::2].add_(100)
+    assert_close(base, base_cpu)
+    assert_close(views[0], base_cpu.view(12))
+
+
+def test_detach_shares_storage():
+    x = torch.ones(4, device=dev)
+    x.detach().zero_()
+    assert_close(x, torch.zeros(4))
+
+
+def test_copy_from_cpu_into_slice():
+    x = torch.zeros(2, 3, device=dev)
+    x[1].copy_(torch.tensor([1.0, 2.0, 3.0]))
+    assert_close(x, torch.tensor([[0.0, 0, 0], [1, 2, 3]]))
+
+
+def test_item_tolist_print_cpu():
+    x = torch.tensor([[1.5, -2.0]], device=dev)
+    assert (x.sum()).item() == -0.5
+    assert x.tolist() == [[1.5, -2.0]]
+    assert "device='xla:0'" in repr(x) and "1.5000" in repr(x)
+    assert x.cpu().device.type == "cpu"
+    assert torch.tensor(7, device=dev).item() == 7
+
+
+def test_item_runs_only_what_it_needs_and_keeps_the_rest_pending():
+    spmd_torch.sync()
+    a = torch.ones(3, device=dev) * 2
+    b = a + 1
+    other = torch.full((5,), 3.0, device=dev).sqrt()
+    assert b.sum().item() == 9.0
+    assert _pending_count() >= 1  # `other` was not computed
+    with assert_compiles(1):
+        spmd_torch.sync()
+    assert_close(other, torch.full((5,), 3.0).sqrt())
+
+
+def test_python_scalars_do_not_recompile():
+    x = torch.ones(8, device=dev)
+    spmd_torch.sync()
+    results = []
+    with assert_compiles(1):
+        for lr in (0.1, 0.2, 0.3, 0.4):
+            y = x.mul(lr).add(lr, alpha=lr)
+            spmd_torch.sync()
+            results.append(y)
+    for lr, y in zip((0.1, 0.2, 0.3, 0.4), results):
+        assert_close(y, torch.ones(8) * lr + lr * lr)
+
+
+def test_same_step_traced_again_hits_the_cache():
+    w = torch.randn(4, 4).to(dev)
+    spmd_torch.sync()
+    with assert_compiles(1):
+        for _ in range(3):
+            w.add_(torch.ones(4, 4, device=dev) @ w * 0.01)
+            spmd_torch.sync()
+
+
+def test_rng_gives_new_numbers_each_step_without_recompiling():
+    spmd_torch.manual_seed(3)
+    spmd_torch.sync()
+    draws = []
+    with assert_compiles(1):
+        for _ in range(3):
+            draws.append(torch.rand(1000, device=dev))
+            spmd_torch.sync()
+    cpu = [d.cpu() for d in draws]
+    assert not torch.equal(cpu[0], cpu[1]) and not torch.equal(cpu[1], cpu[2])
+    assert 0.45 < cpu[0].mean().item() < 0.55 and cpu[0].min() >= 0 and cpu[0].max() < 1
+
+
+def test_same_seed_same_numbers():
+    def draw():
+        torch.manual_seed(11)
+        a = torch.randn(64, device=dev)
+        b = torch.nn.functional.dropout(torch.ones(64, device=dev), 0.5)
+        return a.cpu(), b.cpu()
+
+    first, second = draw(), draw()
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    assert set(first[1].unique().tolist()) <= {0.0, 2.0}
+
+
+def test_step_donates_overwritten_buffers():
+    p = torch.randn(16, 16).to(dev)
+    spmd_torch.sync()
+    old = p._storage.ref[0].arrays[0]
+    p.mul_(0.5)
+    spmd_torch.sync()
+    assert old.is_deleted()
+
+
+def test_inputs_still_held_are_not_donated():
+    x = torch.randn(8).to(dev)
+    spmd_torch.sync()
+    array = x._storage.ref[0].arrays[0]
+    y = x * 2
+    spmd_torch.sync()
+    assert not array.is_deleted()
+    assert_close(y, x.cpu() * 2)
+
+
+def test_cpu_fallback_is_counted_and_warned_once():
+    x = torch.tensor([3.0, 1.0, 2.0], device=dev)
+    name = "aten::_cdist_backward"
+    with pytest.warns(UserWarning, match="no xla lowering"):
+        counters.COUNTERS.pop(name, None)
+        from spmd_torch._lazy import dispatch
+
+        dispatch._cpu_fallback(torch.ops.aten._cdist_backward.default,
+                               (x.view(1, 3, 1), x.view(1, 3, 1), x.view(1, 3, 1), 2.0,
+                                torch.cdist(x.view(1, 3, 1), x.view(1, 3, 1)).cpu().to(dev)), {})
+    assert counters.COUNTERS[name] == 1
+
+
+def test_mixing_cpu_and_device_tensors_raises_device_mismatch():
+    x = torch.ones(3, device=dev)
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        x + torch.ones(3)
+    assert_close(x + torch.tensor(2.0), torch.full((3,), 3.0))  # 0-dim CPU tensors are allowed
+
+
+def test_unsupported_dtype_names_op_and_dtype():
+    x = torch.ones(3, device=dev)
+    with pytest.raises(TypeError, match=r"float8_e4m3fn.*xla|xla.*float8_e4m3fn"):
+        x.to(torch.float8_e4m3fn)
+
+
+def test_inplace_dtype_rules_match_pytorch():
+    i = torch.ones(3, dtype=torch.int64, device=dev)
+    with pytest.raises(RuntimeError, match="can't be cast"):
+        i.add_(1.5)
+    f = torch.ones(3, device=dev)
+    f.add_(torch.ones(3, dtype=torch.int64, device=dev))
+    assert f.dtype == torch.float32
+    assert_close(f, torch.full((3,), 2.0))
+
+
+def test_int64_and_float64_keep_their_meaning():
+    big = torch.tensor([2**40 + 1], dtype=torch.int64, device=dev)
+    assert (big * 2).item() == 2**41 + 2
+    d = torch.tensor([1.0 + 1e-12], dtype=torch.float64, device=dev)
+    assert (d - 1).item() == pytest.approx(1e-12, rel=1e-3)
+
+
+def test_sync_returns_before_the_program_finishes():
+    x = torch.randn(256, 256).to(dev)
+    spmd_torch.sync()
+    for _ in range(5):
+        x = x @ x / 256
+    spmd_torch.sync()
+    array = x._storage.ref[0].arrays[0]
+    assert isinstance(array, jax.Array)
+    jax.block_until_ready(array)

@@ -1,0 +1,118 @@
+"""Differential op tests driven by PyTorch's OpInfo database: xla vs eager CPU, forward and grad.
+
+Covered: every OpInfo whose aten op has a lowering of ours, plus the nn.functional entries that
+reach our lowerings through PyTorch's decompositions. Known failures are data (xfails.py), strict:
+a fixed op turns its entry red until the entry is deleted.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing._internal.common_methods_invocations import op_db
+
+import spmd_torch  # noqa: F401  (registers the device)
+from spmd_torch._lazy.lowering import LOWERINGS
+from tests.helpers import assert_close, to_device
+from tests.ops.xfails import XFAILS
+
+MAX_SAMPLES = 3
+_LOWERED_PACKETS = {op.overloadpacket.__name__ for op in LOWERINGS}
+# User-facing ops that reach lowered aten ops only through a decomposition.
+_THROUGH_DECOMPOSITION = {
+    "nn.functional.conv1d", "nn.functional.conv2d", "nn.functional.conv3d",
+    "nn.functional.conv_transpose1d", "nn.functional.conv_transpose2d",
+    "nn.functional.conv_transpose3d", "nn.functional.max_pool1d", "nn.functional.max_pool2d",
+    "nn.functional.avg_pool1d", "nn.functional.avg_pool2d", "nn.functional.avg_pool3d",
+    "nn.functional.adaptive_avg_pool2d", "nn.functional.batch_norm", "nn.functional.layer_norm",
+    "nn.functional.group_norm", "nn.functional.embedding", "softmax", "log_softmax",
+    "nn.functional.cross_entropy", "nn.functional.nll_loss", "nn.functional.interpolate",
+    "nn.functional.scaled_dot_product_attention", "nn.functional.gelu", "nn.functional.relu",
+    "nn.functional.linear", "matmul", "nn.functional.mse_loss", "nn.functional.silu",
+    "nn.functional.leaky_relu", "nn.functional.hardtanh", "nn.functional.elu",
+    "nn.functional.pad", "nn.functional.dropout", "addmm", "baddbmm", "bmm", "mm",
+    "masked_fill", "where", "clamp", "cumsum", "cumprod", "sort", "topk", "argmax", "argmin",
+    "index_put", "scatter", "scatter_add", "gather", "take_along_dim", "index_select",
+    "nn.functional.binary_cross_entropy", "nn.functional.binary_cross_entropy_with_logits",
+}
+_RANDOM = {"nn.functional.dropout", "bernoulli", "normal", "uniform", "rand_like", "randn_like",
+           "randint_like", "multinomial", "nn.functional.rrelu", "nn.functional.feature_alpha_dropout",
+           "nn.functional.alpha_dropout", "nn.functional.dropout2d", "nn.functional.dropout3d"}
+
+
+def _selected(opinfo) -> bool:
+    aten_name = (opinfo.aten_name or opinfo.name).split(".")[-1]
+    return opinfo.name in _THROUGH_DECOMPOSITION or aten_name in _LOWERED_PACKETS
+
+
+def _cases():
+    for opinfo in op_db:
+        if not _selected(opinfo):
+            continue
+        name = opinfo.name + (f".{opinfo.variant_test_name}" if opinfo.variant_test_name else "")
+        for dtype in (torch.float32, torch.bfloat16):
+            if dtype not in opinfo.supported_dtypes("cpu"):
+                continue
+            kinds = ["fwd"]
+            if dtype is torch.float32 and opinfo.supports_autograd and name not in _RANDOM:
+                kinds.append("grad")
+            for kind in kinds:
+                key = (name, kind, str(dtype).removeprefix("torch."))
+                marks = []
+                if key in XFAILS:
+                    marks.append(pytest.mark.xfail(reason=XFAILS[key], strict=True))
+                yield pytest.param(opinfo, dtype, kind, id="-".join(key), marks=marks)
+
+
+def _samples(opinfo, dtype, requires_grad):
+    torch.manual_seed(0)
+    samples = opinfo.sample_inputs("cpu", dtype, requires_grad=requires_grad)
+    return [s for s, _ in zip(samples, range(MAX_SAMPLES))]
+
+
+def _compare_shape_dtype(actual, expected):
+    actual = actual if isinstance(actual, (tuple, list)) else [actual]
+    expected = expected if isinstance(expected, (tuple, list)) else [expected]
+    for a, e in zip(actual, expected):
+        if isinstance(e, torch.Tensor):
+            assert (a.shape, a.dtype) == (e.shape, e.dtype)
+
+
+@pytest.mark.parametrize("opinfo, dtype, kind", list(_cases()))
+def test_op_matches_eager(opinfo, dtype, kind):
+    op = opinfo.op
+    for sample in _samples(opinfo, dtype, requires_grad=kind == "grad"):
+        args = (sample.input, *sample.args)
+        expected = op(*args, **sample.kwargs)
+        device_args, device_kwargs = to_device((args, sample.kwargs))
+        actual = op(*device_args, **device_kwargs)
+        if opinfo.name in _RANDOM:
+            _compare_shape_dtype(actual, expected)
+            continue
+        if kind == "fwd":
+            assert_close(actual, expected, **_tolerance(opinfo, dtype))
+            continue
+        _compare_grads(args, device_args, expected, actual, opinfo, dtype)
+
+
+def _compare_grads(args, device_args, expected, actual, opinfo, dtype):
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    device_leaves = [a for a in device_args if isinstance(a, torch.Tensor) and a.requires_grad]
+    outs = [o for o in (expected if isinstance(expected, (tuple, list)) else [expected])
+            if isinstance(o, torch.Tensor) and o.requires_grad]
+    device_outs = [o for o in (actual if isinstance(actual, (tuple, list)) else [actual])
+                   if isinstance(o, torch.Tensor) and o.requires_grad]
+    if not leaves or not outs:
+        return
+    cotangents = [torch.randn_like(o) for o in outs]
+    grads = torch.autograd.grad(outs, leaves, cotangents, allow_unused=True)
+    device_grads = torch.autograd.grad(
+        device_outs, device_leaves, to_device(cotangents), allow_unused=True
+    )
+    assert_close(list(device_grads), list(grads), **_tolerance(opinfo, dtype, grad=True))
+
+
+def _tolerance(opinfo, dtype, grad=False) -> dict:
+    if dtype is torch.bfloat16:
+        return dict(rtol=2e-2, atol=2e-2)
+    return dict(rtol=2e-4, atol=2e-4) if grad else dict(rtol=1e-4, atol=1e-5)
