@@ -1,0 +1,396 @@
+"""Lowerings: views as values, the scatters that write a view back into its base, advanced indexing,
+gathers/scatters and shape ops.
+
+Every lowering is functional: the engine keeps aliasing and in-place writes to itself and hands us
+contiguous arrays, so a view is just the array it reads.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax import lax
+
+from . import lowers
+from .dtypes import promote, to_jax_dtype
+
+aten = torch.ops.aten
+
+
+# ---------------------------------------------------------------------------------------- helpers
+
+
+def _at(ndim: int, dim: int, index: object) -> tuple:
+    """An index tuple applying ``index`` to axis ``dim`` (negative allowed), keeping the rest."""
+    return (slice(None),) * (dim % ndim) + (index,)
+
+
+def _indices(indices: list) -> tuple:
+    """aten's list of optional index tensors as a NumPy-style index (None = the whole axis)."""
+    return tuple(slice(None) if i is None else i for i in indices)
+
+
+def _crop(x: jnp.ndarray, shape: tuple) -> jnp.ndarray:
+    """The leading ``shape`` corner of ``x``: gather/scatter take an index smaller than self/src."""
+    return x[tuple(slice(0, n) for n in shape)]
+
+
+def _scatter_index(index: jnp.ndarray, dim: int) -> tuple:
+    """scatter/gather as one advanced index: ``index`` along ``dim``, the position elsewhere."""
+    grid = list(jnp.indices(index.shape, sparse=True))
+    grid[dim % index.ndim] = index
+    return tuple(grid)
+
+
+def _strided_index(size: list, stride: list, storage_offset: int | None) -> jnp.ndarray:
+    """Flat positions an as_strided view reads from a contiguous buffer, as iotas XLA fuses."""
+    iotas = (lax.broadcasted_iota(jnp.int64, tuple(size), d) * s for d, s in enumerate(stride))
+    return sum(iotas, jnp.asarray(storage_offset or 0, jnp.int64))
+
+
+def _diag_index(rows: int, cols: int, offset: int) -> tuple:
+    """Row and column positions of the ``offset`` diagonal of a rows x cols matrix."""
+    n = max(0, min(rows + min(offset, 0), cols - max(offset, 0)))
+    return np.arange(n) - min(offset, 0), np.arange(n) + max(offset, 0)
+
+
+def _pad_widths(ndim: int, pad: list) -> list:
+    """PyTorch pads ((before, after) pairs, last axis first) as per-axis widths, first first."""
+    pairs = [(pad[i], pad[i + 1]) for i in range(0, len(pad), 2)][::-1]
+    return [(0, 0)] * (ndim - len(pairs)) + pairs
+
+
+def _masked_put(x: jnp.ndarray, k: int, mask: jnp.ndarray, values: jnp.ndarray, accumulate: bool):
+    """``x[(:,)*k + (mask,)] = values`` with static shapes: the i-th true element takes values[i],
+    found by the mask's running count, so no data-dependent nonzero is needed."""
+    rest = x.shape[k + mask.ndim :]
+    flat = x.reshape(*x.shape[:k], -1, *rest)
+    m = mask.reshape(-1)
+    v = values.reshape((1,) * (flat.ndim - values.ndim) + values.shape)
+    picked = jnp.take(v, jnp.cumsum(m) - 1, axis=k, mode="clip")
+    m = m.reshape(-1, *(1,) * len(rest))
+    out = flat + jnp.where(m, picked, 0) if accumulate else jnp.where(m, picked, flat)
+    return out.reshape(x.shape)
+
+
+def _floor_or_true_div(a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
+    """PyTorch's scatter mean divides integers with floor rounding and floats exactly."""
+    return jnp.floor_divide(a, b) if jnp.issubdtype(a.dtype, jnp.integer) else a / b
+
+
+def _reduce_identity(reduce: str, dtype: object) -> object:
+    """The value that leaves ``reduce`` unchanged: what include_self=False puts in place of self."""
+    if reduce in ("sum", "mean"):
+        return 0
+    if reduce == "prod":
+        return 1
+    if jnp.issubdtype(dtype, jnp.floating):
+        return -jnp.inf if reduce == "amax" else jnp.inf
+    return jnp.iinfo(dtype).min if reduce == "amax" else jnp.iinfo(dtype).max
+
+
+_AT_METHOD = {"sum": "add", "mean": "add", "prod": "multiply", "amax": "max", "amin": "min"}
+_LEGACY_REDUCE = {"add": "sum", "multiply": "prod"}
+
+
+# ------------------------------------------------------------------------------- views as values
+
+
+@lowers(aten.view.default, aten._unsafe_view.default, aten.view_copy.default)
+def _view(x, size):
+    return jnp.reshape(x, size)
+
+
+@lowers(aten._reshape_alias.default)
+def _reshape_alias(x, size, stride):
+    """Only emitted when the reshape is a view, i.e. on our contiguous arrays a plain reshape."""
+    return jnp.reshape(x, size)
+
+
+@lowers(aten.view.dtype, aten.view_copy.dtype)
+def _view_dtype(x, dtype):
+    """Reinterpret the bytes; a narrower dtype widens the last axis and a wider one shrinks it."""
+    out = to_jax_dtype(dtype)
+    if out.itemsize > x.dtype.itemsize:
+        x = x.reshape(*x.shape[:-1], -1, out.itemsize // x.dtype.itemsize)
+    y = lax.bitcast_convert_type(x, out)
+    return y.reshape(*x.shape[:-1], -1) if out.itemsize < x.dtype.itemsize else y
+
+
+@lowers(aten.alias.default, aten.alias_copy.default)
+def _alias(x):
+    return x
+
+
+@lowers(aten.permute.default, aten.permute_copy.default)
+def _permute(x, dims):
+    return jnp.transpose(x, dims)
+
+
+@lowers(aten.t.default, aten.t_copy.default)
+def _t(x):
+    """t() transposes a matrix and leaves 0-d and 1-d tensors as they are."""
+    return jnp.swapaxes(x, 0, 1) if x.ndim == 2 else x
+
+
+@lowers(aten.transpose.int, aten.transpose_copy.int)
+def _transpose(x, dim0, dim1):
+    return jnp.swapaxes(x, dim0, dim1)
+
+
+@lowers(aten.expand.default, aten.expand_copy.default)
+def _expand(x, size, implicit=False):
+    """-1 keeps the size of the aligned (trailing) axis; extra leading sizes make new axes."""
+    lead = len(size) - x.ndim
+    return jnp.broadcast_to(x, [x.shape[i - lead] if s == -1 else s for i, s in enumerate(size)])
+
+
+@lowers(aten.select.int, aten.select_copy.int)
+def _select(x, dim, index):
+    return x[_at(x.ndim, dim, index)]
+
+
+@lowers(aten.slice.Tensor, aten.slice_copy.Tensor)
+def _slice(x, dim=0, start=None, end=None, step=1):
+    """Python slices clamp out-of-range and wrap negative bounds exactly as aten.slice does."""
+    return x[_at(x.ndim, dim, slice(start, end, step))]
+
+
+@lowers(aten.unsqueeze.default, aten.unsqueeze_copy.default)
+def _unsqueeze(x, dim):
+    return jnp.expand_dims(x, dim)
+
+
+@lowers(
+    aten.squeeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.squeeze_copy.default,
+    aten.squeeze_copy.dim,
+    aten.squeeze_copy.dims,
+)
+def _squeeze(x, dim=None):
+    """Squeezing an axis whose size is not 1 is a no-op in PyTorch (an error in NumPy)."""
+    dims = range(x.ndim) if dim is None else [dim] if isinstance(dim, int) else dim
+    return jnp.squeeze(x, tuple(d % x.ndim for d in dims if x.ndim and x.shape[d] == 1))
+
+
+@lowers(aten.diagonal.default, aten.diagonal_copy.default)
+def _diagonal(x, offset=0, dim1=0, dim2=1):
+    return jnp.diagonal(x, offset, dim1, dim2)
+
+
+@lowers(aten.as_strided.default, aten.as_strided_copy.default)
+def _as_strided(x, size, stride, storage_offset=None):
+    return x.reshape(-1)[_strided_index(size, stride, storage_offset)]
+
+
+@lowers(aten.unfold.default, aten.unfold_copy.default)
+def _unfold(x, dimension, size, step):
+    """Windows become a new axis at ``dimension`` and the window elements the last axis."""
+    dim = dimension % x.ndim
+    starts = np.arange((x.shape[dim] - size) // step + 1) * step
+    return jnp.moveaxis(jnp.take(x, starts[:, None] + np.arange(size), axis=dim), dim + 1, -1)
+
+
+@lowers(
+    aten.split_with_sizes.default,
+    aten.split_with_sizes_copy.default,
+    aten.unsafe_split_with_sizes.default,
+)
+def _split_with_sizes(x, split_sizes, dim=0):
+    ends = np.cumsum(split_sizes).tolist()
+    return [x[_at(x.ndim, dim, slice(e - n, e))] for n, e in zip(split_sizes, ends, strict=True)]
+
+
+@lowers(aten.split.Tensor, aten.split_copy.Tensor, aten.unsafe_split.Tensor)
+def _split(x, split_size, dim=0):
+    """Equal chunks of split_size and a shorter last one; an empty axis still gives one chunk."""
+    n, size = x.shape[dim], max(split_size, 1)
+    sizes = [size] * (n // size) + ([n % size] if n % size else [])
+    return _split_with_sizes(x, sizes or [n], dim)
+
+
+@lowers(aten.unbind.int, aten.unbind_copy.int)
+def _unbind(x, dim=0):
+    return [x[_at(x.ndim, dim, i)] for i in range(x.shape[dim])]
+
+
+# ------------------------------------------------------------ writing a view back into its base
+
+
+@lowers(aten.slice_scatter.default)
+def _slice_scatter(x, src, dim=0, start=None, end=None, step=1):
+    return x.at[_at(x.ndim, dim, slice(start, end, step))].set(src)
+
+
+@lowers(aten.select_scatter.default)
+def _select_scatter(x, src, dim, index):
+    return x.at[_at(x.ndim, dim, index)].set(src)
+
+
+@lowers(aten.diagonal_scatter.default)
+def _diagonal_scatter(x, src, offset=0, dim1=0, dim2=1):
+    """Move the two axes last, where the diagonal's positions index them as in diagonal()."""
+    y = jnp.moveaxis(x, (dim1, dim2), (-2, -1))
+    rows, cols = _diag_index(*y.shape[-2:], offset)
+    return jnp.moveaxis(y.at[..., rows, cols].set(src), (-2, -1), (dim1, dim2))
+
+
+@lowers(aten.as_strided_scatter.default)
+def _as_strided_scatter(x, src, size, stride, storage_offset=None):
+    flat = x.reshape(-1).at[_strided_index(size, stride, storage_offset)].set(src)
+    return flat.reshape(x.shape)
+
+
+# ----------------------------------------------------------------------------- advanced indexing
+
+
+@lowers(aten.index.Tensor)
+def _index(x, indices):
+    """NumPy and PyTorch agree on advanced indexing (negative indices wrap, separated index tensors
+    move to the front); a bool mask only lowers where its values are known, else jit refuses it."""
+    return x[_indices(indices)]
+
+
+@lowers(aten.index_put.default)
+def _index_put(x, indices, values, accumulate=False):
+    """A lone bool mask (``x[mask] = v``, the common case) keeps a static shape via _masked_put."""
+    given = [(k, i) for k, i in enumerate(indices) if i is not None]
+    if len(given) == 1 and given[0][1].dtype == jnp.bool_:
+        return _masked_put(x, *given[0], values, accumulate)
+    at = x.at[_indices(indices)]
+    return at.add(values) if accumulate else at.set(values)
+
+
+@lowers(aten.index_select.default)
+def _index_select(x, dim, index):
+    """A 0-d index still keeps the axis (with size 1)."""
+    return jnp.take(x, index.reshape(-1), axis=dim)
+
+
+@lowers(aten.gather.default)
+def _gather(x, dim, index, sparse_grad=False):
+    """The index may be smaller than self along the other axes: gather from that corner of self."""
+    shape = [n if d != dim % x.ndim else x.shape[d] for d, n in enumerate(index.shape)]
+    return jnp.take_along_axis(_crop(x, shape), index, axis=dim)
+
+
+@lowers(aten.scatter.src, aten.scatter.value)
+def _scatter(x, dim, index, src):
+    """scatter.value brings a Python scalar as ``src``; a tensor src may be larger than index."""
+    src = _crop(src, index.shape) if jnp.ndim(src) else src
+    return x.at[_scatter_index(index, dim)].set(src)
+
+
+@lowers(aten.scatter_add.default)
+def _scatter_add(x, dim, index, src):
+    return x.at[_scatter_index(index, dim)].add(_crop(src, index.shape))
+
+
+@lowers(aten.scatter_reduce.two)
+def _scatter_reduce(x, dim, index, src, reduce, include_self=True):
+    """include_self=False first resets the targets to the reduction's identity; mean counts self
+    as one element iff included (untouched positions divide by 1)."""
+    idx, src = _scatter_index(index, dim), _crop(src, index.shape)
+    if not include_self:
+        x = x.at[idx].set(_reduce_identity(reduce, x.dtype))
+    out = getattr(x.at[idx], _AT_METHOD[reduce])(src)
+    if reduce != "mean":
+        return out
+    count = jnp.zeros_like(x).at[idx].add(1) + include_self
+    return _floor_or_true_div(out, jnp.maximum(count, 1))
+
+
+@lowers(aten.scatter.reduce, aten.scatter.value_reduce)
+def _scatter_legacy_reduce(x, dim, index, src, reduce):
+    """The deprecated reduce="add"|"multiply" forms, which always include self."""
+    src = jnp.broadcast_to(jnp.asarray(src, x.dtype), index.shape) if jnp.ndim(src) == 0 else src
+    return _scatter_reduce(x, dim, index, src, _LEGACY_REDUCE[reduce])
+
+
+@lowers(aten.index_add.default)
+def _index_add(x, dim, index, source, alpha=1):
+    return x.at[_at(x.ndim, dim, index)].add(source * alpha if alpha != 1 else source)
+
+
+@lowers(aten.index_copy.default)
+def _index_copy(x, dim, index, source):
+    return x.at[_at(x.ndim, dim, index)].set(source)
+
+
+@lowers(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor)
+def _index_fill(x, dim, index, value):
+    return x.at[_at(x.ndim, dim, index)].set(value)
+
+
+@lowers(aten.masked_scatter.default)
+def _masked_scatter(x, mask, source):
+    """The i-th true position of the (broadcast) mask takes the i-th element of source."""
+    return _masked_put(x, 0, jnp.broadcast_to(mask, x.shape), source.reshape(-1), False)
+
+
+# ------------------------------------------------------------------------------------ shape ops
+
+
+@lowers(aten.cat.default)
+def _cat(tensors, dim=0):
+    """Legacy rule: 1-d empty tensors are skipped whatever the other shapes; dtypes promote."""
+    dtype = promote(*(t.dtype for t in tensors))
+    kept = [t for t in tensors if t.shape != (0,)] or tensors[:1]
+    return jnp.concatenate([t.astype(dtype) for t in kept], axis=dim)
+
+
+@lowers(aten.stack.default)
+def _stack(tensors, dim=0):
+    dtype = promote(*(t.dtype for t in tensors))
+    return jnp.stack([t.astype(dtype) for t in tensors], axis=dim)
+
+
+@lowers(aten.constant_pad_nd.default)
+def _constant_pad_nd(x, pad, value=0):
+    """lax.pad takes negative widths too, which crop as in PyTorch."""
+    widths = [(lo, hi, 0) for lo, hi in _pad_widths(x.ndim, pad)]
+    return lax.pad(x, jnp.asarray(value, x.dtype), widths)
+
+
+@lowers(aten.reflection_pad1d.default, aten.reflection_pad2d.default, aten.reflection_pad3d.default)
+def _reflection_pad(x, padding):
+    return jnp.pad(x, _pad_widths(x.ndim, padding), mode="reflect")
+
+
+@lowers(
+    aten.replication_pad1d.default,
+    aten.replication_pad2d.default,
+    aten.replication_pad3d.default,
+)
+def _replication_pad(x, padding):
+    return jnp.pad(x, _pad_widths(x.ndim, padding), mode="edge")
+
+
+@lowers(aten.flip.default)
+def _flip(x, dims):
+    return jnp.flip(x, tuple(dims))
+
+
+@lowers(aten.roll.default)
+def _roll(x, shifts, dims=()):
+    """Without dims PyTorch rolls the flattened tensor."""
+    return jnp.roll(x, tuple(shifts), tuple(dims)) if dims else jnp.roll(x, shifts[0])
+
+
+@lowers(aten.repeat.default)
+def _repeat(x, repeats):
+    """jnp.tile matches repeat, including extra leading repeats that add axes."""
+    return jnp.tile(x, repeats)
+
+
+@lowers(aten.tril.default)
+def _tril(x, diagonal=0):
+    return jnp.tril(x, diagonal)
+
+
+@lowers(aten.triu.default)
+def _triu(x, diagonal=0):
+    return jnp.triu(x, diagonal)

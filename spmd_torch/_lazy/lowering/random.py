@@ -1,0 +1,171 @@
+"""Lowerings: random ops, drawn from the ``jax.random`` key the engine threads through the graph.
+
+Each lowering gets one opaque typed key and uses it once, so equal keys give equal numbers.
+Placement keyword arguments (layout, device, pin_memory, memory_format, generator) are the
+engine's business and are taken as ``**_``; a ``None`` dtype means the default float dtype, or int64
+where the schema says so.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from . import lowers
+from .dtypes import to_jax_dtype
+
+aten = torch.ops.aten
+
+
+def _float_dtype(dtype: torch.dtype | None) -> np.dtype:
+    """The device dtype of a float factory; None means torch's default dtype (float32)."""
+    return to_jax_dtype(dtype if dtype is not None else torch.get_default_dtype())
+
+
+def _like_dtype(x: jax.Array, dtype: torch.dtype | None) -> np.dtype:
+    """The dtype of a ``*_like`` op: the input's unless one is given."""
+    return x.dtype if dtype is None else to_jax_dtype(dtype)
+
+
+def _randint(key: jax.Array, shape: tuple, low: object, high: object, dtype: np.dtype):
+    """Integers in [low, high) as ``dtype``, sampled as integers so even int64 ranges are exact.
+
+    ``high`` may be one past int64's max (random_'s full range), which only a uint64 bound holds.
+    """
+    sample = dtype if jnp.issubdtype(dtype, jnp.integer) else jnp.dtype(jnp.int64)
+    if isinstance(high, int) and high > np.iinfo(np.int64).max:
+        high = np.uint64(high)
+    return jax.random.randint(key, shape, low, high, sample).astype(dtype)
+
+
+def _random_end(dtype: np.dtype) -> int:
+    """One past the largest value random_() draws without a bound: 2**digits for floats, so that
+    every value is exact, else the dtype's max."""
+    if jnp.issubdtype(dtype, jnp.floating):
+        return 2 ** (jnp.finfo(dtype).nmant + 1) + 1
+    return 2 if dtype == jnp.bool_ else int(jnp.iinfo(dtype).max) + 1
+
+
+@lowers(aten.uniform.default, random=True)
+def _uniform(key, x, from_=0.0, to=1.0, **_):
+    return jax.random.uniform(key, x.shape, x.dtype, from_, to)
+
+
+@lowers(aten.normal_functional.default, random=True)
+def _normal_functional(key, x, mean=0.0, std=1.0, **_):
+    return mean + std * jax.random.normal(key, x.shape, x.dtype)
+
+
+@lowers(aten.normal.Tensor_float, aten.normal.float_Tensor, aten.normal.Tensor_Tensor, random=True)
+def _normal_tensor(key, mean, std=1.0, **_):
+    """The output takes the broadcast shape and the floating dtype of the tensor arguments."""
+    shape = jnp.broadcast_shapes(jnp.shape(mean), jnp.shape(std))
+    dtype = jnp.result_type(*(a for a in (mean, std) if isinstance(a, jax.Array)))
+    return mean + std * jax.random.normal(key, shape, dtype)
+
+
+@lowers(aten.normal.float_float, random=True)
+def _normal_float_float(key, mean, std, size, dtype=None, **_):
+    return mean + std * jax.random.normal(key, tuple(size), _float_dtype(dtype))
+
+
+@lowers(aten.bernoulli.default, random=True)
+def _bernoulli(key, x, **_):
+    """``x`` holds the probabilities; they are compared in at least float32, so bf16 inputs do not
+    quantize the rate to bf16's coarse uniform grid."""
+    p = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    return jax.random.bernoulli(key, p).astype(x.dtype)
+
+
+@lowers(aten.bernoulli.p, aten.bernoulli.Tensor, random=True)
+def _bernoulli_p(key, x, p, **_):
+    return jax.random.bernoulli(key, p, x.shape).astype(x.dtype)
+
+
+@lowers(aten.rand.default, random=True)
+def _rand(key, size, dtype=None, **_):
+    return jax.random.uniform(key, tuple(size), _float_dtype(dtype))
+
+
+@lowers(aten.randn.default, random=True)
+def _randn(key, size, dtype=None, **_):
+    return jax.random.normal(key, tuple(size), _float_dtype(dtype))
+
+
+@lowers(aten.rand_like.default, random=True)
+def _rand_like(key, x, dtype=None, **_):
+    return jax.random.uniform(key, x.shape, _like_dtype(x, dtype))
+
+
+@lowers(aten.randn_like.default, random=True)
+def _randn_like(key, x, dtype=None, **_):
+    return jax.random.normal(key, x.shape, _like_dtype(x, dtype))
+
+
+@lowers(aten.randint.default, random=True)
+def _randint_high(key, high, size, dtype=torch.int64, **_):
+    return _randint(key, tuple(size), 0, high, to_jax_dtype(dtype or torch.int64))
+
+
+@lowers(aten.randint.low, random=True)
+def _randint_low(key, low, high, size, dtype=torch.int64, **_):
+    return _randint(key, tuple(size), low, high, to_jax_dtype(dtype or torch.int64))
+
+
+@lowers(aten.randint_like.default, aten.randint_like.Tensor, random=True)
+def _randint_like(key, x, high, dtype=None, **_):
+    return _randint(key, x.shape, 0, high, _like_dtype(x, dtype))
+
+
+@lowers(aten.randint_like.low_dtype, random=True)
+def _randint_like_low(key, x, low, high, dtype=None, **_):
+    return _randint(key, x.shape, low, high, _like_dtype(x, dtype))
+
+
+@lowers(aten.randperm.default, random=True)
+def _randperm(key, n, dtype=torch.int64, **_):
+    return jax.random.permutation(key, n).astype(to_jax_dtype(dtype or torch.int64))
+
+
+@lowers(aten.native_dropout.default, random=True)
+def _native_dropout(key, x, p, train):
+    """Keep each element with probability 1-p and scale kept ones by 1/(1-p); p=1 drops all (no
+    inf*0), p=0 keeps all. train=None trains, as PyTorch's kernels do; eval keeps everything."""
+    if train is False:
+        return x, jnp.ones(x.shape, jnp.bool_)
+    keep = jax.random.uniform(key, x.shape) >= p
+    return jnp.where(keep, x / (1 - p), 0), keep
+
+
+@lowers(aten.exponential.default, random=True)
+def _exponential(key, x, lambd=1.0, **_):
+    return jax.random.exponential(key, x.shape, x.dtype) / lambd
+
+
+@lowers(aten.random.default, random=True)
+def _random(key, x, **_):
+    return _randint(key, x.shape, 0, _random_end(x.dtype), x.dtype)
+
+
+@lowers(getattr(aten.random, "from"), random=True)
+def _random_from(key, x, from_, to=None, **_):
+    return _randint(key, x.shape, from_, _random_end(x.dtype) if to is None else to, x.dtype)
+
+
+@lowers(aten.random.to, random=True)
+def _random_to(key, x, to, **_):
+    return _randint(key, x.shape, 0, to, x.dtype)
+
+
+@lowers(aten.multinomial.default, random=True)
+def _multinomial(key, x, num_samples, replacement=False, **_):
+    """With replacement: independent categorical draws. Without: the Gumbel top-k trick, which
+    samples k distinct indices with exactly PyTorch's sequential without-replacement law."""
+    logits = jnp.log(x.astype(jnp.promote_types(x.dtype, jnp.float32)))
+    if replacement:
+        draws = jax.random.categorical(key, logits, shape=(num_samples, *x.shape[:-1]))
+        return jnp.moveaxis(draws, 0, -1)
+    perturbed = logits + jax.random.gumbel(key, x.shape, logits.dtype)
+    return jax.lax.top_k(perturbed, num_samples)[1].astype(jnp.int64)

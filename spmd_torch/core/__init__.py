@@ -1,0 +1,1 @@
+"""torch_xla.core mirrors: xla_model."""

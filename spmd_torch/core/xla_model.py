@@ -1,0 +1,468 @@
+"""torch_xla.core.xla_model: the names PyTorch/XLA programs call, thin over the engine and runtime.
+
+Programs run in PyTorch/XLA's SPMD model: one program per process addresses one logical device,
+``xla:0``, that spans every accelerator. There is one replica per process, so ordinals and world
+size are those of processes (one per host), and gradients need no all-reduce: a backward pass over
+global (sharded) tensors already yields global gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import sys
+import types
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+import spmd_torch
+from spmd_torch import runtime
+from spmd_torch._lazy import execute as _execute
+from spmd_torch._lazy import rng as _rng
+from spmd_torch._lazy.graph import Aval, Node
+from spmd_torch._lazy.tensor import LazyTensor
+
+_KEY_AVAL = Aval((2,), torch.uint32)  # the device PRNG key: two uint32 words (threefry2x32)
+_WORD = 0xFFFFFFFF
+
+
+def is_xla_tensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` lives on the xla device.
+
+    Args:
+        tensor: any tensor.
+
+    Example:
+        >>> xm.is_xla_tensor(torch.ones(2, device=xm.xla_device()))
+        True
+    """
+    return tensor.device.type == "xla"
+
+
+def xla_device(n: int | None = None, devkind: str | None = None) -> torch.device:
+    """The xla device, ``torch.device('xla:0')``: the one logical device of the SPMD program.
+
+    Args:
+        n: Device ordinal; only ``None`` or ``0`` exist (the logical device spans all
+            accelerators; shard tensors across them with a mesh).
+        devkind: Deprecated in PyTorch/XLA; if given it must equal
+            :func:`spmd_torch.runtime.device_type`.
+
+    Example:
+        >>> dev = xm.xla_device()
+        >>> x = torch.zeros(4, device=dev)
+    """
+    if n not in (None, 0):
+        raise ValueError(
+            f"xla_device(n={n}): the SPMD program has one logical device, xla:0; shard tensors "
+            f"over the {runtime.global_runtime_device_count()} accelerators with a mesh instead"
+        )
+    if devkind is not None and devkind.upper() != runtime.device_type():
+        raise RuntimeError(
+            f"xla_device(devkind={devkind!r}): this program runs on {runtime.device_type()}"
+        )
+    return spmd_torch.device()
+
+
+def get_xla_supported_devices(
+    devkind: str | None = None, max_devices: int | None = None
+) -> list[str] | None:
+    """The xla devices of this process as strings: ``['xla:0']``.
+
+    Args:
+        devkind: Deprecated; a hardware kind such as ``'CPU'``. If it is not this program's
+            kind, returns ``None`` as PyTorch/XLA does.
+        max_devices: The most devices to return (``None`` or 0: all).
+
+    Example:
+        >>> xm.get_xla_supported_devices()
+        ['xla:0']
+    """
+    if devkind is not None and devkind.upper() != runtime.device_type():
+        return None
+    devices = [str(d) for d in spmd_torch.devices()]
+    return devices[:max_devices] if max_devices else devices
+
+
+def xla_real_devices(devices: list | None = None) -> list[str]:
+    """The real device names behind xla devices, e.g. ``['CPU:0']``.
+
+    Args:
+        devices: xla devices such as ``['xla:0']``; default: all of them.
+
+    Example:
+        >>> xm.xla_real_devices([xm.xla_device()])
+        ['CPU:0']
+    """
+    return runtime.xla_real_devices(devices)
+
+
+def xla_device_hw(device: str | torch.device) -> str:
+    """The hardware kind of an xla device: ``'CPU'``, ``'CUDA'``, ``'TPU'``...
+
+    Args:
+        device: an xla device (``torch.device`` or string).
+
+    Example:
+        >>> xm.xla_device_hw(xm.xla_device())
+        'CPU'
+    """
+    return runtime.xla_device_hw(device)
+
+
+def xrt_world_size(defval: int = 1) -> int:
+    """The number of replicas: one per process (``runtime.world_size()``).
+
+    Args:
+        defval: Ignored (kept for PyTorch/XLA compatibility).
+
+    Example:
+        >>> xm.xrt_world_size()
+        1
+    """
+    return runtime.world_size()
+
+
+def world_size() -> int:
+    """Alias of :func:`xrt_world_size`.
+
+    Example:
+        >>> xm.world_size()
+        1
+    """
+    return runtime.world_size()
+
+
+def get_ordinal(defval: int = 0) -> int:
+    """This replica's ordinal in ``[0, xrt_world_size())`` (the process index).
+
+    Args:
+        defval: Ignored (kept for PyTorch/XLA compatibility).
+
+    Example:
+        >>> xm.get_ordinal()
+        0
+    """
+    return runtime.global_ordinal()
+
+
+def get_local_ordinal(defval: int = 0) -> int:
+    """This replica's ordinal on its host: 0 (one process per host).
+
+    Args:
+        defval: Ignored (kept for PyTorch/XLA compatibility).
+
+    Example:
+        >>> xm.get_local_ordinal()
+        0
+    """
+    return runtime.local_ordinal()
+
+
+def is_master_ordinal(local: bool = True) -> bool:
+    """Whether this process is the master: ordinal 0 on its host (``local``) or in the job.
+
+    Args:
+        local: Check the host-local master (one per host) rather than the global one.
+
+    Example:
+        >>> xm.is_master_ordinal()
+        True
+    """
+    ordinal = get_local_ordinal() if local else get_ordinal()
+    return ordinal == 0
+
+
+def master_print(*args: Any, fd=None, local: bool = False, flush: bool = False) -> None:
+    """``print`` on the master ordinal only.
+
+    Args:
+        *args: What to print.
+        fd: The stream to print to (default: ``sys.stdout``).
+        local: Print on every host's master rather than on the global master only.
+        flush: Flush the stream.
+
+    Example:
+        >>> xm.master_print('step', 10)
+        step 10
+    """
+    if is_master_ordinal(local=local):
+        print(*args, file=fd or sys.stdout, flush=flush)
+
+
+def mark_step(wait: bool = False, reset_scope: bool = True) -> None:
+    """The barrier: compile (once) and dispatch every pending computation.
+
+    Args:
+        wait: Block until the dispatched program has finished.
+        reset_scope: Ignored (PyTorch/XLA's IR scope reset; nothing to reset here).
+
+    Example:
+        >>> loss = model(x).sum(); loss.backward(); opt.step()
+        >>> xm.mark_step()
+    """
+    _execute.sync(wait=wait)
+
+
+def wait_device_ops(devices: list | None = None) -> None:
+    """Block until every dispatched program has finished.
+
+    Args:
+        devices: Ignored: there is one logical device, and all of it is waited for.
+
+    Example:
+        >>> xm.mark_step()
+        >>> xm.wait_device_ops()
+    """
+    _execute.wait_device_ops()
+
+
+def unlazy(tensors: list[torch.Tensor]) -> None:
+    """Compute ``tensors`` now and wait for them (for benchmarks), leaving the rest pending.
+
+    Args:
+        tensors: xla tensors.
+
+    Example:
+        >>> y = x * 2
+        >>> xm.unlazy([y])
+    """
+    arrays = _execute.materialize(list(tensors))
+    for array in arrays:
+        array.block_until_ready()
+
+
+def reduce_gradients(
+    optimizer: torch.optim.Optimizer, groups=None, pin_layout: bool = True
+) -> None:
+    """All-reduce the optimizer's gradients across replicas: nothing to do in the SPMD model.
+
+    One program computes the gradients of the global batch, so they are already the global
+    gradients; there are no per-replica copies to average.
+
+    Args:
+        optimizer: The optimizer whose parameters' gradients would be reduced.
+        groups: Replica groups (ignored).
+        pin_layout: Ignored.
+
+    Example:
+        >>> xm.reduce_gradients(optimizer)
+    """
+
+
+def optimizer_step(
+    optimizer: torch.optim.Optimizer,
+    barrier: bool = False,
+    optimizer_args: dict | None = None,
+    groups=None,
+    pin_layout: bool = True,
+) -> Any:
+    """Run ``optimizer.step(**optimizer_args)``, and the barrier if ``barrier``.
+
+    In the SPMD model the gradients are already global (see :func:`reduce_gradients`), so unlike
+    PyTorch/XLA's data-parallel mode nothing is all-reduced before the step.
+
+    Args:
+        optimizer: The optimizer to step.
+        barrier: Call :func:`mark_step` after the step (not needed when a ``MpDeviceLoader``
+            issues the barrier).
+        optimizer_args: Keyword arguments of ``optimizer.step()``.
+        groups: Replica groups of the gradient all-reduce (ignored, see above).
+        pin_layout: Ignored.
+
+    Returns:
+        What ``optimizer.step()`` returned (the loss when a closure is passed).
+
+    Example:
+        >>> loss.backward()
+        >>> xm.optimizer_step(optimizer, barrier=True)
+    """
+    reduce_gradients(optimizer, groups=groups, pin_layout=pin_layout)
+    loss = optimizer.step(**(optimizer_args or {}))
+    if barrier:
+        mark_step()
+    return loss
+
+
+def save(data: Any, file_or_path, master_only: bool = True, global_master: bool = False) -> None:
+    """Save ``data`` with ``torch.save``, every xla tensor in it moved to the CPU first.
+
+    ``torch.load`` then gives CPU tensors. The xla tensors are computed together in one program
+    (on every process, since a program over sharded tensors involves them all); only the master
+    copies them to the host and writes. Shared tensors stay shared; views are saved as copies.
+
+    Args:
+        data: Any nesting of lists, tuples, dicts, sets and objects holding tensors.
+        file_or_path: The destination: a path or a file object.
+        master_only: Only the master ordinal writes. If ``False`` every process writes, so
+            ``file_or_path`` must differ between processes.
+        global_master: With ``master_only``, only the global master (ordinal 0) writes, instead
+            of the master of each host.
+
+    Example:
+        >>> xm.save(model.state_dict(), 'model.pt')
+        >>> state = torch.load('model.pt')  # CPU tensors
+    """
+    should_write = not master_only or is_master_ordinal(local=not global_master)
+    _compute_xla_tensors(data)
+    if not should_write:
+        return
+    cpu_data = rewrite_instances(data, _is_xla_value, lambda t, i: to_cpu_tensor(t))
+    torch.save(cpu_data, file_or_path)
+
+
+def to_cpu_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of an xla tensor, a leaf with the same ``requires_grad``."""
+    cpu = t.detach().cpu()
+    return cpu.requires_grad_(t.requires_grad) if t.requires_grad else cpu
+
+
+def get_rng_state(device: str | torch.device | None = None) -> int:
+    """The device RNG state, as one integer that :func:`set_rng_state` restores exactly.
+
+    The state is the device PRNG key (two 32-bit words, high word first). If random ops are
+    pending, the key they leave behind is computed (only that small part of the graph runs).
+    A state below ``2**32`` is the same as seeding with it: ``set_rng_state(s)`` equals
+    ``manual_seed(s)``.
+
+    Args:
+        device: The xla device (default: ``xla:0``, the only one).
+
+    Returns:
+        The RNG state as a non-negative integer below ``2**64``.
+
+    Example:
+        >>> state = xm.get_rng_state()
+        >>> a = torch.rand(3, device=dev)
+        >>> xm.set_rng_state(state)
+        >>> b = torch.rand(3, device=dev)  # equal to a
+    """
+    _check_device(device, "get_rng_state")
+    key = LazyTensor(_rng.state(), _KEY_AVAL)
+    (array,) = _execute.materialize([key])
+    high, low = (int(w) for w in np.asarray(array))
+    return (high << 32) | low
+
+
+def set_rng_state(seed: int, device: str | torch.device | None = None) -> None:
+    """Set the device RNG state: a value of :func:`get_rng_state`, or a seed.
+
+    Args:
+        seed: The state; taken modulo ``2**64`` (negative seeds wrap, as in PyTorch).
+        device: The xla device (default: ``xla:0``, the only one).
+
+    Example:
+        >>> xm.set_rng_state(1234)
+    """
+    _check_device(device, "set_rng_state")
+    state = int(seed) & 0xFFFFFFFFFFFFFFFF
+    words = np.array([state >> 32, state & _WORD], dtype=np.uint32)
+    _rng.state().set((Node.data(jnp.asarray(words), _KEY_AVAL), 0))
+
+
+@contextlib.contextmanager
+def fork_rng(device: str | torch.device | None = None, enabled: bool = True):
+    """Restore the device RNG state on exit, so the block's random draws leave no trace.
+
+    Args:
+        device: The xla device (default: ``xla:0``).
+        enabled: If ``False``, do nothing.
+
+    Example:
+        >>> with xm.fork_rng():
+        ...     noise = torch.rand(3, device=dev)
+    """
+    if not enabled:
+        yield
+        return
+    state = get_rng_state(device)
+    try:
+        yield
+    finally:
+        set_rng_state(state, device)
+
+
+def get_stablehlo(tensors: list[torch.Tensor] | None = None) -> str:
+    """The StableHLO text of the pending computation of ``tensors`` (nothing runs).
+
+    Args:
+        tensors: The outputs of the graph to lower; default: every pending tensor.
+
+    Example:
+        >>> y = x * 2 + 1
+        >>> print(xm.get_stablehlo([y]))
+    """
+    return _execute.pending_hlo(list(tensors) if tensors else None)
+
+
+def _check_device(device, api: str) -> None:
+    if device is not None and str(device) not in ("xla", "xla:0"):
+        raise ValueError(f"{api}(device={str(device)!r}): the only xla device is xla:0")
+
+
+def _compute_xla_tensors(data: Any) -> list[torch.Tensor]:
+    """Compute every xla tensor in ``data`` in one program (no donation); returns them."""
+    tensors: list[torch.Tensor] = []
+    rewrite_instances(data, _is_xla_value, lambda t, i: tensors.append(t))
+    if tensors:
+        _execute.materialize(tensors)
+    return tensors
+
+
+_OPAQUE = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType)
+
+
+def rewrite_instances(data: Any, select: Callable, convert: Callable) -> Any:
+    """``data`` with every value ``v`` where ``select(v)`` replaced by ``convert(v, index)``.
+
+    ``index`` numbers distinct selected values in order of first appearance; a value met twice is
+    converted once, so aliasing survives. Containers (and objects' ``__dict__``) holding nothing
+    selected are returned as they are; the others are shallow-copied, never mutated. Tuples stay
+    tuples and namedtuples keep their type. Tensors that are not selected are left whole.
+    """
+    memo: dict[int, tuple] = {}
+
+    def walk(value: Any) -> Any:
+        if select(value):
+            key = id(value)
+            if key not in memo:
+                memo[key] = (convert(value, len(memo)), value)  # keep value alive: stable ids
+            return memo[key][0]
+        if isinstance(value, (torch.Tensor, str, bytes, int, float, complex, type(None))):
+            return value
+        if isinstance(value, dict):
+            items = {k: walk(v) for k, v in value.items()}
+            if all(items[k] is v for k, v in value.items()):
+                return value
+            result = copy.copy(value)
+            result.update(items)
+            return result
+        if isinstance(value, (list, tuple, set, frozenset)):
+            items = [walk(v) for v in value]
+            if all(new is old for new, old in zip(items, value)):
+                return value
+            if isinstance(value, tuple) and hasattr(value, "_fields"):
+                return type(value)(*items)
+            if isinstance(value, list) and type(value) is not list:
+                result = copy.copy(value)
+                result[:] = items
+                return result
+            return type(value)(items)
+        if hasattr(value, "__dict__") and not isinstance(value, _OPAQUE):
+            state = walk(vars(value))
+            if state is vars(value):
+                return value
+            result = copy.copy(value)
+            result.__dict__.update(state)
+            return result
+        return value
+
+    return walk(data)
+
+
+def _is_xla_value(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.device.type == "xla"

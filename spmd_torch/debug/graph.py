@@ -1,0 +1,69 @@
+"""The pending graph, as text and as StableHLO, without running it: what the next sync compiles.
+
+``get_tensors_text`` and ``get_tensors_hlo`` answer what PyTorch/XLA's
+``torch_xla._XLAC._get_xla_tensors_text`` / ``_get_xla_tensors_hlo`` answer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spmd_torch._lazy import execute as _execute
+
+
+def pending_text(tensors: list[torch.Tensor] | None = None) -> str:
+    """The pending graph computing ``tensors`` as text, one typed line per op.
+
+    Args:
+        tensors: xla tensors whose graph to show; default: every pending tensor.
+
+    Example:
+        >>> y = torch.ones(2, device=dev) * 3
+        >>> print(graph.pending_text([y]))
+    """
+    return _execute.pending_text(None if tensors is None else list(tensors))
+
+
+def pending_hlo(tensors: list[torch.Tensor] | None = None) -> str:
+    """The pending graph computing ``tensors`` lowered to StableHLO text; nothing runs.
+
+    Args:
+        tensors: xla tensors whose graph to lower; default: every pending tensor.
+
+    Example:
+        >>> print(graph.pending_hlo([y]))
+    """
+    return _execute.pending_hlo(None if tensors is None else list(tensors))
+
+
+def get_tensors_text(tensors: list[torch.Tensor]) -> str:
+    """The graph computing ``tensors`` as text (``_XLAC._get_xla_tensors_text``).
+
+    Args:
+        tensors: xla tensors; computed ones show as inputs.
+
+    Example:
+        >>> print(graph.get_tensors_text([y]))
+    """
+    return _execute.pending_text(_checked(tensors, "get_tensors_text"))
+
+
+def get_tensors_hlo(tensors: list[torch.Tensor]) -> str:
+    """The graph computing ``tensors`` as StableHLO text (``_XLAC._get_xla_tensors_hlo``).
+
+    Args:
+        tensors: xla tensors.
+
+    Example:
+        >>> print(graph.get_tensors_hlo([y]))
+    """
+    return _execute.pending_hlo(_checked(tensors, "get_tensors_hlo"))
+
+
+def _checked(tensors, api: str) -> list[torch.Tensor]:
+    tensors = list(tensors)
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor) or t.device.type != "xla":
+            where = t.device if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{api}: tensors[{i}] is not an xla tensor ({where})")
+    return tensors

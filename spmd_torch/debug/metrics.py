@@ -1,0 +1,217 @@
+"""torch_xla.debug.metrics: a read-only view of the engine's counters and sampled metrics.
+
+Counters count events (``MarkStep``, ``CachedCompile``, ``UncachedCompile``, ``aten::<op>`` for
+an op run on the CPU because it has no lowering...); metrics keep samples (``CompileTime``,
+``ExecuteTime``, ``TransferToDeviceTime``... in nanoseconds). Names follow PyTorch/XLA, so
+reports read the same and tests can count events instead of timing them.
+"""
+
+from __future__ import annotations
+
+import math
+
+from spmd_torch._lazy import counters as _store
+
+_PERCENTILES = (1, 5, 10, 20, 50, 80, 90, 95, 99)
+_TIME_PARTS = (("d", 86400e9, 2), ("h", 3600e9, 2), ("m", 60e9, 2), ("s", 1e9, 2), ("ms", 1e6, 3))
+_BYTE_UNITS = ("B", "KB", "MB", "GB", "TB", "PB")
+_DEFAULT_COUNTERS = ("CachedCompile", "MarkStep")
+_DEFAULT_METRICS = (
+    "CompileTime",
+    "ExecuteTime",
+    "ExecuteReplicatedTime",
+    "TransferToDeviceTime",
+    "TransferFromDeviceTime",
+)
+
+
+def counter_names() -> list[str]:
+    """The names of the counters that have counted something, sorted.
+
+    Example:
+        >>> import spmd_torch.debug.metrics as met
+        >>> 'MarkStep' in met.counter_names()  # after a sync
+        True
+    """
+    return sorted(name for name, value in _store.COUNTERS.items() if value)
+
+
+def counter_value(name: str) -> int | None:
+    """The value of counter ``name``, or ``None`` if it has not counted anything.
+
+    Args:
+        name: The counter's name, e.g. ``'CachedCompile'`` or ``'aten::nonzero'``.
+
+    Example:
+        >>> before = met.counter_value('MarkStep') or 0
+        >>> spmd_torch.sync()
+        >>> met.counter_value('MarkStep') - before
+        1
+    """
+    value = _store.COUNTERS.get(name)
+    return value if value else None
+
+
+def metric_names() -> list[str]:
+    """The names of the metrics that hold samples, sorted.
+
+    Example:
+        >>> 'CompileTime' in met.metric_names()  # after a compile
+        True
+    """
+    return sorted(name for name, samples in _store.METRICS.items() if samples)
+
+
+def metric_data(name: str) -> tuple[int, float, list[tuple[float, float]]] | None:
+    """The samples of metric ``name``, or ``None`` if it has none.
+
+    Args:
+        name: The metric's name, e.g. ``'CompileTime'`` (nanoseconds).
+
+    Returns:
+        ``(total_samples, accumulator, samples)``: the number of samples, their sum, and the
+        samples as ``(timestamp, value)`` pairs. The engine records no sample times, so each
+        timestamp is 0.0.
+
+    Example:
+        >>> total, accumulator, samples = met.metric_data('CompileTime')
+    """
+    values = _values(name)
+    if not values:
+        return None
+    return len(values), float(sum(values)), [(0.0, float(v)) for v in values]
+
+
+def clear_counters() -> None:
+    """Forget every counter.
+
+    Example:
+        >>> met.clear_counters()
+        >>> met.counter_value('MarkStep') is None
+        True
+    """
+    _store.COUNTERS.clear()
+
+
+def clear_metrics() -> None:
+    """Forget every metric's samples.
+
+    Example:
+        >>> met.clear_metrics()
+        >>> met.metric_names()
+        []
+    """
+    _store.METRICS.clear()
+
+
+def clear_all() -> None:
+    """Forget every counter and every metric.
+
+    Example:
+        >>> met.clear_all()
+    """
+    clear_metrics()
+    clear_counters()
+
+
+def executed_fallback_ops() -> list[str]:
+    """The ops that ran on the CPU for lack of a lowering, as ``aten::<op>`` names, sorted.
+
+    Example:
+        >>> met.executed_fallback_ops()
+        []
+    """
+    return [name for name in counter_names() if name.startswith("aten::")]
+
+
+def metrics_report() -> str:
+    """Every metric, then every counter, as PyTorch/XLA prints them.
+
+    Each metric lists its sample count, the sum of its samples and percentiles (times human
+    readable, e.g. ``093ms462.052us``); each counter its value.
+
+    Example:
+        >>> print(met.metrics_report())
+        Metric: CompileTime
+          TotalSamples: 1
+          Accumulator: 052ms103.204us
+          Percentiles: 1%=052ms103.204us; 5%=052ms103.204us; ...
+        Counter: MarkStep
+          Value: 1
+    """
+    return _report(metric_names(), counter_names())
+
+
+def short_metrics_report(
+    counter_names: list[str] | None = None, metric_names: list[str] | None = None
+) -> str:
+    """The report restricted to some counters and metrics (those without data are left out).
+
+    Args:
+        counter_names: Counters to show; default ``['CachedCompile', 'MarkStep']``.
+        metric_names: Metrics to show; default: compile, execute and transfer times.
+
+    Example:
+        >>> print(met.short_metrics_report(['MarkStep'], ['ExecuteTime']))
+    """
+    counters = list(counter_names or _DEFAULT_COUNTERS)
+    metrics = list(metric_names or _DEFAULT_METRICS)
+    return _report(
+        [m for m in metrics if _values(m)], [c for c in counters if _store.COUNTERS.get(c)]
+    )
+
+
+def _values(name: str) -> list[float]:
+    return list(_store.METRICS.get(name, ()))
+
+
+def _report(metrics: list[str], counters: list[str]) -> str:
+    lines = []
+    for name in metrics:
+        values = _values(name)
+        fmt = _formatter(name)
+        ordered = sorted(values)
+        percentiles = "; ".join(
+            f"{p}%={fmt(ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))])}"
+            for p in _PERCENTILES
+        )
+        lines += [
+            f"Metric: {name}",
+            f"  TotalSamples: {len(values)}",
+            f"  Accumulator: {fmt(sum(values))}",
+            f"  Percentiles: {percentiles}",
+        ]
+    for name in counters:
+        lines += [f"Counter: {name}", f"  Value: {_store.COUNTERS[name]}"]
+    return "\n".join(lines) + "\n" if lines else ""
+
+
+def _formatter(name: str):
+    if name.endswith("Time"):
+        return format_time
+    if name.endswith("Bytes"):
+        return format_bytes
+    return lambda value: f"{value:.2f}"
+
+
+def format_time(nanoseconds: float) -> str:
+    """A duration in PyTorch/XLA's report format: ``01m02s003ms004.000us``, ``012.500us``."""
+    rest = float(nanoseconds)
+    parts = []
+    for suffix, scale, width in _TIME_PARTS:
+        whole = math.floor(rest / scale)
+        if whole >= 1 or parts:
+            parts.append(f"{whole:0{width}d}{suffix}")
+            rest -= whole * scale
+    parts.append(f"{rest / 1e3:07.3f}us")
+    return "".join(parts)
+
+
+def format_bytes(size: float) -> str:
+    """A size in PyTorch/XLA's report format: ``512.00B``, ``4.00KB``, ``1.50MB``."""
+    value = float(size)
+    for unit in _BYTE_UNITS[:-1]:
+        if abs(value) < 1024:
+            return f"{value:.2f}{unit}"
+        value /= 1024
+    return f"{value:.2f}{_BYTE_UNITS[-1]}"

@@ -1,0 +1,278 @@
+"""torch_xla.runtime on JAX: device kind, ordinals, device counts, the persistent compile cache.
+
+spmd_torch always runs in PyTorch/XLA's SPMD model: one program per process (one process per host)
+addresses one logical device, ``xla:0``, that wraps every device JAX sees. So, as in PyTorch/XLA
+with SPMD enabled, the *device* counts are those of the logical device (1 per process) and the
+*runtime device* counts are those of the real accelerators (``global_runtime_device_count()``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+
+import jax
+import torch
+
+_PLATFORM_NAMES = {"cpu": "CPU", "tpu": "TPU", "gpu": "CUDA", "cuda": "CUDA", "rocm": "ROCM"}
+_XLA_DEVICE = re.compile(r"xla(?::(\d+))?$")
+
+_spmd_requested = False  # set by use_spmd(); read by is_spmd()
+
+
+def device_type() -> str:
+    """The kind of accelerator the program runs on, as PyTorch/XLA's ``PJRT_DEVICE`` names it.
+
+    JAX's platform of the first device, upper-cased; NVIDIA GPUs read ``'CUDA'`` and AMD GPUs
+    ``'ROCM'``, as in PyTorch/XLA.
+
+    Returns:
+        ``'CPU'``, ``'CUDA'``, ``'ROCM'``, ``'TPU'`` or another JAX platform name upper-cased.
+
+    Example:
+        >>> import spmd_torch.runtime as xr
+        >>> xr.device_type()
+        'CPU'
+    """
+    first = jax.devices()[0]
+    platform = first.platform.lower()
+    if platform == "gpu" and "rocm" in getattr(first.client, "platform_version", "").lower():
+        platform = "rocm"
+    return _PLATFORM_NAMES.get(platform, platform.upper())
+
+
+def world_size() -> int:
+    """The number of processes taking part in the job (one per host).
+
+    Returns:
+        ``jax.process_count()``: 1 on a single host.
+
+    Example:
+        >>> xr.world_size()
+        1
+    """
+    return jax.process_count()
+
+
+def global_ordinal() -> int:
+    """This process's ordinal among all processes, in ``[0, world_size())``.
+
+    Returns:
+        ``jax.process_index()``.
+
+    Example:
+        >>> xr.global_ordinal()
+        0
+    """
+    return jax.process_index()
+
+
+def local_ordinal() -> int:
+    """This process's ordinal among the processes of its host: always 0 (one process per host).
+
+    Example:
+        >>> xr.local_ordinal()
+        0
+    """
+    return 0
+
+
+def process_index() -> int:
+    """The index of this process (``jax.process_index()``).
+
+    Example:
+        >>> xr.process_index()
+        0
+    """
+    return jax.process_index()
+
+
+def process_count() -> int:
+    """The number of processes (``jax.process_count()``).
+
+    Example:
+        >>> xr.process_count()
+        1
+    """
+    return jax.process_count()
+
+
+def host_index() -> int:
+    """The index of this host; hosts and processes coincide here.
+
+    Example:
+        >>> xr.host_index()
+        0
+    """
+    return jax.process_index()
+
+
+def local_process_count() -> int:
+    """The number of processes on this host: always 1.
+
+    Example:
+        >>> xr.local_process_count()
+        1
+    """
+    return 1
+
+
+def addressable_device_count() -> int:
+    """The number of logical xla devices this process addresses: 1 (``xla:0``), as under SPMD.
+
+    For the number of real accelerators this process drives, see
+    :func:`addressable_runtime_device_count`.
+
+    Example:
+        >>> xr.addressable_device_count()
+        1
+    """
+    return 1
+
+
+def local_device_count() -> int:
+    """The number of logical xla devices on this host (processes on the host times 1).
+
+    Example:
+        >>> xr.local_device_count()
+        1
+    """
+    return local_process_count() * addressable_device_count()
+
+
+def global_device_count() -> int:
+    """The number of logical xla devices in the job: one per process.
+
+    For the number of real accelerators, see :func:`global_runtime_device_count`.
+
+    Example:
+        >>> xr.global_device_count()
+        1
+    """
+    return jax.process_count() * addressable_device_count()
+
+
+def global_runtime_device_count() -> int:
+    """The number of real accelerators across all hosts, the size a device mesh spans.
+
+    Returns:
+        ``jax.device_count()``.
+
+    Example:
+        >>> xr.global_runtime_device_count()  # 8 virtual CPU devices in the tests
+        8
+    """
+    return jax.device_count()
+
+
+def addressable_runtime_device_count() -> int:
+    """The number of real accelerators this process drives (``jax.local_device_count()``).
+
+    Example:
+        >>> xr.addressable_runtime_device_count()
+        8
+    """
+    return jax.local_device_count()
+
+
+def use_spmd(auto: bool = False) -> None:
+    """Declare that the program uses SPMD sharding, as in PyTorch/XLA.
+
+    Execution is always SPMD here (one program over every device), so this changes no
+    computation: it records that the program asked for SPMD, which :func:`is_spmd` reports and
+    which APIs that only make sense in one model (sharding annotations, emulated
+    multiprocessing) may check. Call it at the start of the program, as in PyTorch/XLA.
+
+    Args:
+        auto: PyTorch/XLA's automatic sharding; not supported.
+
+    Example:
+        >>> xr.use_spmd()
+        >>> xr.is_spmd()
+        True
+    """
+    global _spmd_requested
+    if auto:
+        raise NotImplementedError(
+            "use_spmd(auto=True): automatic sharding is not supported; annotate tensors with "
+            "mark_sharding instead"
+        )
+    _spmd_requested = True
+
+
+def is_spmd() -> bool:
+    """Whether SPMD was requested, by :func:`use_spmd` or the ``XLA_USE_SPMD`` variable.
+
+    Example:
+        >>> xr.is_spmd()
+        False
+    """
+    flag = os.environ.get("XLA_USE_SPMD", "").strip().lower() in ("1", "true", "yes", "on")
+    return _spmd_requested or flag
+
+
+def initialize_cache(path: str, readonly: bool = False) -> None:
+    """Keep compiled programs on disk under ``path`` and reuse them in later runs.
+
+    Backed by JAX's persistent compilation cache, so it applies to every JAX program of the
+    process. Every program is written, however small or quick to compile. With ``readonly``
+    the cache is only read: JAX has no read-only switch, so writes are suppressed by raising
+    the minimum compile time worth caching to infinity. Programs already compiled in this
+    process stay in the in-memory cache and are not written.
+
+    Args:
+        path: Directory of the cache; created if missing. Several processes may share it.
+        readonly: Read existing entries without writing new ones (for all but one worker
+            sharing a cache).
+
+    Example:
+        >>> xr.initialize_cache('/tmp/xla_cache', readonly=False)
+    """
+    from jax.experimental.compilation_cache import compilation_cache
+
+    os.makedirs(path, exist_ok=True)
+    compilation_cache.reset_cache()  # JAX sets its cache up once; start over with this path
+    jax.config.update("jax_compilation_cache_dir", os.fspath(path))
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    min_time = math.inf if readonly else 0.0
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_time)
+
+
+def xla_real_devices(devices: list | None = None) -> list[str]:
+    """The real device names behind xla devices, e.g. ``['CPU:0']`` for ``['xla:0']``.
+
+    Under SPMD the one logical device stands for all accelerators; it is named after the first.
+
+    Args:
+        devices: xla devices (``torch.device`` or strings); default: every xla device.
+
+    Example:
+        >>> xr.xla_real_devices(['xla:0'])
+        ['CPU:0']
+    """
+    if not devices:
+        devices = ["xla:0"]
+    return [_real_device(d) for d in devices]
+
+
+def xla_device_hw(device: str | torch.device) -> str:
+    """The hardware kind of an xla device: ``'CPU'``, ``'CUDA'``, ``'TPU'``...
+
+    Args:
+        device: an xla device, ``torch.device('xla:0')`` or ``'xla:0'``.
+
+    Example:
+        >>> xr.xla_device_hw('xla:0')
+        'CPU'
+    """
+    return _real_device(device).split(":")[0]
+
+
+def _real_device(device: str | torch.device) -> str:
+    match = _XLA_DEVICE.match(str(device))
+    if match is None or int(match.group(1) or 0) != 0:
+        raise RuntimeError(
+            f"Invalid xla device {str(device)!r}: the SPMD program has one logical device, xla:0"
+        )
+    return f"{device_type()}:0"
