@@ -145,13 +145,20 @@ def explain_miss(parts: tuple) -> str:
     for name, old, new in zip(names, best, parts):
         if old != new:
             if name == "graph":
-                return f"graph changed ({len(old[0])} -> {len(new[0])} nodes)"
+                return _explain_graph_change(old[0], new[0])
             if name.startswith("input") and len(old) == len(new):
                 diffs = [f"input {i}: {o[:2]} -> {n[:2]}" for i, (o, n) in
                          enumerate(zip(old, new)) if o != n]
                 return f"{name} changed: " + "; ".join(diffs[:3])
             return f"{name} changed"
     return "unknown"
+
+
+def _explain_graph_change(old: tuple, new: tuple) -> str:
+    for k, (a, b) in enumerate(zip(old, new)):
+        if a != b:
+            return f"graph changed at node {k}: {a[0]}{a[1:3]} -> {b[0]}{b[1:3]}"
+    return f"graph changed ({len(old)} -> {len(new)} nodes)"
 
 
 def clear_cache() -> None:

@@ -29,7 +29,7 @@ _in_flight: list = []  # outputs of the last dispatched program, for wait_device
 def sync(wait: bool = False) -> None:
     """Compile (or reuse) and dispatch one program computing every live pending tensor."""
     counters.bump("MarkStep")
-    storages = list(PENDING)
+    storages = sorted(PENDING, key=lambda s: s.written)  # same program order -> same graph
     PENDING.clear()
     owners: dict = {}  # (id(node), index) -> (ref, [storages])
     for storage in storages:

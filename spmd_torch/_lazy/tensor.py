@@ -7,6 +7,7 @@ become functional updates of the storage's value (see views.py).
 
 from __future__ import annotations
 
+import itertools
 import weakref
 
 import torch
@@ -17,12 +18,13 @@ DEVICE = torch.device("xla", 0)
 
 # Storages whose value may still be pending: the barrier computes exactly these (dead ones vanish).
 PENDING: weakref.WeakSet = weakref.WeakSet()
+_write_order = itertools.count()
 
 
 class Storage:
     """The value shared by a tensor and all its aliases, with a version bumped on every write."""
 
-    __slots__ = ("ref", "version", "__weakref__")
+    __slots__ = ("ref", "version", "written", "__weakref__")
 
     def __init__(self, ref: Ref):
         self.ref = None
@@ -37,6 +39,7 @@ class Storage:
         self.ref = ref
         self.version += 1
         if not node.is_leaf(index):
+            self.written = next(_write_order)  # orders the barrier's outputs deterministically
             PENDING.add(self)
 
     @property
