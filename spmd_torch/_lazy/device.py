@@ -102,3 +102,6 @@ def register() -> None:
             name += "." + op._overloadname
         library.impl(name, _factory_kernel(op), "PrivateUse1")
     _registered.append(library)
+    # Backward of device tensors runs on the calling thread: an error raised by a backward op on
+    # autograd's per-device worker thread of a Python backend terminates the process.
+    torch._C._set_multithreading_enabled(False)

@@ -48,6 +48,8 @@ def _resolve(func) -> Callable:
         return lambda f, args, kwargs: views.alias(args[0])
     if func in views.SPLIT_VIEWS:
         return lambda f, args, kwargs: views.split_views(args[0], f, args[1:])
+    if torch.Tag.inplace_view in func.tags:
+        return _inplace_view
     lowering = LOWERINGS.get(func)
     if lowering is not None:
         if func.is_view:
@@ -105,6 +107,18 @@ def _view(func, args: tuple, kwargs: dict) -> LazyTensor:
     if kwargs:
         args = args + tuple(kwargs.values())
     return views.make_view(args[0], func, args[1:])
+
+
+def _inplace_view(func, args: tuple, kwargs: dict) -> LazyTensor:
+    """``x.unsqueeze_(0)``, ``x.t_()``: ``x`` becomes a view of its own former self."""
+    target = args[0]
+    packet = getattr(aten, func._schema.name.split("::")[1][:-1])
+    reshaped = views.make_view(target, getattr(packet, func._overloadname), args[1:])
+    with torch._C._DisableTorchDispatch():
+        func(target, *args[1:], **kwargs)  # the wrapper's own sizes and strides
+    target._view, target._cache = reshaped._view, reshaped._cache
+    target._cache_version = reshaped._cache_version
+    return target
 
 
 # --- mutation ------------------------------------------------------------------------------------
