@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import weakref
 
 import jax
 import torch
@@ -17,19 +18,20 @@ import torch
 from . import compile as compiler
 from . import config, counters
 from .graph import DATA, Node, linearize, to_text
-from .tensor import PENDING, LazyTensor
+from .tensor import PENDING, LazyTensor, live_pending
 from .transfer import to_torch
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH_ROOT = os.path.dirname(os.path.abspath(torch.__file__))
 
+_COMPACT_PENDING_AT = 100_000
 _in_flight: list = []  # outputs of the last dispatched program, for wait_device_ops()
 
 
 def sync(wait: bool = False) -> None:
     """Compile (or reuse) and dispatch one program computing every live pending tensor."""
     counters.bump("MarkStep")
-    storages = sorted(PENDING, key=lambda s: s.written)  # same program order -> same graph
+    storages = live_pending()  # in write order: the same program gives the same graph
     PENDING.clear()
     owners: dict = {}  # (id(node), index) -> (ref, [storages])
     for storage in storages:
@@ -73,6 +75,8 @@ def run(refs: list, donate: bool) -> list:
 
 def materialize(tensors: list[LazyTensor]) -> list[jax.Array]:
     """The arrays of ``tensors``, running only the part of the graph they need (no donation)."""
+    if len(PENDING) > _COMPACT_PENDING_AT:  # programs that read values but never call sync()
+        PENDING[:] = [weakref.ref(s) for s in live_pending() if not s.ref[0].is_leaf(s.ref[1])]
     refs = [t._ref() for t in tensors]
     missing = [ref for ref in refs if not ref[0].is_leaf(ref[1])]
     if missing:
@@ -115,7 +119,7 @@ def pending_hlo(tensors: list[LazyTensor] | None = None) -> str:
 
 def _pending_refs(tensors) -> list:
     if tensors is None:
-        refs = [s.ref for s in list(PENDING) if not s.ref[0].is_leaf(s.ref[1])]
+        refs = [s.ref for s in live_pending() if not s.ref[0].is_leaf(s.ref[1])]
     else:
         refs = [t._ref() for t in tensors]
     return list({(id(n), i): (n, i) for n, i in refs}.values())

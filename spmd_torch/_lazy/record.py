@@ -38,9 +38,10 @@ def emit(
     """
     src: list = [key] if key is not None else []
     signature: list = [func]
-    static_args = tuple(_walk(a, src, signature, lift_floats) for a in args)
-    static_kwargs = {k: _walk(v, src, signature, lift_floats) for k, v in kwargs.items()}
+    static_args = tuple([_walk(a, src, signature, lift_floats) for a in args])
+    static_kwargs = {}
     if kwargs:
+        static_kwargs = {k: _walk(v, src, signature, lift_floats) for k, v in kwargs.items()}
         signature.append(tuple(kwargs))
     signature = tuple(signature)
     meta = _META_CACHE.get(signature)
@@ -55,8 +56,9 @@ def emit(
 def _walk(x: Any, src: list, key: list, lift_floats: bool) -> Any:
     cls = type(x)
     if cls is LazyTensor:
-        src.append(x._ref())
-        key.append(src[-1][0].avals[src[-1][1]])
+        ref = x._ref()
+        src.append(ref)
+        key.append(ref[0].avals[ref[1]])
         return Arg(len(src) - 1)
     if cls is Value:
         src.append(x.ref)
@@ -68,7 +70,7 @@ def _walk(x: Any, src: list, key: list, lift_floats: bool) -> Any:
         return Arg(len(src) - 1)
     if cls is list or cls is tuple:
         key.append(len(x))
-        return tuple(_walk(v, src, key, lift_floats) for v in x)
+        return tuple([_walk(v, src, key, lift_floats) for v in x])
     if isinstance(x, torch.Tensor):
         return _walk(_upload_scalar_tensor(x), src, key, lift_floats)
     key.append(x)

@@ -7,7 +7,6 @@ become functional updates of the storage's value (see views.py).
 
 from __future__ import annotations
 
-import itertools
 import weakref
 
 import torch
@@ -16,15 +15,15 @@ from .graph import Aval, Node, Ref
 
 DEVICE = torch.device("xla", 0)
 
-# Storages whose value may still be pending: the barrier computes exactly these (dead ones vanish).
-PENDING: weakref.WeakSet = weakref.WeakSet()
-_write_order = itertools.count()
+# Weak references to storages given a pending value, in write order: the barrier computes the live
+# ones. A plain list (no weakref callbacks) keeps the per-op cost low; the barrier clears it.
+PENDING: list = []
 
 
 class Storage:
     """The value shared by a tensor and all its aliases, with a version bumped on every write."""
 
-    __slots__ = ("ref", "version", "written", "__weakref__")
+    __slots__ = ("ref", "version", "__weakref__")
 
     def __init__(self, ref: Ref):
         self.ref = None
@@ -39,8 +38,7 @@ class Storage:
         self.ref = ref
         self.version += 1
         if not node.is_leaf(index):
-            self.written = next(_write_order)  # orders the barrier's outputs deterministically
-            PENDING.add(self)
+            PENDING.append(weakref.ref(self))
 
     @property
     def aval(self) -> Aval:
@@ -125,6 +123,18 @@ class LazyTensor(torch.Tensor):
 
 def _rebuild_on_device(cpu: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     return cpu.to(DEVICE).requires_grad_(requires_grad)
+
+
+def live_pending() -> list[Storage]:
+    """Live storages that were given a pending value, each once, in first-write order."""
+    seen: set = set()
+    storages = []
+    for weak in PENDING:
+        storage = weak()
+        if storage is not None and id(storage) not in seen:
+            seen.add(id(storage))
+            storages.append(storage)
+    return storages
 
 
 def wrap(ref: Ref, aval: Aval) -> LazyTensor:

@@ -10,14 +10,14 @@ import torch
 
 import spmd_torch
 from spmd_torch._lazy import counters
-from spmd_torch._lazy.tensor import PENDING
+from spmd_torch._lazy.tensor import live_pending
 from tests.helpers import assert_close, assert_compiles, assert_counter_delta
 
 dev = spmd_torch.device()
 
 
 def _pending_count() -> int:
-    return sum(1 for s in list(PENDING) if not s.ref[0].is_leaf(s.ref[1]))
+    return sum(1 for s in live_pending() if not s.ref[0].is_leaf(s.ref[1]))
 
 
 def test_device_is_xla0():

@@ -14,13 +14,13 @@ import spmd_torch
 import spmd_torch.core.xla_model as xm
 import spmd_torch.runtime as xr
 from spmd_torch._lazy import counters
-from spmd_torch._lazy.tensor import PENDING
+from spmd_torch._lazy.tensor import live_pending
 
 DEV = torch.device("xla:0")
 
 
 def _pending() -> list:
-    return [s for s in list(PENDING) if not s.ref[0].is_leaf(s.ref[1])]
+    return [s for s in live_pending() if not s.ref[0].is_leaf(s.ref[1])]
 
 
 def _delta(before: dict) -> dict:
