@@ -1,0 +1,272 @@
+"""Lowerings: reductions, scans, sort and top-k.
+
+Integer sums widen to int64 and bfloat16/float16 accumulate in float32, as ATen's accumulate types
+do. Index outputs are int64 and follow ATen's tie and NaN rules: max/argmax pick the first
+extreme, a NaN counts as the extreme, cummax/cummin pick the last, sort is stable with NaN last.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import torch
+from jax import lax
+
+from . import lowers, register_table
+from ._helpers import category, float_dtype, opmath
+from .dtypes import to_jax_dtype
+
+aten = torch.ops.aten
+
+
+def _axes(x, dim, empty=None):
+    """The axes an ATen dim (int, list or None) names. None is every axis, and so is [] except
+    where the op says (any/all.dims reduce nothing); a 0-dim tensor accepts dim 0 and -1."""
+    if dim is None:
+        return None
+    dims = tuple(dim) if isinstance(dim, (list, tuple)) else (dim,)
+    if not dims:
+        return empty
+    return () if x.ndim == 0 else dims
+
+
+def _on_vector_if_scalar(fn):
+    """Ops along one dim treat a 0-dim tensor as a one-element vector, and return 0-dim results."""
+
+    def lowering(x, *args, **kwargs):
+        if x.ndim:
+            return fn(x, *args, **kwargs)
+        return jax.tree.map(lambda r: r.reshape(()), fn(x.reshape(1), *args, **kwargs))
+
+    return lowering
+
+
+def _sum_dtype(x, dtype):
+    """The dtype sum/prod/cumsum return: the requested one, else int64 for integer and bool."""
+    if dtype is not None:
+        return to_jax_dtype(dtype)
+    return jnp.dtype(jnp.int64) if category(x.dtype) < 2 else x.dtype
+
+
+def _accumulating(fn):
+    """sum/prod/mean: cast to the result dtype, accumulate in its opmath, round once at the end."""
+
+    def lowering(x, dim=None, keepdim=False, *, dtype=None):
+        out = _sum_dtype(x, dtype)
+        acc = fn(x.astype(out), _axes(x, dim), dtype=opmath(out), keepdims=keepdim)
+        return acc.astype(out)
+
+    return lowering
+
+
+register_table(
+    {
+        (aten.sum.default, aten.sum.dim_IntList): jnp.sum,
+        (aten.prod.default, aten.prod.dim_int): jnp.prod,
+        (aten.mean.default, aten.mean.dim): jnp.mean,
+    },
+    adapt=_accumulating,
+)
+
+
+def _extreme(fn):
+    return lambda x, dim=None, keepdim=False: fn(x, _axes(x, dim), keepdims=keepdim)
+
+
+def _all_or_any(fn):
+    """any/all.dims with an empty list reduce nothing (they only convert to bool)."""
+    return lambda x, dim=None, keepdim=False: fn(x, _axes(x, dim, empty=()), keepdims=keepdim)
+
+
+register_table(
+    {
+        (aten.amax.default, aten.max.default): jnp.max,
+        (aten.amin.default, aten.min.default): jnp.min,
+        aten.count_nonzero.dim_IntList: jnp.count_nonzero,
+        aten.count_nonzero.default: jnp.count_nonzero,
+    },
+    adapt=_extreme,
+)
+register_table(
+    {
+        (aten.any.default, aten.any.dim, aten.any.dims): jnp.any,
+        (aten.all.default, aten.all.dim, aten.all.dims): jnp.all,
+    },
+    adapt=_all_or_any,
+)
+
+
+def _along(fn):
+    return lambda x, dim=None, keepdim=False: fn(x, dim, keepdims=keepdim)
+
+
+def _with_index(fn, arg_fn):
+    """max/min.dim: the extreme value and the index of its first occurrence (NaN wins)."""
+    return lambda x, dim, keepdim=False: (
+        _along(fn)(x, dim, keepdim),
+        _along(arg_fn)(x, dim, keepdim),
+    )
+
+
+register_table(
+    {
+        aten.max.dim: _with_index(jnp.max, jnp.argmax),
+        aten.min.dim: _with_index(jnp.min, jnp.argmin),
+        aten.argmax.default: _along(jnp.argmax),
+        aten.argmin.default: _along(jnp.argmin),
+    },
+    adapt=_on_vector_if_scalar,
+)
+
+
+def _variance(x, dim, correction, keepdim):
+    """In opmath, not yet rounded. ATen's divisor is max(0, N - correction): too large a correction
+    gives inf, not a negative variance."""
+    y = x.astype(opmath(x.dtype))
+    axes = _axes(x, dim)
+    n = math.prod(y.shape[a] for a in (range(y.ndim) if axes is None else axes))
+    centered = y - jnp.mean(y, axes, keepdims=True)
+    sum_sq = jnp.sum(centered * centered, axes, keepdims=keepdim)
+    return sum_sq / max(0, n - correction)
+
+
+def _var(x, dim, correction, keepdim):
+    return _variance(x, dim, correction, keepdim).astype(x.dtype)
+
+
+def _std(x, dim, correction, keepdim):
+    return jnp.sqrt(_variance(x, dim, correction, keepdim)).astype(x.dtype)
+
+
+def _mean(x, dim, keepdim):
+    return jnp.mean(x, _axes(x, dim), dtype=opmath(x.dtype), keepdims=keepdim).astype(x.dtype)
+
+
+def _var_mean(x, dim, correction, keepdim):
+    return _var(x, dim, correction, keepdim), _mean(x, dim, keepdim)
+
+
+def _std_mean(x, dim, correction, keepdim):
+    return _std(x, dim, correction, keepdim), _mean(x, dim, keepdim)
+
+
+def _with_correction(stat):
+    def lowering(x, dim=None, *, correction=None, keepdim=False):
+        return stat(x, dim, 1 if correction is None else correction, keepdim)
+
+    return lowering
+
+
+def _with_unbiased(stat):
+    def lowering(x, dim=None, unbiased=True, keepdim=False):
+        return stat(x, dim, int(unbiased), keepdim)
+
+    return lowering
+
+
+_MOMENTS = {"var": _var, "std": _std, "var_mean": _var_mean, "std_mean": _std_mean}
+register_table(
+    {getattr(aten, name).correction: stat for name, stat in _MOMENTS.items()},
+    adapt=_with_correction,
+)
+register_table(
+    {getattr(aten, name).dim: stat for name, stat in _MOMENTS.items()}, adapt=_with_unbiased
+)
+
+
+@lowers(aten.logsumexp.default)
+def _logsumexp(x, dim, keepdim=False):
+    out = float_dtype(x.dtype)
+    return jax.nn.logsumexp(x.astype(opmath(out)), _axes(x, dim), keepdims=keepdim).astype(out)
+
+
+def _scan(fn):
+    """cumsum/cumprod: like sum, integers widen to int64 and bf16/f16 accumulate in float32."""
+
+    def lowering(x, dim, *, dtype=None):
+        out = _sum_dtype(x, dtype)
+        return fn(x.astype(out), dim, dtype=opmath(out)).astype(out)
+
+    return lowering
+
+
+register_table(
+    {aten.cumsum.default: _scan(jnp.cumsum), aten.cumprod.default: _scan(jnp.cumprod)},
+    adapt=_on_vector_if_scalar,
+)
+
+
+def _cumulative_extreme(later_wins):
+    """cummax/cummin as a scan over (value, index): a later element replaces the running one on a
+    tie, and a NaN, once seen, is only replaced by a later NaN (ATen's loop, made associative)."""
+
+    def combine(a, b):
+        take = jnp.isnan(b[0]) | (~jnp.isnan(a[0]) & later_wins(b[0], a[0]))
+        return jnp.where(take, b[0], a[0]), jnp.where(take, b[1], a[1])
+
+    def lowering(x, dim):
+        dim %= x.ndim
+        index = lax.broadcasted_iota(jnp.int64, x.shape, dim)
+        return lax.associative_scan(combine, (x, index), axis=dim)
+
+    return lowering
+
+
+register_table(
+    {
+        aten.cummax.default: _cumulative_extreme(jnp.greater_equal),
+        aten.cummin.default: _cumulative_extreme(jnp.less_equal),
+    },
+    adapt=_on_vector_if_scalar,
+)
+
+
+def _sort(x, dim=-1, descending=False):
+    """Stable, NaN last. Descending sorts the reversed axis ascending and reverses back, which puts
+    NaN first and keeps equal elements in their original order, as ATen's stable sort does."""
+    dim %= x.ndim
+    index = lax.broadcasted_iota(jnp.int64, x.shape, dim)
+    if descending:
+        x, index = jnp.flip(x, dim), jnp.flip(index, dim)
+    values, index = lax.sort((x, index), dimension=dim, is_stable=True, num_keys=1)
+    if descending:
+        values, index = jnp.flip(values, dim), jnp.flip(index, dim)
+    return values, index
+
+
+def _topk(x, k, dim=-1, largest=True, sorted=True):
+    """The first k of a full sort: NaN counts as the largest, ties keep the lower index."""
+    dim %= x.ndim
+    return tuple(lax.slice_in_dim(r, 0, k, axis=dim) for r in _sort(x, dim, largest))
+
+
+register_table(
+    {
+        aten.sort.default: _sort,
+        aten.sort.stable: lambda x, *, stable=None, dim=-1, descending=False: _sort(
+            x, dim, descending
+        ),
+        aten.topk.default: _topk,
+    },
+    adapt=_on_vector_if_scalar,
+)
+
+
+@lowers(aten.linalg_vector_norm.default)
+def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    """In float32 for bf16/f16; ord inf/-inf/0 are max|x|, min|x| and the nonzero count."""
+    out = x.dtype if dtype is None else to_jax_dtype(dtype)
+    y = x.astype(opmath(out))
+    return jnp.linalg.vector_norm(y, axis=_axes(x, dim), keepdims=keepdim, ord=ord).astype(out)
+
+
+@lowers(
+    aten.norm.Scalar,
+    aten.norm.ScalarOpt_dim,
+    aten.norm.ScalarOpt_dtype,
+    aten.norm.ScalarOpt_dim_dtype,
+)
+def _norm(x, p=2, dim=None, keepdim=False, *, dtype=None):
+    return _vector_norm(x, 2 if p is None else p, dim, keepdim, dtype=dtype)

@@ -1,0 +1,187 @@
+"""Matrix-product and distance lowerings against the same aten ops run eagerly on CPU torch."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from spmd_torch._lazy.lowering import LOWERINGS
+
+aten = torch.ops.aten
+_gen = torch.Generator().manual_seed(0)
+
+
+def _t(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, generator=_gen, dtype=dtype)
+    return torch.randint(-9, 10, shape, generator=_gen, dtype=dtype)
+
+
+def _to_jax(t: torch.Tensor) -> jax.Array:
+    """numpy has no bfloat16: low-precision tensors cross as float32 and are cast back."""
+    if t.dtype in (torch.bfloat16, torch.float16):
+        return jnp.asarray(t.float().numpy()).astype(str(t.dtype).split(".")[1])
+    return jnp.asarray(t.numpy())
+
+
+def _run(op, args: tuple, kwargs: dict) -> object:
+    """The lowering under jax.jit, tensors as jit inputs and everything else closed over."""
+    slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+
+    def call(*arrays):
+        full = list(args)
+        for i, a in zip(slots, arrays):
+            full[i] = a
+        return LOWERINGS[op].fn(*full, **kwargs)
+
+    return jax.jit(call)(*(_to_jax(args[i]) for i in slots))
+
+
+def _assert_same(got: jax.Array, expected: torch.Tensor, tol: dict) -> None:
+    """Shape and values as torch's; the result is cast to torch's dtype, as the engine does."""
+    got = jnp.asarray(got)
+    if got.dtype in (jnp.bfloat16, jnp.float16):
+        got = got.astype(jnp.float32)
+    got = torch.from_numpy(np.array(got)).to(expected.dtype)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, equal_nan=True, **tol)
+
+
+def _case(op, *args, id: str, tol: dict | None = None, **kwargs):
+    return pytest.param(op, args, kwargs, tol, id=id)
+
+
+_F32 = {"rtol": 1e-5, "atol": 1e-5}
+_nan_bias = torch.full((3, 5), math.nan)
+
+CASES = [
+    _case(aten.mm.default, _t(3, 4), _t(4, 5), id="mm"),
+    _case(
+        aten.mm.default, _t(3, 4, dtype=torch.float64), _t(4, 5, dtype=torch.float64), id="mm-f64"
+    ),
+    _case(aten.mm.default, _t(3, 4, dtype=torch.int64), _t(4, 5, dtype=torch.int64), id="mm-int64"),
+    _case(
+        aten.mm.default,
+        _t(8, 64, dtype=torch.bfloat16),
+        _t(64, 4, dtype=torch.bfloat16),
+        id="mm-bf16",
+    ),
+    _case(aten.bmm.default, _t(2, 3, 4), _t(2, 4, 5), id="bmm"),
+    _case(aten.mv.default, _t(3, 4), _t(4), id="mv"),
+    _case(aten.dot.default, _t(7), _t(7), id="dot"),
+    _case(aten.vdot.default, _t(7), _t(7), id="vdot"),
+    _case(
+        aten.vdot.default,
+        _t(4, dtype=torch.complex64),
+        _t(4, dtype=torch.complex64),
+        id="vdot-complex-conjugates-first",
+    ),
+    _case(aten.addmm.default, _t(3, 5), _t(3, 4), _t(4, 5), id="addmm"),
+    _case(aten.addmm.default, _t(5), _t(3, 4), _t(4, 5), id="addmm-broadcast-bias"),
+    _case(
+        aten.addmm.default,
+        _t(3, 5),
+        _t(3, 4),
+        _t(4, 5),
+        beta=0.5,
+        alpha=-2.0,
+        id="addmm-beta-alpha",
+    ),
+    _case(aten.addmm.default, _nan_bias, _t(3, 4), _t(4, 5), beta=0, id="addmm-beta0-drops-nan"),
+    _case(aten.addmm.default, _t(3, 5), _t(3, 4), _t(4, 5), alpha=0, id="addmm-alpha0"),
+    _case(
+        aten.addmm.default,
+        _t(5, dtype=torch.bfloat16),
+        _t(3, 32, dtype=torch.bfloat16),
+        _t(32, 5, dtype=torch.bfloat16),
+        id="addmm-bf16",
+    ),
+    _case(
+        aten.baddbmm.default, _t(2, 3, 5), _t(2, 3, 4), _t(2, 4, 5), beta=2, alpha=3, id="baddbmm"
+    ),
+    _case(aten.addmv.default, _t(3), _t(3, 4), _t(4), beta=0.25, id="addmv"),
+    _case(aten._cdist_forward.default, _t(2, 4, 3), _t(2, 5, 3), 2.0, None, id="cdist-p2"),
+    _case(aten._cdist_forward.default, _t(4, 3), _t(5, 3), 1.0, None, id="cdist-p1"),
+    _case(aten._cdist_forward.default, _t(4, 3), _t(5, 3), 0.0, None, id="cdist-p0"),
+    _case(aten._cdist_forward.default, _t(4, 3), _t(5, 3), math.inf, None, id="cdist-pinf"),
+    _case(aten._cdist_forward.default, _t(4, 3), _t(5, 3), 3.0, None, id="cdist-p3"),
+    _case(aten._cdist_forward.default, _t(4, 3), _t(5, 3), 0.5, None, id="cdist-p-half"),
+    _case(
+        aten._cdist_forward.default,
+        _t(30, 3),
+        _t(5, 3),
+        2.0,
+        None,
+        tol={"rtol": 1e-4, "atol": 1e-4},
+        id="cdist-p2-mm-path-over-25-rows",
+    ),
+    _case(aten._cdist_forward.default, _t(4, 3), _t(5, 3), 2.0, 2, id="cdist-p2-mode-never-mm"),
+    _case(
+        aten._cdist_forward.default,
+        _t(4, 3),
+        _t(5, 3),
+        2.0,
+        1,
+        tol={"rtol": 1e-4, "atol": 1e-4},
+        id="cdist-p2-mode-mm",
+    ),
+]
+
+
+@pytest.mark.parametrize("op,args,kwargs,tol", CASES)
+def test_lowering_matches_eager(op, args, kwargs, tol):
+    expected = op(*args, **kwargs)
+    tol = tol or (_F32 if expected.dtype == torch.float32 else {})
+    _assert_same(_run(op, args, kwargs), expected, tol)
+
+
+def _cdist_backward_case(p: float, id: str):
+    x1, x2 = _t(4, 3), _t(5, 3)
+    x2[1] = x1[2]  # a zero distance: PyTorch's gradient there is 0, not NaN
+    dist = aten._cdist_forward(x1, x2, p, 2)
+    return _case(aten._cdist_backward.default, _t(4, 5), x1, x2, p, dist, id=id)
+
+
+@pytest.mark.parametrize(
+    "op,args,kwargs,tol",
+    [
+        _cdist_backward_case(2.0, "cdist_backward-p2"),
+        _cdist_backward_case(1.0, "cdist_backward-p1"),
+        _cdist_backward_case(0.0, "cdist_backward-p0"),
+        _cdist_backward_case(math.inf, "cdist_backward-pinf"),
+        _cdist_backward_case(3.0, "cdist_backward-p3"),
+        _cdist_backward_case(0.5, "cdist_backward-p-half"),
+    ],
+)
+def test_cdist_backward_matches_eager(op, args, kwargs, tol):
+    _assert_same(_run(op, args, kwargs), op(*args, **kwargs), _F32)
+
+
+def test_addmm_traced_scalars_keep_beta0_semantics():
+    """beta/alpha may arrive as traced scalars; beta == 0 must still drop a NaN input."""
+    bias, a, b = _nan_bias, _t(3, 4), _t(4, 5)
+    fn = LOWERINGS[aten.addmm.default].fn
+    got = jax.jit(lambda x, y, z, beta, alpha: fn(x, y, z, beta=beta, alpha=alpha))(
+        _to_jax(bias), _to_jax(a), _to_jax(b), 0.0, 2.0
+    )
+    _assert_same(got, aten.addmm(bias, a, b, beta=0, alpha=2), _F32)
+
+
+def test_mm_float32_uses_full_precision():
+    """The matmul asks XLA for HIGHEST precision, so TPU/GPU do not round operands to bf16/TF32."""
+    fn = LOWERINGS[aten.mm.default].fn
+    text = jax.jit(fn).lower(jnp.ones((4, 4)), jnp.ones((4, 4))).as_text()
+    assert "HIGHEST" in text
+
+
+def test_mm_bf16_accumulates_in_float32():
+    fn = LOWERINGS[aten.mm.default].fn
+    a = jnp.ones((2, 4), jnp.bfloat16)
+    text = jax.jit(fn).lower(a, a.T).as_text()
+    assert "bf16" in text and "-> tensor<2x2xf32>" in text.replace("\n", " ")
+    assert fn(a, a.T).dtype == jnp.bfloat16

@@ -1,0 +1,1094 @@
+"""Benchmarks spmd_torch against eager PyTorch and hand-written JAX on the same math.
+
+Workloads:
+  W1  tracing overhead: 2000 cheap elementwise ops on a 256x256 tensor, host µs per op.
+  W2  MLP 784-1024-1024-10 (ReLU), batch 256, cross-entropy, SGD lr 0.01 momentum 0.9.
+  W3  GPT decoder, 4 layers, d_model 256, 4 heads, seq 128, batch 8, vocab 1024, AdamW.
+
+Each (workload, implementation) pair runs in its own subprocess (``--only W3:jax``), so compile
+caches, thread pools and device peak memory never leak from one run into the next. The parent
+collects one ``BENCH_RESULT {...}`` line from each child, prints a table per workload and ends
+with one ``BENCH_JSON {...}`` line for docs/performance.md.
+
+Usage:
+  python3 tools/bench.py                          # all workloads, all implementations, CPU
+  python3 tools/bench.py --workloads W2 --steps 50
+  python3 tools/bench.py --impls eager,jax        # skip spmd_torch
+  python3 tools/bench.py --check                  # 3 steps each from one init: loss differences
+  python3 tools/bench.py --gpu                    # spmd_torch and JAX on CUDA (and eager if it can)
+  python3 tools/bench.py --only W2:jax            # one run in this process (what the parent runs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WORKLOADS = ("W1", "W2", "W3")
+IMPLS = ("eager", "jax", "spmd_torch")
+_IMPL_ALIASES = {
+    "eager": "eager",
+    "torch": "eager",
+    "jax": "jax",
+    "spmd": "spmd_torch",
+    "spmd_torch": "spmd_torch",
+}
+# (warm-up, timed) steps per workload; W1 counts repetitions of the whole 2000-op chain.
+DEFAULT_STEPS = {"W1": (2, 10), "W2": (5, 20), "W3": (3, 10)}
+CHECK_STEPS = 3
+# Losses of the three implementations must agree to this relative tolerance under --check.
+CHECK_RTOL = 1e-4
+RESULT_TAG = "BENCH_RESULT "
+SUMMARY_TAG = "BENCH_JSON "
+
+
+# ------------------------------------------------------------------------------------------------
+# Configuration shared by all three implementations
+
+
+@dataclass(frozen=True)
+class ChainConfig:
+    n_ops: int = 2000
+    size: int = 256
+
+
+@dataclass(frozen=True)
+class MLPConfig:
+    sizes: tuple[int, ...] = (784, 1024, 1024, 10)
+    batch: int = 256
+    lr: float = 0.01
+    momentum: float = 0.9
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    layers: int = 4
+    d_model: int = 256
+    heads: int = 4
+    vocab: int = 1024
+    seq: int = 128
+    batch: int = 8
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    ln_eps: float = 1e-5
+
+
+CHAIN = ChainConfig()
+MLP_CFG = MLPConfig()
+GPT_CFG = GPTConfig()
+
+# The W1 chain. Each op is written with Python operators so the same lambdas build torch eager
+# ops, lazy spmd_torch nodes and traced jnp ops. x -> ((x + y) * 0.5 - y + 1) * w contracts, so
+# 2000 ops stay finite. Scalar operands are constant across repetitions: one graph key.
+_CHAIN_OPS: tuple[Callable[[Any, Any, Any], Any], ...] = (
+    lambda x, y, w: x + y,  # add, tensor operand
+    lambda x, y, w: x * 0.5,  # mul, scalar operand
+    lambda x, y, w: x - y,  # sub, tensor operand
+    lambda x, y, w: x + 1.0,  # add, scalar operand
+    lambda x, y, w: x * w,  # mul, tensor operand
+)
+
+
+def _chain(x: Any, y: Any, w: Any, n_ops: int) -> Any:
+    """Applies the W1 op chain; shared by every implementation."""
+    for i in range(n_ops):
+        x = _CHAIN_OPS[i % len(_CHAIN_OPS)](x, y, w)
+    return x
+
+
+def _chain_data() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.RandomState(0)
+    shape = (CHAIN.size, CHAIN.size)
+    x = rng.randn(*shape).astype(np.float32)
+    y = rng.randn(*shape).astype(np.float32)
+    w = (1.0 + 0.01 * rng.randn(*shape)).astype(np.float32)
+    return x, y, w
+
+
+def _mlp_data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.RandomState(1)
+    x = rng.randn(MLP_CFG.batch, MLP_CFG.sizes[0]).astype(np.float32)
+    y = rng.randint(0, MLP_CFG.sizes[-1], size=(MLP_CFG.batch,)).astype(np.int64)
+    return x, y
+
+
+def _gpt_data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.RandomState(2)
+    tokens = rng.randint(0, GPT_CFG.vocab, size=(GPT_CFG.batch, GPT_CFG.seq + 1)).astype(np.int64)
+    return tokens[:, :-1].copy(), tokens[:, 1:].copy()
+
+
+# ------------------------------------------------------------------------------------------------
+# PyTorch models: used as-is by eager and spmd_torch; their initial weights seed the JAX params.
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: MLPConfig = MLP_CFG) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.sizes[0], cfg.sizes[1])
+        self.fc2 = nn.Linear(cfg.sizes[1], cfg.sizes[2])
+        self.fc3 = nn.Linear(cfg.sizes[2], cfg.sizes[3])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)))))
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.heads = cfg.heads
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        mask = torch.tril(torch.ones(cfg.seq, cfg.seq, dtype=torch.bool))
+        self.register_buffer("mask", mask, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        hd = c // self.heads
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q = q.view(b, t, self.heads, hd).transpose(1, 2)
+        k = k.view(b, t, self.heads, hd).transpose(1, 2)
+        v = v.view(b, t, self.heads, hd).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
+        att = att.masked_fill(~self.mask[:t, :t], float("-inf"))
+        att = torch.softmax(att, dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(b, t, c)
+        return self.proj(y)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
+        self.fc1 = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+        self.fc2 = nn.Linear(4 * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig = GPT_CFG) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.seq, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        pos = torch.arange(t, device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def _new_mlp() -> MLP:
+    torch.manual_seed(0)
+    return MLP()
+
+
+def _new_gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT()
+
+
+def _mlp_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x), y)
+
+
+def _gpt_loss(model: nn.Module, idx: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+    logits = model(idx)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
+
+
+def _new_sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=MLP_CFG.lr, momentum=MLP_CFG.momentum)
+
+
+def _new_adamw(model: nn.Module) -> torch.optim.Optimizer:
+    c = GPT_CFG
+    return torch.optim.AdamW(
+        model.parameters(), lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# JAX: the same math by hand. Params are a dict keyed by the torch parameter names.
+
+
+def _jax_params(model: nn.Module) -> dict[str, Any]:
+    """Copies the torch initial weights, so all three implementations start from one point."""
+    import jax.numpy as jnp
+
+    return {k: jnp.asarray(v.detach().cpu().numpy()) for k, v in model.named_parameters()}
+
+
+def _jax_linear(p: dict[str, Any], name: str, x: Any) -> Any:
+    y = x @ p[f"{name}.weight"].T
+    bias = p.get(f"{name}.bias")
+    return y if bias is None else y + bias
+
+
+def _jax_layer_norm(p: dict[str, Any], name: str, x: Any, eps: float) -> Any:
+    import jax.numpy as jnp
+
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+    return (x - mean) / jnp.sqrt(var + eps) * p[f"{name}.weight"] + p[f"{name}.bias"]
+
+
+def _jax_cross_entropy(logits: Any, targets: Any) -> Any:
+    """Mean of logsumexp(logits) - logits[target], like F.cross_entropy."""
+    import jax
+    import jax.numpy as jnp
+
+    picked = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
+    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
+
+
+def _jax_mlp_loss(p: dict[str, Any], x: Any, y: Any) -> Any:
+    import jax
+
+    h = jax.nn.relu(_jax_linear(p, "fc1", x))
+    h = jax.nn.relu(_jax_linear(p, "fc2", h))
+    return _jax_cross_entropy(_jax_linear(p, "fc3", h), y)
+
+
+def _jax_attention(p: dict[str, Any], name: str, x: Any, heads: int) -> Any:
+    import jax
+    import jax.numpy as jnp
+
+    b, t, c = x.shape
+    hd = c // heads
+    q, k, v = jnp.split(_jax_linear(p, f"{name}.qkv", x), 3, axis=2)
+    q, k, v = (a.reshape(b, t, heads, hd).transpose(0, 2, 1, 3) for a in (q, k, v))
+    att = (q @ k.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(hd))
+    mask = jnp.tril(jnp.ones((t, t), dtype=bool))
+    att = jax.nn.softmax(jnp.where(mask, att, -jnp.inf), axis=-1)
+    y = (att @ v).transpose(0, 2, 1, 3).reshape(b, t, c)
+    return _jax_linear(p, f"{name}.proj", y)
+
+
+def _jax_gpt_loss(p: dict[str, Any], idx: Any, tgt: Any) -> Any:
+    import jax
+
+    c = GPT_CFG
+    t = idx.shape[1]
+    x = p["wte.weight"][idx] + p["wpe.weight"][:t]
+    for i in range(c.layers):
+        pre = f"blocks.{i}"
+        x = x + _jax_attention(
+            p, f"{pre}.attn", _jax_layer_norm(p, f"{pre}.ln1", x, c.ln_eps), c.heads
+        )
+        h = _jax_linear(p, f"{pre}.fc1", _jax_layer_norm(p, f"{pre}.ln2", x, c.ln_eps))
+        x = x + _jax_linear(p, f"{pre}.fc2", jax.nn.gelu(h, approximate=False))
+    logits = _jax_linear(p, "head", _jax_layer_norm(p, "ln_f", x, c.ln_eps))
+    return _jax_cross_entropy(logits.reshape(-1, c.vocab), tgt.reshape(-1))
+
+
+def _jax_sgd_init(params: dict[str, Any]) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+
+    return jax.tree.map(jnp.zeros_like, params)
+
+
+def _jax_sgd_update(params: Any, grads: Any, bufs: Any) -> tuple[Any, Any]:
+    """torch.optim.SGD, dampening 0, no Nesterov: buf = m*buf + g (buf starts as g), p -= lr*buf."""
+    import jax
+
+    c = MLP_CFG
+    bufs = jax.tree.map(lambda b, g: c.momentum * b + g, bufs, grads)
+    params = jax.tree.map(lambda p, b: p - c.lr * b, params, bufs)
+    return params, bufs
+
+
+def _jax_adamw_init(params: dict[str, Any]) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    return {"step": jnp.zeros((), jnp.float32), "m": zeros, "v": jax.tree.map(jnp.copy, zeros)}
+
+
+def _jax_adamw_update(params: Any, grads: Any, state: dict[str, Any]) -> tuple[Any, Any]:
+    """torch.optim.AdamW: decoupled decay p *= 1 - lr*wd, bias-corrected m / (sqrt(v_hat) + eps)."""
+    import jax
+    import jax.numpy as jnp
+
+    c = GPT_CFG
+    b1, b2 = c.betas
+    step = state["step"] + 1.0
+    step_size = c.lr / (1.0 - b1**step)
+    bc2_sqrt = jnp.sqrt(1.0 - b2**step)
+    m = jax.tree.map(lambda m, g: m + (1.0 - b1) * (g - m), state["m"], grads)  # torch lerp_
+    v = jax.tree.map(lambda v, g: b2 * v + (1.0 - b2) * g * g, state["v"], grads)
+
+    def update(p: Any, m: Any, v: Any) -> Any:
+        p = p * (1.0 - c.lr * c.weight_decay)
+        return p - step_size * (m / (jnp.sqrt(v) / bc2_sqrt + c.eps))
+
+    return jax.tree.map(update, params, m, v), {"step": step, "m": m, "v": v}
+
+
+def _jax_train_step(loss_fn: Callable, update_fn: Callable) -> Callable:
+    """One jitted step; params and optimizer state are donated, as a real training loop would."""
+    import jax
+
+    def step(params: Any, opt_state: Any, *batch: Any) -> tuple[Any, Any, Any]:
+        loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
+        params, opt_state = update_fn(params, grads, opt_state)
+        return params, opt_state, loss
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+# ------------------------------------------------------------------------------------------------
+# Shared timing
+
+
+@dataclass
+class Trainer:
+    """What the shared timing loop needs from one implementation of W2 or W3."""
+
+    step: Callable[[], Any]  # one full training step; returns a handle to the loss
+    wait: Callable[[], None]  # blocks until all queued device work is done
+    loss_value: Callable[[Any], float]
+    compiles: Callable[[], int | None] = lambda: None
+    cached_compiles: Callable[[], int | None] = lambda: None
+    peak_bytes: Callable[[], int | None] = lambda: None
+
+
+def _now() -> float:
+    return time.perf_counter()
+
+
+def _run_trainer(tr: Trainer, warmup: int, steps: int, check: bool) -> dict[str, Any]:
+    """Times steps one by one (each blocked, median), then a pipelined window (one wait at end)."""
+    if check:
+        losses = []
+        for _ in range(steps):
+            loss = tr.step()
+            tr.wait()
+            losses.append(tr.loss_value(loss))
+        return {"losses": losses}
+
+    t0 = _now()
+    losses = [tr.step()]
+    tr.wait()
+    first_step_s = _now() - t0
+    compiles_first = tr.compiles()
+    for _ in range(warmup - 1):
+        losses.append(tr.step())
+        tr.wait()
+    compiles_warm = tr.compiles()
+
+    times = []
+    for _ in range(steps):
+        t0 = _now()
+        losses.append(tr.step())
+        tr.wait()
+        times.append(_now() - t0)
+
+    t0 = _now()
+    for _ in range(steps):
+        losses.append(tr.step())
+    tr.wait()
+    window_s = _now() - t0
+
+    compiles_end = tr.compiles()
+    median_s = statistics.median(times)
+    return {
+        "first_step_s": first_step_s,
+        "median_step_s": median_s,
+        "min_step_s": min(times),
+        "max_step_s": max(times),
+        "steps_per_s": 1.0 / median_s,
+        "pipelined_steps_per_s": steps / window_s,
+        "compiles_first_step": compiles_first,
+        "compiles_total": compiles_end,
+        "compiles_in_timed": _diff(compiles_end, compiles_warm),
+        "cached_compiles": tr.cached_compiles(),
+        "peak_bytes": tr.peak_bytes(),
+        "loss_first": tr.loss_value(losses[0]),
+        "loss_last": tr.loss_value(losses[-1]),
+        "warmup": warmup,
+        "steps": steps,
+    }
+
+
+def _diff(a: int | None, b: int | None) -> int | None:
+    return None if a is None or b is None else a - b
+
+
+def _median_per_op(run: Callable[[], float], warmup: int, reps: int, n_ops: int) -> float:
+    """Runs `run` (returns seconds measured) warmup + reps times; median µs per op."""
+    for _ in range(warmup):
+        run()
+    return statistics.median(run() for _ in range(reps)) / n_ops * 1e6
+
+
+# ------------------------------------------------------------------------------------------------
+# Eager PyTorch
+
+
+def _eager_device(gpu: bool) -> torch.device:
+    return torch.device("cuda" if gpu and torch.cuda.is_available() else "cpu")
+
+
+def _eager_wait(dev: torch.device) -> Callable[[], None]:
+    return torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+
+def _eager_peak(dev: torch.device) -> Callable[[], int | None]:
+    return torch.cuda.max_memory_allocated if dev.type == "cuda" else (lambda: None)
+
+
+def w1_eager(warmup: int, steps: int, check: bool, gpu: bool) -> dict[str, Any]:
+    dev = _eager_device(gpu)
+    wait = _eager_wait(dev)
+    x, y, w = (torch.from_numpy(a).to(dev) for a in _chain_data())
+    if check:
+        return {"losses": [_chain(x, y, w, CHAIN.n_ops).double().mean().item()]}
+
+    def run() -> float:
+        t0 = _now()
+        _chain(x, y, w, CHAIN.n_ops)
+        wait()
+        return _now() - t0
+
+    us = _median_per_op(run, warmup, steps, CHAIN.n_ops)
+    return {"exec_us_per_op": us, "device": str(dev), "warmup": warmup, "steps": steps}
+
+
+def _eager_trainer(
+    model: nn.Module,
+    opt_fn: Callable,
+    loss_fn: Callable,
+    data: tuple[np.ndarray, ...],
+    dev: torch.device,
+) -> Trainer:
+    model.to(dev)
+    opt = opt_fn(model)
+    batch = [torch.from_numpy(a).to(dev) for a in data]
+
+    def step() -> torch.Tensor:
+        loss = loss_fn(model, *batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return Trainer(step, _eager_wait(dev), lambda loss: loss.item(), peak_bytes=_eager_peak(dev))
+
+
+def w2_eager(warmup: int, steps: int, check: bool, gpu: bool) -> dict[str, Any]:
+    dev = _eager_device(gpu)
+    tr = _eager_trainer(_new_mlp(), _new_sgd, _mlp_loss, _mlp_data(), dev)
+    return {**_run_trainer(tr, warmup, steps, check), "device": str(dev)}
+
+
+def w3_eager(warmup: int, steps: int, check: bool, gpu: bool) -> dict[str, Any]:
+    dev = _eager_device(gpu)
+    tr = _eager_trainer(_new_gpt(), _new_adamw, _gpt_loss, _gpt_data(), dev)
+    return {**_run_trainer(tr, warmup, steps, check), "device": str(dev)}
+
+
+# ------------------------------------------------------------------------------------------------
+# Hand-written JAX
+
+
+def _jax_peak() -> int | None:
+    import jax
+
+    stats = jax.devices()[0].memory_stats()
+    return stats.get("peak_bytes_in_use") if stats else None
+
+
+def w1_jax(warmup: int, steps: int, check: bool, gpu: bool) -> dict[str, Any]:
+    import jax
+
+    dev = jax.devices()[0]
+    x, y, w = (jax.device_put(a, dev) for a in _chain_data())
+    fn = jax.jit(lambda x, y, w: _chain(x, y, w, CHAIN.n_ops))
+    if check:
+        return {"losses": [float(np.asarray(fn(x, y, w), dtype=np.float64).mean())]}
+
+    def run_exec() -> float:
+        t0 = _now()
+        fn(x, y, w).block_until_ready()
+        return _now() - t0
+
+    def run_trace() -> float:
+        # A fresh function each time, so jax's trace cache cannot answer: cost of jax's own tracing.
+        def fresh(x: Any, y: Any, w: Any) -> Any:
+            return _chain(x, y, w, CHAIN.n_ops)
+
+        t0 = _now()
+        jax.make_jaxpr(fresh)(x, y, w)
+        return _now() - t0
+
+    exec_us = _median_per_op(run_exec, warmup, steps, CHAIN.n_ops)
+    trace_us = _median_per_op(run_trace, 1, max(3, steps // 3), CHAIN.n_ops)
+    return {
+        "exec_us_per_op": exec_us,
+        "jax_trace_us_per_op": trace_us,
+        "device": str(dev),
+        "warmup": warmup,
+        "steps": steps,
+    }
+
+
+def _jax_trainer(
+    loss_fn: Callable,
+    init_fn: Callable,
+    update_fn: Callable,
+    model: nn.Module,
+    data: tuple[np.ndarray, ...],
+) -> Trainer:
+    import jax
+
+    dev = jax.devices()[0]
+    params = jax.device_put(_jax_params(model), dev)
+    opt_state = jax.device_put(init_fn(params), dev)
+    batch = [jax.device_put(a.astype(np.int32) if a.dtype == np.int64 else a, dev) for a in data]
+    train_step = _jax_train_step(loss_fn, update_fn)
+    state = {"params": params, "opt": opt_state}
+
+    def step() -> Any:
+        state["params"], state["opt"], loss = train_step(state["params"], state["opt"], *batch)
+        return loss
+
+    def compiles() -> int | None:
+        size = getattr(train_step, "_cache_size", None)
+        return size() if callable(size) else None
+
+    return Trainer(
+        step,
+        lambda: jax.block_until_ready(state),
+        lambda loss: float(loss),
+        compiles=compiles,
+        peak_bytes=_jax_peak,
+    )
+
+
+def w2_jax(warmup: int, steps: int, check: bool, gpu: bool) -> dict[str, Any]:
+    import jax
+
+    tr = _jax_trainer(_jax_mlp_loss, _jax_sgd_init, _jax_sgd_update, _new_mlp(), _mlp_data())
+    return {**_run_trainer(tr, warmup, steps, check), "device": str(jax.devices()[0])}
+
+
+def w3_jax(warmup: int, steps: int, check: bool, gpu: bool) -> dict[str, Any]:
+    import jax
+
+    tr = _jax_trainer(_jax_gpt_loss, _jax_adamw_init, _jax_adamw_update, _new_gpt(), _gpt_data())
+    return {**_run_trainer(tr, warmup, steps, check), "device": str(jax.devices()[0])}
+
+
+# ------------------------------------------------------------------------------------------------
+# spmd_torch. Written against the public torch_xla-style API:
+#   spmd_torch.device(), spmd_torch.sync(), core.xla_model.wait_device_ops(),
+#   debug.metrics.metric_data('CompileTime') -> (count, total_ns, samples) | None,
+#   debug.metrics.counter_value('CachedCompile') -> int | None.
+
+
+def _import_spmd() -> Any:
+    """Imports spmd_torch, from this checkout when it is not installed."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if repo not in sys.path:
+        sys.path.insert(1, repo)
+    import spmd_torch
+
+    return spmd_torch
+
+
+def _spmd_compiles() -> int:
+    import spmd_torch.debug.metrics as met
+
+    data = met.metric_data("CompileTime")
+    return 0 if data is None else int(data[0])
+
+
+def _spmd_cached_compiles() -> int:
+    import spmd_torch.debug.metrics as met
+
+    return int(met.counter_value("CachedCompile") or 0)
+
+
+def w1_spmd(warmup: int, steps: int, check: bool, gpu: bool) -> dict[str, Any]:
+    spmd_torch = _import_spmd()
+    import spmd_torch.core.xla_model as xm
+
+    dev = spmd_torch.device()
+    x, y, w = (torch.from_numpy(a).to(dev) for a in _chain_data())
+    spmd_torch.sync()
+    xm.wait_device_ops()
+    if check:
+        out = _chain(x, y, w, CHAIN.n_ops)
+        spmd_torch.sync()
+        return {"losses": [out.cpu().double().mean().item()]}
+
+    sync_times = []
+
+    def run() -> float:
+        t0 = _now()
+        out = _chain(x, y, w, CHAIN.n_ops)
+        trace_s = _now() - t0
+        t0 = _now()
+        spmd_torch.sync()
+        xm.wait_device_ops()
+        sync_times.append(_now() - t0)
+        del out
+        return trace_s
+
+    t0 = _now()
+    run()
+    first_rep_s = _now() - t0
+    compiles_first = _spmd_compiles()
+    trace_us = _median_per_op(run, warmup - 1, steps, CHAIN.n_ops)
+    compiles_end = _spmd_compiles()
+    return {
+        "trace_us_per_op": trace_us,
+        "sync_ms": statistics.median(sync_times[-steps:]) * 1e3,
+        "first_rep_s": first_rep_s,
+        "compiles_first_step": compiles_first,
+        "compiles_total": compiles_end,
+        "compiles_in_timed": compiles_end - compiles_first,
+        "cached_compiles": _spmd_cached_compiles(),
+        "device": str(dev),
+        "warmup": warmup,
+        "steps": steps,
+    }
+
+
+def _spmd_trainer(
+    model: nn.Module, opt_fn: Callable, loss_fn: Callable, data: tuple[np.ndarray, ...]
+) -> Trainer:
+    spmd_torch = _import_spmd()
+    import spmd_torch.core.xla_model as xm
+
+    dev = spmd_torch.device()
+    model.to(dev)
+    opt = opt_fn(model)
+    batch = [torch.from_numpy(a).to(dev) for a in data]
+    spmd_torch.sync()
+    xm.wait_device_ops()
+
+    def step() -> torch.Tensor:
+        loss = loss_fn(model, *batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        loss = loss.detach()  # before sync, so it is an output of the step's one graph
+        spmd_torch.sync()
+        return loss
+
+    return Trainer(
+        step,
+        xm.wait_device_ops,
+        lambda loss: loss.item(),
+        compiles=_spmd_compiles,
+        cached_compiles=_spmd_cached_compiles,
+        peak_bytes=_jax_peak,
+    )
+
+
+def w2_spmd(warmup: int, steps: int, check: bool, gpu: bool) -> dict[str, Any]:
+    spmd_torch = _import_spmd()
+    tr = _spmd_trainer(_new_mlp(), _new_sgd, _mlp_loss, _mlp_data())
+    return {**_run_trainer(tr, warmup, steps, check), "device": str(spmd_torch.device())}
+
+
+def w3_spmd(warmup: int, steps: int, check: bool, gpu: bool) -> dict[str, Any]:
+    spmd_torch = _import_spmd()
+    tr = _spmd_trainer(_new_gpt(), _new_adamw, _gpt_loss, _gpt_data())
+    return {**_run_trainer(tr, warmup, steps, check), "device": str(spmd_torch.device())}
+
+
+RUNNERS: dict[tuple[str, str], Callable[[int, int, bool, bool], dict[str, Any]]] = {
+    ("W1", "eager"): w1_eager,
+    ("W1", "jax"): w1_jax,
+    ("W1", "spmd_torch"): w1_spmd,
+    ("W2", "eager"): w2_eager,
+    ("W2", "jax"): w2_jax,
+    ("W2", "spmd_torch"): w2_spmd,
+    ("W3", "eager"): w3_eager,
+    ("W3", "jax"): w3_jax,
+    ("W3", "spmd_torch"): w3_spmd,
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# Child process: one (workload, implementation)
+
+
+def _configure_jax_env(gpu: bool, env: dict[str, str]) -> dict[str, str]:
+    """Pins the JAX platform before jax is imported; drops a forced CPU device count (tests set 8),
+    which would split the CPU thread pool between virtual devices."""
+    env["JAX_PLATFORMS"] = "cuda" if gpu else "cpu"
+    flags = re.sub(
+        r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")
+    ).strip()
+    if flags:
+        env["XLA_FLAGS"] = flags
+    else:
+        env.pop("XLA_FLAGS", None)
+    return env
+
+
+def _run_child(only: str, args: argparse.Namespace) -> int:
+    workload, impl = _parse_only(only)
+    _configure_jax_env(args.gpu, os.environ)
+    if args.matmul_precision and impl != "eager":
+        import jax
+
+        jax.config.update("jax_default_matmul_precision", args.matmul_precision)
+    warmup, steps = _steps_for(workload, args)
+    warmup = max(warmup, 1)
+    t0 = _now()
+    result = RUNNERS[workload, impl](warmup, steps, args.check, args.gpu)
+    result.update(workload=workload, impl=impl, wall_s=_now() - t0)
+    print(RESULT_TAG + json.dumps(result), flush=True)
+    return 0
+
+
+def _parse_only(only: str) -> tuple[str, str]:
+    workload, sep, impl = only.partition(":")
+    workload = workload.upper()
+    if not sep or workload not in WORKLOADS or impl not in _IMPL_ALIASES:
+        raise SystemExit(
+            f"--only expects WORKLOAD:IMPL with WORKLOAD in {WORKLOADS} and IMPL in "
+            f"{sorted(_IMPL_ALIASES)}; got {only!r}"
+        )
+    return workload, _IMPL_ALIASES[impl]
+
+
+def _steps_for(workload: str, args: argparse.Namespace) -> tuple[int, int]:
+    if args.check:
+        return 0, CHECK_STEPS
+    warmup, steps = DEFAULT_STEPS[workload]
+    return (
+        warmup if args.warmup is None else args.warmup,
+        steps if args.steps is None else args.steps,
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Parent process: spawn children, collect, report
+
+
+def _spawn(workload: str, impl: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Runs one (workload, impl) in a fresh interpreter and returns its BENCH_RESULT."""
+    warmup, steps = _steps_for(workload, args)
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--only",
+        f"{workload}:{impl}",
+        "--warmup",
+        str(warmup),
+        "--steps",
+        str(steps),
+    ]
+    cmd += ["--gpu"] * args.gpu + ["--check"] * args.check
+    if args.matmul_precision:
+        cmd += ["--matmul-precision", args.matmul_precision]
+    env = _configure_jax_env(args.gpu, dict(os.environ))
+    print(f"... {workload}:{impl}", file=sys.stderr, flush=True)
+    try:
+        proc = subprocess.run(
+            cmd, check=False, env=env, capture_output=True, text=True, timeout=args.timeout
+        )
+    except subprocess.TimeoutExpired:
+        return {"workload": workload, "impl": impl, "error": f"timed out after {args.timeout}s"}
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_TAG):
+            return json.loads(line[len(RESULT_TAG) :])
+    tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+    return {
+        "workload": workload,
+        "impl": impl,
+        "error": f"exit {proc.returncode}: {tail}",
+        "stderr_tail": proc.stderr[-4000:],
+    }
+
+
+def _gpu_available(env: dict[str, str]) -> str | None:
+    """Asks a throwaway interpreter, so the parent never initialises (or preallocates) the GPU."""
+    probe = "import jax; d = jax.devices()[0]; print(d.platform, d.device_kind)"
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], check=False, env=env, capture_output=True, text=True
+    )
+    return proc.stdout.strip() if proc.returncode == 0 and proc.stdout.startswith("gpu") else None
+
+
+def _fmt(value: Any, spec: str = ".3g", unit: str = "") -> str:
+    if value is None:
+        return "-"
+    return f"{value:{spec}}{unit}" if isinstance(value, (int, float)) else str(value)
+
+
+def _fmt_bytes(value: int | None, gpu: bool) -> str:
+    if not gpu:
+        return "n/a"
+    return "-" if value is None else f"{value / 2**20:.1f} MiB"
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def _print_errors(results: dict[str, dict[str, Any]]) -> None:
+    for impl, r in results.items():
+        if "error" in r:
+            print(f"  {impl} error: {r['error']}")
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers))]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+def _report_w1(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    rows = []
+    for impl, r in results.items():
+        if "error" in r:
+            rows.append([impl, "error", "", ""])
+            continue
+        if impl == "spmd_torch":
+            what = f"trace {_fmt(r['trace_us_per_op'], '.2f')} µs/op"
+            extra = (
+                f"sync {_fmt(r['sync_ms'], '.2f')} ms, first rep {_fmt(r['first_rep_s'], '.2f')}"
+                f" s, compiles {r['compiles_total']} ({r['compiles_in_timed']} in timed)"
+            )
+        else:
+            what = f"exec {_fmt(r['exec_us_per_op'], '.3f')} µs/op"
+            extra = (
+                f"jax trace {_fmt(r['jax_trace_us_per_op'], '.2f')} µs/op"
+                if "jax_trace_us_per_op" in r
+                else ""
+            )
+        rows.append([impl, r.get("device", ""), what, extra])
+    spmd = results.get("spmd_torch", {}).get("trace_us_per_op")
+    ratios = {
+        "spmd_trace_over_eager_exec": _ratio(spmd, results.get("eager", {}).get("exec_us_per_op")),
+        "spmd_trace_over_jax_trace": _ratio(
+            spmd, results.get("jax", {}).get("jax_trace_us_per_op")
+        ),
+    }
+    print(
+        f"\nW1 tracing overhead: {CHAIN.n_ops} elementwise ops on {CHAIN.size}x{CHAIN.size} "
+        f"(median µs per op)"
+    )
+    print(_table(["impl", "device", "per op", "notes"], rows))
+    _print_errors(results)
+    for name, value in ratios.items():
+        print(f"  {name}: {_fmt(value, '.2f', 'x')}")
+    return ratios
+
+
+def _report_training(
+    workload: str, title: str, results: dict[str, dict[str, Any]], gpu: bool
+) -> dict[str, Any]:
+    headers = [
+        "impl",
+        "device",
+        "steps/s",
+        "median ms",
+        "pipelined steps/s",
+        "first step s",
+        "compiles (timed)",
+        "peak mem",
+        "loss first→last",
+    ]
+    rows = []
+    for impl, r in results.items():
+        if "error" in r:
+            rows.append([impl, "error"] + [""] * (len(headers) - 2))
+            continue
+        compiles = (
+            "-"
+            if r["compiles_total"] is None
+            else f"{r['compiles_total']} ({_fmt(r['compiles_in_timed'])})"
+        )
+        rows.append(
+            [
+                impl,
+                r["device"],
+                _fmt(r["steps_per_s"], ".2f"),
+                _fmt(r["median_step_s"] * 1e3, ".1f"),
+                _fmt(r["pipelined_steps_per_s"], ".2f"),
+                _fmt(r["first_step_s"], ".2f"),
+                compiles,
+                _fmt_bytes(r["peak_bytes"], gpu),
+                f"{r['loss_first']:.4f}→{r['loss_last']:.4f}",
+            ]
+        )
+    speed = {impl: r.get("steps_per_s") for impl, r in results.items()}
+    spmd = speed.get("spmd_torch")
+    ratios = {
+        "spmd_over_eager": _ratio(spmd, speed.get("eager")),
+        "spmd_over_jax": _ratio(spmd, speed.get("jax")),
+    }
+    print(f"\n{workload} {title}")
+    print(_table(headers, rows))
+    _print_errors(results)
+    print(
+        f"  steps/s ratio (>1: spmd_torch faster): spmd_torch/eager "
+        f"{_fmt(ratios['spmd_over_eager'], '.2f', 'x')}, spmd_torch/jax "
+        f"{_fmt(ratios['spmd_over_jax'], '.2f', 'x')}"
+    )
+    return ratios
+
+
+_TITLES = {
+    "W2": "MLP 784-1024-1024-10, batch 256, SGD momentum",
+    "W3": "GPT 4L d256 4H seq128 batch 8 vocab 1024, AdamW",
+}
+
+
+def _report_check(workload: str, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Max |loss_a - loss_b| over the check steps, for each pair that ran."""
+    ok = {impl: r["losses"] for impl, r in results.items() if "losses" in r}
+    pairs = {}
+    for i, a in enumerate(IMPLS):
+        for b in IMPLS[i + 1 :]:
+            if a in ok and b in ok:
+                diff = max(abs(x - y) for x, y in zip(ok[a], ok[b]))
+                scale = max(abs(x) for x in ok[a] + ok[b]) or 1.0
+                pairs[f"{a}-{b}"] = {"max_abs_diff": diff, "ok": diff <= CHECK_RTOL * scale}
+    what = "output mean" if workload == "W1" else f"losses of {CHECK_STEPS} steps"
+    print(f"\n{workload} check ({what})")
+    for impl in IMPLS:
+        r = results.get(impl)
+        if r is None:
+            continue
+        shown = (
+            "error: " + r["error"] if "error" in r else ", ".join(f"{v:.6f}" for v in r["losses"])
+        )
+        print(f"  {impl:<11} {shown}")
+    for name, p in pairs.items():
+        print(f"  max |diff| {name}: {p['max_abs_diff']:.3g} {'OK' if p['ok'] else 'MISMATCH'}")
+    return pairs
+
+
+def _run_parent(args: argparse.Namespace) -> int:
+    workloads = [w.strip().upper() for w in args.workloads.split(",") if w.strip()]
+    impls = [_IMPL_ALIASES.get(i.strip(), i.strip()) for i in args.impls.split(",") if i.strip()]
+    bad = [w for w in workloads if w not in WORKLOADS] + [i for i in impls if i not in IMPLS]
+    if bad:
+        raise SystemExit(f"unknown workload or impl {bad}; workloads {WORKLOADS}, impls {IMPLS}")
+
+    device = "cpu"
+    if args.gpu:
+        device = _gpu_available(_configure_jax_env(True, dict(os.environ)))
+        if device is None:
+            raise SystemExit(
+                "--gpu: JAX sees no CUDA device (JAX_PLATFORMS=cuda failed); install "
+                "jax[cuda12] or run without --gpu"
+            )
+        if not torch.cuda.is_available():
+            print("--gpu: torch has no CUDA; eager PyTorch runs on CPU", file=sys.stderr)
+
+    summary: dict[str, Any] = {
+        "mode": "check" if args.check else "bench",
+        "device": device,
+        "env": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "jax": _jax_version(),
+            "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+        },
+        "results": {},
+    }
+    failed = False  # a child that failed, or a --check mismatch
+    for workload in workloads:
+        results = {impl: _spawn(workload, impl, args) for impl in impls}
+        for r in results.values():
+            if "error" in r:
+                failed = True
+                print(
+                    f"{workload}:{r['impl']} failed:\n{r.pop('stderr_tail', '')}", file=sys.stderr
+                )
+        entry: dict[str, Any] = {impl: r for impl, r in results.items()}
+        if args.check:
+            entry["check"] = _report_check(workload, results)
+            failed |= not all(p["ok"] for p in entry["check"].values())
+        elif workload == "W1":
+            entry["ratios"] = _report_w1(results)
+        else:
+            entry["ratios"] = _report_training(workload, _TITLES[workload], results, args.gpu)
+        summary["results"][workload] = entry
+    print()
+    print(SUMMARY_TAG + json.dumps(summary), flush=True)
+    return 1 if failed else 0
+
+
+def _jax_version() -> str | None:
+    """The installed version, read without importing jax (which would start a backend)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("jax")
+    except PackageNotFoundError:
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="e.g. W1,W3")
+    parser.add_argument("--impls", default=",".join(IMPLS), help="subset of eager,jax,spmd_torch")
+    parser.add_argument("--steps", type=int, help="timed steps (W1: timed repetitions)")
+    parser.add_argument("--warmup", type=int, help="warm-up steps, the first included")
+    parser.add_argument("--gpu", action="store_true", help="run JAX and spmd_torch on CUDA")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help=f"run {CHECK_STEPS} steps of each from one init; compare losses",
+    )
+    parser.add_argument(
+        "--matmul-precision",
+        choices=("default", "high", "highest"),
+        help="jax_default_matmul_precision for jax and spmd_torch runs",
+    )
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per subprocess")
+    parser.add_argument("--only", metavar="W:IMPL", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.only:
+        return _run_child(args.only, args)
+    return _run_parent(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
