@@ -16,7 +16,7 @@ from torch._decomp import decomposition_table
 from . import counters, rng, views
 from .graph import Aval, Value
 from .lowering import LOWERINGS
-from .record import DeviceMismatchError, emit, emit_value
+from .record import DeviceMismatchError, NoStaticShape, emit, emit_value
 from .tensor import DEVICE, LazyTensor, wrap, wrap_data
 from .transfer import to_device_array
 
@@ -50,13 +50,11 @@ def _resolve(func) -> Callable:
         return lambda f, args, kwargs: views.split_views(args[0], f, args[1:])
     if torch.Tag.inplace_view in func.tags:
         return _inplace_view
-    lowering = LOWERINGS.get(func)
-    if lowering is not None:
-        if func.is_view:
-            return _view
-        if lowering.random:
-            return _record_random
-        return _record_pointwise if torch.Tag.pointwise in func.tags else _record
+    handler = _lowered_handler(func)
+    if handler is not None and func in _INDEXING:
+        return _with_device_indices(handler)
+    if handler is not None:
+        return handler
     if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
         return lambda f, args, kwargs: f.decompose(*args, **kwargs)
     functional = _functional_variant(func)
@@ -69,6 +67,21 @@ def _resolve(func) -> Callable:
     if decomposition is not None:
         return lambda f, args, kwargs: decomposition(*args, **kwargs)
     return _cpu_fallback
+
+
+_INDEXING = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
+             aten._unsafe_index.Tensor, aten._unsafe_index_put.default}
+
+
+def _lowered_handler(func) -> Callable | None:
+    lowering = LOWERINGS.get(func)
+    if lowering is None:
+        return None
+    if func.is_view:
+        return _view
+    if lowering.random:
+        return _record_random
+    return _record_pointwise if torch.Tag.pointwise in func.tags else _record
 
 
 # --- recording -----------------------------------------------------------------------------------
@@ -89,7 +102,10 @@ def _wrap_outputs(node, structure) -> Any:
 
 
 def _record(func, args: tuple, kwargs: dict) -> Any:
-    node, structure = emit(func, args, kwargs)
+    try:
+        node, structure = emit(func, args, kwargs)
+    except NoStaticShape:  # data-dependent shape (x[mask]): compute it on the CPU
+        return _cpu_fallback(func, args, kwargs, count=False)
     return _wrap_outputs(node, structure)
 
 
@@ -101,6 +117,17 @@ def _record_pointwise(func, args: tuple, kwargs: dict) -> Any:
 def _record_random(func, args: tuple, kwargs: dict) -> Any:
     node, structure = emit(func, args, kwargs, key=rng.next_key())
     return _wrap_outputs(node, structure)
+
+
+def _with_device_indices(handler: Callable) -> Callable:
+    """Indexing accepts CPU index tensors with device data, as PyTorch does: upload them first."""
+
+    def upload(func, args: tuple, kwargs: dict) -> Any:
+        indices = [_upload(i) if isinstance(i, torch.Tensor) and not isinstance(i, LazyTensor)
+                   else i for i in args[1]]
+        return handler(func, (args[0], indices, *args[2:]), kwargs)
+
+    return upload
 
 
 def _view(func, args: tuple, kwargs: dict) -> LazyTensor:

@@ -27,6 +27,10 @@ class DeviceMismatchError(RuntimeError):
     pass
 
 
+class NoStaticShape(Exception):
+    """The op's output shape depends on data (boolean masks, nonzero): it cannot be traced."""
+
+
 def emit(
     func, args: tuple, kwargs: dict, lift_floats: bool = False, key: Ref | None = None
 ) -> tuple[Node, Any]:
@@ -93,7 +97,11 @@ def _upload_scalar_tensor(t: torch.Tensor) -> LazyTensor:
 def _infer(func, args: tuple, kwargs: dict) -> tuple:
     """Output avals and structure from PyTorch's meta kernel; validates dtypes once per signature."""
     counters.bump("MetaInference")
-    out = func(*_to_meta(args), **_to_meta(kwargs))
+    try:
+        out = func(*_to_meta(args), **_to_meta(kwargs))
+    except (NotImplementedError, torch._subclasses.fake_tensor.DynamicOutputShapeException,
+            torch._subclasses.fake_tensor.DataDependentOutputException) as error:
+        raise NoStaticShape(f"{func}: {error}") from None
     if isinstance(out, torch.Tensor):
         structure, tensors = None, [out]
     elif isinstance(out, (tuple, list)):

@@ -37,6 +37,11 @@ def _to_copy(x, *, dtype=None, **_):
     return x if dtype is None else x.astype(to_jax_dtype(dtype))
 
 
+def _masked_fill(x, mask, value):
+    """The value takes x's dtype (ATen casts it; a float fill of an int tensor truncates)."""
+    return jnp.where(mask, jnp.asarray(value, x.dtype), x)
+
+
 def _copy(x, src, non_blocking=False):
     """aten.copy(x, src) is x's shape and dtype filled from src (broadcast, cast)."""
     return jnp.broadcast_to(src.astype(x.dtype), x.shape)
@@ -63,8 +68,7 @@ register_table(
         aten.logical_xor.default: jnp.logical_xor,
         aten.bitwise_not.default: jnp.invert,
         aten.nan_to_num.default: _nan_to_num,
-        aten.masked_fill.Scalar: lambda x, mask, v: jnp.where(mask, jnp.asarray(v, x.dtype), x),
-        aten.masked_fill.Tensor: lambda x, mask, v: jnp.where(mask, v.astype(x.dtype), x),
+        (aten.masked_fill.Scalar, aten.masked_fill.Tensor): _masked_fill,
         aten._to_copy.default: _to_copy,
         aten.copy.default: _copy,
         (aten.fill.Scalar, aten.fill.Tensor): jnp.full_like,
@@ -160,7 +164,7 @@ def _div_floor(a, b):
     div = (a - mod) / b
     div = jnp.where((mod != 0) & ((b < 0) != (mod < 0)), div - 1, div)
     floor = jnp.floor(div)
-    floor = jnp.floor(div)
+    floor = jnp.where(div - floor > 0.5, floor + 1, floor)
     return jnp.where(b == 0, a / b, jnp.where(div == 0, jnp.copysign(0.0, a / b), floor))
 
 
