@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.utils._pytree as pytree
@@ -45,7 +46,7 @@ def assert_close(actual, expected, **tolerance):
             tol = tolerance or TOLERANCES.get(e.dtype, dict(rtol=0, atol=0))
             torch.testing.assert_close(a, e, equal_nan=True, **tol)
         else:
-            assert a == e or (a != a and e != e), f"{a!r} != {e!r}"
+            assert a == e or (math.isnan(a) and math.isnan(e)), f"{a!r} != {e!r}"
 
 
 def assert_matches_eager(fn, *args, **kwargs):

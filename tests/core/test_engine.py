@@ -11,7 +11,7 @@ import torch
 import spmd_torch
 from spmd_torch._lazy import counters
 from spmd_torch._lazy.tensor import live_pending
-from tests.helpers import assert_close, assert_compiles, assert_counter_delta
+from tests.helpers import assert_close, assert_compiles
 
 dev = spmd_torch.device()
 
@@ -169,16 +169,19 @@ def test_inputs_still_held_are_not_donated():
 
 
 def test_cpu_fallback_is_counted_and_warned_once():
-    x = torch.tensor([3.0, 1.0, 2.0], device=dev)
-    name = "aten::_cdist_backward"
-    with pytest.warns(UserWarning, match="no xla lowering"):
-        counters.COUNTERS.pop(name, None)
-        from spmd_torch._lazy import dispatch
-
-        dispatch._cpu_fallback(torch.ops.aten._cdist_backward.default,
-                               (x.view(1, 3, 1), x.view(1, 3, 1), x.view(1, 3, 1), 2.0,
-                                torch.cdist(x.view(1, 3, 1), x.view(1, 3, 1)).cpu().to(dev)), {})
-    assert counters.COUNTERS[name] == 1
+    x = torch.tensor([[3.0, 1.0], [2.0, 5.0]], device=dev)
+    name = "aten::linalg_inv_ex"
+    counters.COUNTERS.pop(name, None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        inverse = torch.linalg.inv(x)
+    assert any("linalg_inv_ex" in str(w.message) and "no xla lowering" in str(w.message)
+               for w in caught)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second call is counted but not warned about again
+        torch.linalg.inv(x)
+    assert counters.COUNTERS[name] == 2
+    assert_close(inverse, torch.linalg.inv(x.cpu()))
 
 
 def test_mixing_cpu_and_device_tensors_raises_device_mismatch():

@@ -72,6 +72,7 @@ register_table(
         aten._to_copy.default: _to_copy,
         aten.copy.default: _copy,
         (aten.fill.Scalar, aten.fill.Tensor): jnp.full_like,
+        aten.zero.default: jnp.zeros_like,
         (aten.clone.default, aten.lift_fresh_copy.default): lambda x, **_: x,
     }
 )
