@@ -1,0 +1,74 @@
+"""The bf16 switches, recompilation reasons and the pending graph as text / StableHLO."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import torch
+
+import spmd_torch
+from spmd_torch._lazy import config
+from spmd_torch.debug import graph
+from tests.helpers import assert_close, assert_compiles
+
+dev = spmd_torch.device()
+
+
+def test_use_bf16_computes_in_bf16_and_reports_float32():
+    values = torch.tensor([1.0 + 2**-10, 3.0, -0.1])
+    with config.override(XLA_USE_BF16=True):
+        y = values.to(dev) * 3
+        spmd_torch.sync()
+        assert y.dtype == torch.float32
+        assert y._storage.ref[0].arrays[0].dtype == jnp.bfloat16
+        result = y.cpu()
+    assert result.dtype == torch.float32
+    assert_close(result, (values.bfloat16() * 3).float(), rtol=0, atol=0)
+
+
+def test_downcast_bf16_keeps_float64_as_float32():
+    with config.override(XLA_DOWNCAST_BF16=True):
+        d = torch.tensor([1.0 + 1e-9], dtype=torch.float64).to(dev) + 0
+        spmd_torch.sync()
+        assert d.dtype == torch.float64
+        assert d._storage.ref[0].arrays[0].dtype == jnp.float32
+
+
+def test_bf16_switch_is_part_of_the_cache_key():
+    x = torch.ones(4).to(dev)
+    spmd_torch.sync()
+    with assert_compiles(2):
+        (x + 1).cpu()
+        with config.override(XLA_USE_BF16=True):
+            (x + 1).cpu()
+
+
+def test_debug_level_names_the_changed_node(capsys):
+    with config.override(PT_XLA_DEBUG_LEVEL=1):
+        for n in (4, 5):
+            (torch.ones(n, device=dev) * 2).sum().item()
+    lines = [line for line in capsys.readouterr().err.splitlines() if "compile key=" in line]
+    assert "MISS" in lines[-1] and "test_config_and_debug.py" in lines[-1]
+    assert "graph changed at node 0: aten.ones.default(((4,),)" in lines[-1]
+    assert "-> aten.ones.default(((5,),)" in lines[-1]
+
+
+def test_debug_level_explains_an_input_shape_change(capsys):
+    spmd_torch.sync()
+    with config.override(PT_XLA_DEBUG_LEVEL=1):
+        for n in (6, 7):
+            x = torch.ones(n).to(dev)
+            spmd_torch.sync()
+            (x * 3).cpu()
+    last = [line for line in capsys.readouterr().err.splitlines() if "compile key=" in line][-1]
+    assert "input shapes/dtypes/shardings changed: input 0: ((6,)" in last, last
+
+
+def test_pending_graph_as_text_and_stablehlo():
+    x = torch.ones(2, 3).to(dev)
+    spmd_torch.sync()
+    y = (x * 2).sum(dim=1)
+    text = graph.get_tensors_text([y])
+    assert "aten.mul.Tensor" in text and "aten.sum.dim_IntList" in text and "f32[2]" in text
+    hlo = graph.get_tensors_hlo([y])
+    assert "stablehlo.multiply" in hlo and "stablehlo.reduce" in hlo
+    assert_close(y, torch.full((2,), 6.0))
