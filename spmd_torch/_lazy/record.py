@@ -19,6 +19,8 @@ from .tensor import DEVICE, LazyTensor, wrap_data
 _META_DEVICE = torch.device("meta")
 _SCALAR_AVAL = Aval((), torch.float64)
 
+_ARGS = [Arg(i) for i in range(4096)]  # shared placeholders: no allocation per traced argument
+
 # (op, argument signature) -> (output avals, output structure)
 _META_CACHE: dict[tuple, tuple] = {}
 
@@ -42,7 +44,16 @@ def emit(
     """
     src: list = [key] if key is not None else []
     signature: list = [func]
-    static_args = tuple([_walk(a, src, signature, lift_floats) for a in args])
+    static: list = []
+    for a in args:  # _walk inlined for the common tensor argument: this loop runs for every op
+        if type(a) is LazyTensor:
+            ref = a._storage.ref if a._view is None else a._ref()
+            signature.append(ref[0].avals[ref[1]])
+            static.append(_ARGS[len(src)])
+            src.append(ref)
+        else:
+            static.append(_walk(a, src, signature, lift_floats))
+    static_args = tuple(static)
     static_kwargs = {}
     if kwargs:
         static_kwargs = {k: _walk(v, src, signature, lift_floats) for k, v in kwargs.items()}

@@ -31,13 +31,13 @@ class Storage:
         self.set(ref)
 
     def set(self, ref: Ref) -> None:
-        node, index = ref
+        node = ref[0]
         node.holders += 1
         if self.ref is not None:
             self.ref[0].holders -= 1
         self.ref = ref
         self.version += 1
-        if not node.is_leaf(index):
+        if node.arrays is None or node.arrays[ref[1]] is None:  # pending: inlined is_leaf
             PENDING.append(weakref.ref(self))
 
     @property
@@ -69,9 +69,7 @@ class LazyTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from .dispatch import dispatch
-
-        return dispatch(func, args, kwargs or {})
+        return _dispatch(func, args, kwargs or _NO_KWARGS)
 
     def _ref(self) -> Ref:
         """The graph value of this tensor, read through its view chain when it is a view."""
@@ -119,6 +117,18 @@ class LazyTensor(torch.Tensor):
         from .execute import to_cpu
 
         return (_rebuild_on_device, (to_cpu(self).detach(), self.requires_grad))
+
+
+_NO_KWARGS: dict = {}
+
+
+def _dispatch(func, args: tuple, kwargs: dict):
+    """Binds the dispatcher on first use (it imports this module), then is replaced by it."""
+    global _dispatch
+    from .dispatch import dispatch
+
+    _dispatch = dispatch
+    return dispatch(func, args, kwargs)
 
 
 def _rebuild_on_device(cpu: torch.Tensor, requires_grad: bool) -> torch.Tensor:
