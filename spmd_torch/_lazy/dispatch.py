@@ -35,7 +35,16 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
     handler = _HANDLERS.get(func)
     if handler is None:
         handler = _HANDLERS[func] = _resolve(func)
-    return handler(func, args, kwargs)
+    try:
+        return handler(func, args, kwargs)
+    except Exception as error:
+        # An exception leaving a backward op of a Python PrivateUse1 backend terminates the
+        # process (PyTorch 2.11-2.13). Inside backward, a failing handler degrades to the CPU.
+        if handler is _cpu_fallback or torch._C._current_autograd_node() is None:
+            raise
+        warnings.warn(f"{func} failed on xla inside backward ({error}); running it on the CPU",
+                      stacklevel=2)
+        return _cpu_fallback(func, args, kwargs)
 
 
 def _resolve(func) -> Callable:
@@ -170,15 +179,26 @@ def _functional_variant(func):
         packet = getattr(aten, packet_name, None)
         return getattr(packet, special_overload or "default", None) if packet else None
     if name.endswith("_") and mutated[0].name == "self" and len(mutated) == 1:
-        packet = getattr(aten, name[:-1], None)
-        return getattr(packet, overload, None) if packet is not None else None
+        return _overload_taking(getattr(aten, name[:-1], None), schema.arguments, overload)
     if all(a.kwarg_only for a in mutated):  # out= variants
-        packet = getattr(aten, name, None)
-        wanted = [(a.name, str(a.type)) for a in schema.arguments if a not in mutated]
-        for candidate in packet.overloads() if packet is not None else ():
-            op = getattr(packet, candidate)
-            if op is not func and [(a.name, str(a.type)) for a in op._schema.arguments] == wanted:
-                return op
+        arguments = [a for a in schema.arguments if a not in mutated]
+        return _overload_taking(getattr(aten, name, None), arguments, None, exclude=func)
+    return None
+
+
+def _overload_taking(packet, arguments, preferred, exclude=None):
+    """The overload of ``packet`` whose arguments have these names and types (pow_.Scalar takes
+    a tensor and a scalar, like pow.Tensor_Scalar, not like pow.Scalar)."""
+    if packet is None:
+        return None
+    wanted = [(a.name, str(a.type)) for a in arguments]
+    names = packet.overloads()
+    if preferred in names:
+        names = [preferred] + [n for n in names if n != preferred]
+    for candidate in names:
+        op = getattr(packet, candidate)
+        if op is not exclude and [(a.name, str(a.type)) for a in op._schema.arguments] == wanted:
+            return op
     return None
 
 

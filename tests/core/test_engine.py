@@ -223,3 +223,24 @@ def test_sync_returns_before_the_program_finishes():
     array = x._storage.ref[0].arrays[0]
     assert isinstance(array, jax.Array)
     jax.block_until_ready(array)
+
+
+def test_a_failing_op_inside_backward_degrades_to_cpu(monkeypatch):
+    from spmd_torch._lazy import dispatch
+
+    def broken(func, args, kwargs):
+        raise RuntimeError("lowering bug")
+
+    x_cpu = torch.randn(5, requires_grad=True)
+    x = x_cpu.detach().to(dev).requires_grad_()
+    y = x.sin()
+    monkeypatch.setitem(dispatch._HANDLERS, torch.ops.aten.mul.Tensor, broken)
+    with pytest.warns(UserWarning, match="aten.mul.Tensor failed on xla inside backward"):
+        y.sum().backward()
+    assert_close(x.grad, x_cpu.detach().cos())
+
+
+def test_inplace_overload_with_other_argument_order():
+    x = torch.tensor([1.0, 2.0, 3.0], device=dev)
+    x.pow_(2)  # pow_.Scalar(Tensor, Scalar) is computed by pow.Tensor_Scalar
+    assert_close(x, torch.tensor([1.0, 4.0, 9.0]))
