@@ -60,11 +60,11 @@ def build_function(program: Program, donated: tuple) -> Callable:
         slots.append((is_donated, counts[is_donated]))
         counts[is_donated] += 1
     steps = [
-        (node.op, node.args, node.kwargs, program._wiring(node),
+        (node.op, node.args, node.kwargs, program.wiring(node),
          tuple((a.shape, to_jax_dtype(a.dtype)) for a in node.avals))
         for node in program.nodes
     ]
-    outputs = [program._locate(ref) for ref in program.outputs]
+    outputs = [program.locate(ref) for ref in program.outputs]
 
     def run(donated_inputs, kept_inputs, scalars):
         groups = (kept_inputs, donated_inputs)
@@ -135,9 +135,10 @@ def lookup_or_compile(program: Program, arrays: list, donated: tuple) -> tuple[E
     return executable, False
 
 
-def explain_miss(parts: tuple) -> str:
-    """Why ``parts`` missed the cache: the first key part differing from the most similar key."""
-    previous = [p for p in _HISTORY if p is not parts]
+def explain_last_miss() -> str:
+    """Why the last compiled key missed: the first part differing from the most similar key."""
+    parts = _HISTORY[-1]
+    previous = _HISTORY[:-1]
     if not previous:
         return "first compilation"
     names = ("graph", "input shapes/dtypes/shardings", "donated inputs", "lifted scalars", "flags")
@@ -159,6 +160,13 @@ def _explain_graph_change(old: tuple, new: tuple) -> str:
         if a != b:
             return f"graph changed at node {k}: {a[0]}{a[1:3]} -> {b[0]}{b[1:3]}"
     return f"graph changed ({len(old)} -> {len(new)} nodes)"
+
+
+def stablehlo_text(program: Program, arrays: list) -> str:
+    """The program lowered to StableHLO, nothing compiled or run."""
+    function = build_function(program, (False,) * len(arrays))
+    abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in arrays]
+    return jax.jit(function).lower([], abstract, [_SCALAR_AVAL] * len(program.scalars)).as_text()
 
 
 def clear_cache() -> None:

@@ -107,14 +107,8 @@ def pending_text(tensors: list[LazyTensor] | None = None) -> str:
 
 def pending_hlo(tensors: list[LazyTensor] | None = None) -> str:
     """The pending graph of ``tensors`` lowered to StableHLO text (nothing runs)."""
-    refs = _pending_refs(tensors)
-    program = linearize(refs)
-    arrays = [node.arrays[i] for node, i in program.leaves]
-    donated = (False,) * len(arrays)
-    function = compiler.build_function(program, donated)
-    abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in arrays]
-    scalars = [compiler._SCALAR_AVAL] * len(program.scalars)
-    return jax.jit(function).lower([], abstract, scalars).as_text()
+    program = linearize(_pending_refs(tensors))
+    return compiler.stablehlo_text(program, [node.arrays[i] for node, i in program.leaves])
 
 
 def _pending_refs(tensors) -> list:
@@ -131,7 +125,7 @@ def _debug_line(program, executable, hit: bool) -> None:
     if not hit:
         compile_ns = counters.METRICS["CompileTime"][-1]
         line += f" {compile_ns / 1e9:.2f}s; reason: "
-        line += compiler.explain_miss(compiler._HISTORY[-1])
+        line += compiler.explain_last_miss()
     print(f"[spmd_torch] {line}", file=sys.stderr)
     if config.DEBUG_LEVEL.value >= 2:
         print(to_text(program), file=sys.stderr)

@@ -100,14 +100,14 @@ class Program:
         """The hashable structure of the program: ops, static args and wiring, not data."""
         rows = []
         for node in self.nodes:
-            rows.append((node.op, _freeze(node.args), _freeze(node.kwargs), self._wiring(node)))
-        outs = tuple(self._locate(ref) for ref in self.outputs)
+            rows.append((node.op, _freeze(node.args), _freeze(node.kwargs), self.wiring(node)))
+        outs = tuple(self.locate(ref) for ref in self.outputs)
         return (tuple(rows), outs)
 
-    def _wiring(self, node: Node) -> tuple:
-        return tuple(self._locate(ref) for ref in node.src)
+    def wiring(self, node: Node) -> tuple:
+        return tuple(self.locate(ref) for ref in node.src)
 
-    def _locate(self, ref: Ref) -> tuple:
+    def locate(self, ref: Ref) -> tuple:
         node, i = ref
         if node.op == SCALAR:
             return ("s", self.index[id(node)])
@@ -189,7 +189,7 @@ def to_text(program: Program) -> str:
         lines.append(f"%s{k} = scalar")
 
     def name(ref: Ref) -> str:
-        kind, *pos = program._locate(ref)
+        kind, *pos = program.locate(ref)
         if kind == "in":
             return f"%in{pos[0]}"
         if kind == "s":
