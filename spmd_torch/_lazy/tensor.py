@@ -108,6 +108,18 @@ class LazyTensor(torch.Tensor):
             return text[:-1] + suffix + ")"
         return text
 
+    @property
+    def data(self) -> torch.Tensor:
+        return torch._C.TensorBase.data.__get__(self)
+
+    @data.setter
+    def data(self, new: torch.Tensor) -> None:
+        """``p.data = t`` swaps the C++ metadata; the value lives on the Python side, so swap it too."""
+        torch._C.TensorBase.data.__set__(self, new)
+        if isinstance(new, LazyTensor):
+            self._storage, self._view = new._storage, new._view
+            self._cache, self._cache_version = new._cache, new._cache_version
+
     def tolist(self) -> list:
         from .execute import to_cpu
 

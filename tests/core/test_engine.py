@@ -244,3 +244,11 @@ def test_inplace_overload_with_other_argument_order():
     x = torch.tensor([1.0, 2.0, 3.0], device=dev)
     x.pow_(2)  # pow_.Scalar(Tensor, Scalar) is computed by pow.Tensor_Scalar
     assert_close(x, torch.tensor([1.0, 4.0, 9.0]))
+
+
+def test_assigning_data_rebinds_the_value():
+    p = torch.nn.Parameter(torch.ones(3).to(dev))
+    p.data = torch.full((3,), 5.0).to(dev)
+    p.data.mul_(2)
+    assert isinstance(p, torch.nn.Parameter) and p.requires_grad
+    assert_close(p.detach(), torch.full((3,), 10.0))
