@@ -43,6 +43,15 @@ class _BackendModule:
 
     manual_seed = manual_seed_all
 
+    @staticmethod
+    def get_rng_state(device=None) -> torch.Tensor:
+        """The device PRNG key as a CPU uint8 tensor (what torch.random.fork_rng saves)."""
+        return rng.get_state()
+
+    @staticmethod
+    def set_rng_state(state: torch.Tensor, device=None) -> None:
+        rng.set_state(state)
+
 
 class _Hooks(torch._C._acc.PrivateUse1Hooks):
     def is_available(self) -> bool:
@@ -70,7 +79,7 @@ _BACKEND_OPS = [
     aten.ones.default, aten.scalar_tensor.default, aten.arange.default, aten.arange.start,
     aten.arange.start_step, aten.linspace.default, aten.eye.default, aten.eye.m,
     aten.rand.default, aten.randn.default, aten.randint.default, aten.randint.low,
-    aten.randperm.default,
+    aten.randperm.default, aten._efficientzerotensor.default,
 ]
 
 

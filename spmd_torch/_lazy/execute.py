@@ -75,9 +75,13 @@ def run(refs: list, donate: bool) -> list:
 
 def materialize(tensors: list[LazyTensor]) -> list[jax.Array]:
     """The arrays of ``tensors``, running only the part of the graph they need (no donation)."""
+    return materialize_refs([t._ref() for t in tensors])
+
+
+def materialize_refs(refs: list) -> list[jax.Array]:
+    """The arrays of graph references, computing only what they need (no donation)."""
     if len(PENDING) > _COMPACT_PENDING_AT:  # programs that read values but never call sync()
         PENDING[:] = [weakref.ref(s) for s in live_pending() if not s.ref[0].is_leaf(s.ref[1])]
-    refs = [t._ref() for t in tensors]
     missing = [ref for ref in refs if not ref[0].is_leaf(ref[1])]
     if missing:
         unique = list({(id(n), i): (n, i) for n, i in missing}.values())

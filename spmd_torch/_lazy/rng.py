@@ -30,6 +30,30 @@ def manual_seed(seed: int) -> None:
     _state = Storage((Node.data(_key_data(int(seed)), _KEY_AVAL), 0))
 
 
+def get_words() -> tuple[int, int]:
+    """The current key as two 32-bit words; computes pending random ops' key if needed."""
+    from .execute import materialize_refs
+
+    (array,) = materialize_refs([state().ref])
+    high, low = (int(word) for word in np.asarray(array))
+    return high, low
+
+
+def set_words(high: int, low: int) -> None:
+    """Make the key exactly these two words (a state saved by get_words)."""
+    words = np.array([high, low], dtype=np.uint32)
+    state().set((Node.data(jax.device_put(words), _KEY_AVAL), 0))
+
+
+def get_state() -> torch.Tensor:
+    """The key as a CPU uint8 tensor: PyTorch's form of an RNG state."""
+    return torch.from_numpy(np.array(get_words(), dtype=np.uint32).view(np.uint8).copy())
+
+
+def set_state(saved: torch.Tensor) -> None:
+    set_words(*(int(w) for w in saved.numpy().view(np.uint32)))
+
+
 def state() -> Storage:
     if _state is None:
         manual_seed(DEFAULT_SEED)

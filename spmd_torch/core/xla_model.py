@@ -15,19 +15,13 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-import jax.numpy as jnp
-import numpy as np
 import torch
 
 import spmd_torch
 from spmd_torch import runtime
 from spmd_torch._lazy import execute as _execute
 from spmd_torch._lazy import rng as _rng
-from spmd_torch._lazy.graph import Aval, Node
-from spmd_torch._lazy.tensor import LazyTensor
 
-_KEY_AVAL = Aval((2,), torch.uint32)  # the device PRNG key: two uint32 words (threefry2x32)
-_WORD = 0xFFFFFFFF
 
 
 def is_xla_tensor(tensor: torch.Tensor) -> bool:
@@ -342,9 +336,7 @@ def get_rng_state(device: str | torch.device | None = None) -> int:
         >>> b = torch.rand(3, device=dev)  # equal to a
     """
     _check_device(device, "get_rng_state")
-    key = LazyTensor(_rng.state(), _KEY_AVAL)
-    (array,) = _execute.materialize([key])
-    high, low = (int(w) for w in np.asarray(array))
+    high, low = _rng.get_words()
     return (high << 32) | low
 
 
@@ -360,8 +352,7 @@ def set_rng_state(seed: int, device: str | torch.device | None = None) -> None:
     """
     _check_device(device, "set_rng_state")
     state = int(seed) & 0xFFFFFFFFFFFFFFFF
-    words = np.array([state >> 32, state & _WORD], dtype=np.uint32)
-    _rng.state().set((Node.data(jnp.asarray(words), _KEY_AVAL), 0))
+    _rng.set_words(state >> 32, state & 0xFFFFFFFF)
 
 
 @contextlib.contextmanager

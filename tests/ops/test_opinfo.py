@@ -35,9 +35,18 @@ _THROUGH_DECOMPOSITION = {
     "index_put", "scatter", "scatter_add", "gather", "take_along_dim", "index_select",
     "nn.functional.binary_cross_entropy", "nn.functional.binary_cross_entropy_with_logits",
 }
-_RANDOM = {"nn.functional.dropout", "bernoulli", "normal", "uniform", "rand_like", "randn_like",
-           "randint_like", "multinomial", "nn.functional.rrelu", "nn.functional.feature_alpha_dropout",
-           "nn.functional.alpha_dropout", "nn.functional.dropout2d", "nn.functional.dropout3d"}
+# Ops whose values are random or uninitialised: only shapes and dtypes are compared.
+_RANDOM = {
+    "nn.functional.dropout", "bernoulli", "normal", "normal.in_place", "normal.number_mean",
+    "uniform", "exponential", "rand_like", "randn", "randn_like", "randint", "randint_like",
+    "multinomial", "nn.functional.rrelu", "nn.functional.feature_alpha_dropout",
+    "nn.functional.alpha_dropout", "nn.functional.dropout2d", "nn.functional.dropout3d",
+    "empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided",
+}
+
+
+def _full_name(opinfo) -> str:
+    return opinfo.name + (f".{opinfo.variant_test_name}" if opinfo.variant_test_name else "")
 
 
 def _selected(opinfo) -> bool:
@@ -49,7 +58,7 @@ def _cases():
     for opinfo in op_db:
         if not _selected(opinfo):
             continue
-        name = opinfo.name + (f".{opinfo.variant_test_name}" if opinfo.variant_test_name else "")
+        name = _full_name(opinfo)
         for dtype in (torch.float32, torch.bfloat16):
             if dtype not in opinfo.supported_dtypes("cpu"):
                 continue
@@ -86,7 +95,7 @@ def test_op_matches_eager(opinfo, dtype, kind):
         expected = op(*args, **sample.kwargs)
         device_args, device_kwargs = to_device((args, sample.kwargs))
         actual = op(*device_args, **device_kwargs)
-        if opinfo.name in _RANDOM:
+        if _full_name(opinfo) in _RANDOM:
             _compare_shape_dtype(actual, expected)
             continue
         if kind == "fwd":
