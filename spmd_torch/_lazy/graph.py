@@ -98,9 +98,11 @@ class Program:
 
     def structure(self) -> tuple:
         """The hashable structure of the program: ops, static args and wiring, not data."""
+        # Recorded args are hashable already (the walk made every list a tuple): no freezing here.
         rows = []
         for node in self.nodes:
-            rows.append((node.op, _freeze(node.args), _freeze(node.kwargs), self.wiring(node)))
+            kwargs = tuple(node.kwargs.items()) if node.kwargs else ()
+            rows.append((node.op, node.args, kwargs, self.wiring(node)))
         outs = tuple(self.locate(ref) for ref in self.outputs)
         return (tuple(rows), outs)
 
@@ -158,14 +160,6 @@ def _done(ref: Ref, index: dict) -> bool:
     if node.op != SCALAR and node.is_leaf(i):
         return (id(node), i) in index
     return id(node) in index
-
-
-def _freeze(value: Any) -> Any:
-    if isinstance(value, (list, tuple)):
-        return tuple(_freeze(v) for v in value)
-    if isinstance(value, dict):
-        return tuple((k, _freeze(v)) for k, v in value.items())
-    return value
 
 
 _DTYPE_NAMES = {
