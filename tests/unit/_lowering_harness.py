@@ -1,10 +1,13 @@
-"""Run a lowering on JAX copies of torch arguments, for the lowering unit tests.
+"""Run a lowering on JAX copies of torch arguments, for all the lowering unit tests.
 
 The comparison is tests.helpers.assert_close: same structure and shapes, the exact dtype (the
-lowering's own, mapped back with to_torch_dtype), values within the dtype's tolerance.
+lowering's own, mapped back with to_torch_dtype, unless ``cast``), values within the dtype's
+tolerance or the one a test asks for.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -77,29 +80,79 @@ def _plain(v: object) -> object:
     return float(v) if isinstance(v, Traced) else v
 
 
-def lowered(op, *args: object, **kwargs: object) -> object:
-    """The lowering of ``op`` under jax.jit, as the engine runs it: tensors (and Traced scalars)
-    are arguments, everything else is static; keyword-only schema arguments go by keyword."""
-    fn = LOWERINGS[op].fn
-    inputs = [v for v in (*args, *kwargs.values()) if isinstance(v, (torch.Tensor, Traced))]
+def _is_input(v: object) -> bool:
+    return isinstance(v, (torch.Tensor, Traced, jax.Array))
+
+
+def as_program(fn, args: tuple, kwargs: dict) -> tuple:
+    """``fn`` as a function of the tensors, Traced scalars and jax arrays in ``args`` and
+    ``kwargs`` (nested ones too), with the jax inputs to call it on; the rest stays static, as the
+    engine keeps it."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    slots = [i for i, v in enumerate(leaves) if _is_input(v)]
 
     def program(*arrays):
-        it = iter(arrays)
+        full = list(leaves)
+        for i, array in zip(slots, arrays, strict=True):
+            full[i] = array
+        positional, keywords = pytree.tree_unflatten(full, spec)
+        return fn(*positional, **keywords)
 
-        def bind(v: object) -> object:
-            return next(it) if isinstance(v, (torch.Tensor, Traced)) else v
-
-        positional = [bind(v) for v in args]  # before the keywords: both draw from ``it``
-        return fn(*positional, **{k: bind(v) for k, v in kwargs.items()})
-
-    return to_torch(jax.jit(program)(*to_jax([_plain(v) for v in inputs])))
+    return program, to_jax([_plain(leaves[i]) for i in slots])
 
 
-def check(op, *args: object, cast: bool = False, tol: dict | None = None, **kwargs: object):
-    """The lowering of ``op`` matches ``op`` run eagerly on CPU. ``cast`` first casts the result to
-    torch's dtype, as the engine does, for lowerings that may return another dtype."""
-    expected = op(*map(_plain, args), **{k: _plain(v) for k, v in kwargs.items()})
-    got = lowered(op, *args, **kwargs)
+def lowered(op, *args: object, jit: bool = True, **kwargs: object) -> object:
+    """The lowering of ``op`` under jax.jit, as the engine runs it (see as_program); keyword-only
+    schema arguments go by keyword. ``jit=False`` calls it eagerly, for data-dependent shapes."""
+    program, inputs = as_program(LOWERINGS[op].fn, args, kwargs)
+    return to_torch((jax.jit(program) if jit else program)(*inputs))
+
+
+TORCH_TOL = {"rtol": None, "atol": None}
+"""torch.testing's own per-dtype tolerances: assert_close hands the Nones on to torch."""
+
+
+def tight(dtype: torch.dtype) -> dict:
+    """The nn and linalg tolerance: 1e-5 for float32, torch.testing's default for other dtypes."""
+    return {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else TORCH_TOL
+
+
+def _cast_like(got: object, expected: object) -> object:
+    """``got`` in ``expected``'s dtypes and sequence types, as the engine hands a result back."""
+    if isinstance(expected, (tuple, list)):
+        assert len(got) == len(expected), f"{len(got)} results != {len(expected)}"
+        return type(expected)(map(_cast_like, got, expected))
+    if isinstance(expected, torch.Tensor) and isinstance(got, torch.Tensor):
+        return got.to(expected.dtype)
+    return got
+
+
+Tolerance = dict | Callable[[torch.dtype], dict] | None
+
+
+def assert_same(got: object, expected: object, tol: Tolerance = None, *, cast: bool = False):
+    """assert_close, ``tol`` a dict for every tensor or a function of each tensor's dtype; ``cast``
+    first casts ``got`` to torch's dtypes, for lowerings that may return another dtype."""
     if cast:
-        got = pytree.tree_map(lambda g, e: g.to(e.dtype), got, expected)
-    assert_close(got, expected, **(tol or {}))
+        got = _cast_like(got, expected)
+    if not callable(tol):
+        assert_close(got, expected, **(tol or {}))
+        return
+    flat_got, spec_got = pytree.tree_flatten(got)
+    flat_expected, spec_expected = pytree.tree_flatten(expected)
+    assert spec_got == spec_expected, f"structure {spec_got} != {spec_expected}"
+    for g, e in zip(flat_got, flat_expected):
+        assert_close(g, e, **(tol(e.dtype) if isinstance(e, torch.Tensor) else {}))
+
+
+def check(
+    op, *args: object, cast: bool = False, tol: Tolerance = None, jit: bool = True, **kwargs: object
+):
+    """The lowering of ``op`` matches ``op`` run eagerly on CPU (see assert_same and lowered)."""
+    expected = op(*map(_plain, args), **{k: _plain(v) for k, v in kwargs.items()})
+    assert_same(lowered(op, *args, jit=jit, **kwargs), expected, tol, cast=cast)
+
+
+def case(op, *args: object, id: str, tol: dict | None = None, **kwargs: object):
+    """A pytest param (op, args, kwargs, tol) with its own id."""
+    return pytest.param(op, args, kwargs, tol, id=id)

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 import torch
 
 from spmd_torch._lazy.lowering import LOWERINGS
+from tests.unit._lowering_harness import TORCH_TOL, check
 
 aten = torch.ops.aten
 _gen = torch.Generator().manual_seed(0)
@@ -31,52 +29,6 @@ def _i(*values: object) -> torch.Tensor:
 def _perm_rows(rows: int, n: int, k: int) -> torch.Tensor:
     """k distinct indices below n per row: scatter.src without duplicates is deterministic."""
     return torch.stack([torch.randperm(n, generator=_gen)[:k] for _ in range(rows)])
-
-
-class _Leaf(int):
-    """Where the i-th jit input goes in an argument structure."""
-
-
-def _split_args(obj: object, leaves: list) -> object:
-    if isinstance(obj, torch.Tensor):
-        leaves.append(jnp.asarray(obj.numpy()))
-        return _Leaf(len(leaves) - 1)
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_split_args(o, leaves) for o in obj)
-    return obj
-
-
-def _join_args(obj: object, leaves: tuple) -> object:
-    if isinstance(obj, _Leaf):
-        return leaves[obj]
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_join_args(o, leaves) for o in obj)
-    return obj
-
-
-def _run(op, args: tuple, kwargs: dict, jit: bool) -> object:
-    """The lowering of ``op`` on jax copies of ``args``, under jax.jit as the engine runs it;
-    keyword-only schema arguments go by name, as __torch_dispatch__ hands them over."""
-    leaves: list = []
-    skeleton = _split_args(args, leaves)
-    fn = LOWERINGS[op].fn
-
-    def call(*arrays):
-        return fn(*_join_args(skeleton, arrays), **kwargs)
-
-    return (jax.jit(call) if jit else call)(*leaves)
-
-
-def _assert_same(got: object, expected: object) -> None:
-    """Shapes and values as torch's, after casting to torch's dtype as the engine does."""
-    if isinstance(expected, (list, tuple)):
-        assert len(got) == len(expected)
-        for g, e in zip(got, expected, strict=True):
-            _assert_same(g, e)
-        return
-    got = torch.from_numpy(np.array(got)).to(expected.dtype)
-    assert got.shape == expected.shape
-    torch.testing.assert_close(got, expected, equal_nan=True)
 
 
 def _case(op, *args: object, jit: bool = True, id: str, **kwargs: object):
@@ -382,8 +334,7 @@ CASES = VIEW_CASES + SCATTER_BACK_CASES + INDEX_CASES + _scatter_reduce_cases() 
 
 @pytest.mark.parametrize(("op", "args", "kwargs", "jit"), CASES)
 def test_lowering_matches_eager_torch(op, args, kwargs, jit):
-    expected = op(*args, **kwargs)
-    _assert_same(_run(op, args, kwargs, jit), expected)
+    check(op, *args, cast=True, tol=TORCH_TOL, jit=jit, **kwargs)
 
 
 def test_nonzero_is_not_lowered():

@@ -6,11 +6,11 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 import torch
 
 from spmd_torch._lazy.lowering import LOWERINGS
+from tests.unit._lowering_harness import Traced, assert_same, case, check, lowered, tight
 
 aten = torch.ops.aten
 _gen = torch.Generator().manual_seed(0)
@@ -22,68 +22,34 @@ def _t(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.randint(-9, 10, shape, generator=_gen, dtype=dtype)
 
 
-def _to_jax(t: torch.Tensor) -> jax.Array:
-    """numpy has no bfloat16: low-precision tensors cross as float32 and are cast back."""
-    if t.dtype in (torch.bfloat16, torch.float16):
-        return jnp.asarray(t.float().numpy()).astype(str(t.dtype).split(".")[1])
-    return jnp.asarray(t.numpy())
-
-
-def _run(op, args: tuple, kwargs: dict) -> object:
-    """The lowering under jax.jit, tensors as jit inputs and everything else closed over."""
-    slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-
-    def call(*arrays):
-        full = list(args)
-        for i, a in zip(slots, arrays):
-            full[i] = a
-        return LOWERINGS[op].fn(*full, **kwargs)
-
-    return jax.jit(call)(*(_to_jax(args[i]) for i in slots))
-
-
-def _assert_same(got: jax.Array, expected: torch.Tensor, tol: dict) -> None:
-    """Shape and values as torch's; the result is cast to torch's dtype, as the engine does."""
-    got = jnp.asarray(got)
-    if got.dtype in (jnp.bfloat16, jnp.float16):
-        got = got.astype(jnp.float32)
-    got = torch.from_numpy(np.array(got)).to(expected.dtype)
-    assert got.shape == expected.shape
-    torch.testing.assert_close(got, expected, equal_nan=True, **tol)
-
-
-def _case(op, *args, id: str, tol: dict | None = None, **kwargs):
-    return pytest.param(op, args, kwargs, tol, id=id)
-
-
 _F32 = {"rtol": 1e-5, "atol": 1e-5}
 _nan_bias = torch.full((3, 5), math.nan)
 
 CASES = [
-    _case(aten.mm.default, _t(3, 4), _t(4, 5), id="mm"),
-    _case(
+    case(aten.mm.default, _t(3, 4), _t(4, 5), id="mm"),
+    case(
         aten.mm.default, _t(3, 4, dtype=torch.float64), _t(4, 5, dtype=torch.float64), id="mm-f64"
     ),
-    _case(aten.mm.default, _t(3, 4, dtype=torch.int64), _t(4, 5, dtype=torch.int64), id="mm-int64"),
-    _case(
+    case(aten.mm.default, _t(3, 4, dtype=torch.int64), _t(4, 5, dtype=torch.int64), id="mm-int64"),
+    case(
         aten.mm.default,
         _t(8, 64, dtype=torch.bfloat16),
         _t(64, 4, dtype=torch.bfloat16),
         id="mm-bf16",
     ),
-    _case(aten.bmm.default, _t(2, 3, 4), _t(2, 4, 5), id="bmm"),
-    _case(aten.mv.default, _t(3, 4), _t(4), id="mv"),
-    _case(aten.dot.default, _t(7), _t(7), id="dot"),
-    _case(aten.vdot.default, _t(7), _t(7), id="vdot"),
-    _case(
+    case(aten.bmm.default, _t(2, 3, 4), _t(2, 4, 5), id="bmm"),
+    case(aten.mv.default, _t(3, 4), _t(4), id="mv"),
+    case(aten.dot.default, _t(7), _t(7), id="dot"),
+    case(aten.vdot.default, _t(7), _t(7), id="vdot"),
+    case(
         aten.vdot.default,
         _t(4, dtype=torch.complex64),
         _t(4, dtype=torch.complex64),
         id="vdot-complex-conjugates-first",
     ),
-    _case(aten.addmm.default, _t(3, 5), _t(3, 4), _t(4, 5), id="addmm"),
-    _case(aten.addmm.default, _t(5), _t(3, 4), _t(4, 5), id="addmm-broadcast-bias"),
-    _case(
+    case(aten.addmm.default, _t(3, 5), _t(3, 4), _t(4, 5), id="addmm"),
+    case(aten.addmm.default, _t(5), _t(3, 4), _t(4, 5), id="addmm-broadcast-bias"),
+    case(
         aten.addmm.default,
         _t(3, 5),
         _t(3, 4),
@@ -92,26 +58,26 @@ CASES = [
         alpha=-2.0,
         id="addmm-beta-alpha",
     ),
-    _case(aten.addmm.default, _nan_bias, _t(3, 4), _t(4, 5), beta=0, id="addmm-beta0-drops-nan"),
-    _case(aten.addmm.default, _t(3, 5), _t(3, 4), _t(4, 5), alpha=0, id="addmm-alpha0"),
-    _case(
+    case(aten.addmm.default, _nan_bias, _t(3, 4), _t(4, 5), beta=0, id="addmm-beta0-drops-nan"),
+    case(aten.addmm.default, _t(3, 5), _t(3, 4), _t(4, 5), alpha=0, id="addmm-alpha0"),
+    case(
         aten.addmm.default,
         _t(5, dtype=torch.bfloat16),
         _t(3, 32, dtype=torch.bfloat16),
         _t(32, 5, dtype=torch.bfloat16),
         id="addmm-bf16",
     ),
-    _case(
+    case(
         aten.baddbmm.default, _t(2, 3, 5), _t(2, 3, 4), _t(2, 4, 5), beta=2, alpha=3, id="baddbmm"
     ),
-    _case(aten.addmv.default, _t(3), _t(3, 4), _t(4), beta=0.25, id="addmv"),
-    _case(aten._cdist_forward.default, _t(2, 4, 3), _t(2, 5, 3), 2.0, None, id="cdist-p2"),
-    _case(aten._cdist_forward.default, _t(4, 3), _t(5, 3), 1.0, None, id="cdist-p1"),
-    _case(aten._cdist_forward.default, _t(4, 3), _t(5, 3), 0.0, None, id="cdist-p0"),
-    _case(aten._cdist_forward.default, _t(4, 3), _t(5, 3), math.inf, None, id="cdist-pinf"),
-    _case(aten._cdist_forward.default, _t(4, 3), _t(5, 3), 3.0, None, id="cdist-p3"),
-    _case(aten._cdist_forward.default, _t(4, 3), _t(5, 3), 0.5, None, id="cdist-p-half"),
-    _case(
+    case(aten.addmv.default, _t(3), _t(3, 4), _t(4), beta=0.25, id="addmv"),
+    case(aten._cdist_forward.default, _t(2, 4, 3), _t(2, 5, 3), 2.0, None, id="cdist-p2"),
+    case(aten._cdist_forward.default, _t(4, 3), _t(5, 3), 1.0, None, id="cdist-p1"),
+    case(aten._cdist_forward.default, _t(4, 3), _t(5, 3), 0.0, None, id="cdist-p0"),
+    case(aten._cdist_forward.default, _t(4, 3), _t(5, 3), math.inf, None, id="cdist-pinf"),
+    case(aten._cdist_forward.default, _t(4, 3), _t(5, 3), 3.0, None, id="cdist-p3"),
+    case(aten._cdist_forward.default, _t(4, 3), _t(5, 3), 0.5, None, id="cdist-p-half"),
+    case(
         aten._cdist_forward.default,
         _t(30, 3),
         _t(5, 3),
@@ -120,8 +86,8 @@ CASES = [
         tol={"rtol": 1e-4, "atol": 1e-4},
         id="cdist-p2-mm-path-over-25-rows",
     ),
-    _case(aten._cdist_forward.default, _t(4, 3), _t(5, 3), 2.0, 2, id="cdist-p2-mode-never-mm"),
-    _case(
+    case(aten._cdist_forward.default, _t(4, 3), _t(5, 3), 2.0, 2, id="cdist-p2-mode-never-mm"),
+    case(
         aten._cdist_forward.default,
         _t(4, 3),
         _t(5, 3),
@@ -135,16 +101,14 @@ CASES = [
 
 @pytest.mark.parametrize("op,args,kwargs,tol", CASES)
 def test_lowering_matches_eager(op, args, kwargs, tol):
-    expected = op(*args, **kwargs)
-    tol = tol or (_F32 if expected.dtype == torch.float32 else {})
-    _assert_same(_run(op, args, kwargs), expected, tol)
+    check(op, *args, cast=True, tol=tol or tight, **kwargs)
 
 
 def _cdist_backward_case(p: float, id: str):
     x1, x2 = _t(4, 3), _t(5, 3)
     x2[1] = x1[2]  # a zero distance: PyTorch's gradient there is 0, not NaN
     dist = aten._cdist_forward(x1, x2, p, 2)
-    return _case(aten._cdist_backward.default, _t(4, 5), x1, x2, p, dist, id=id)
+    return case(aten._cdist_backward.default, _t(4, 5), x1, x2, p, dist, id=id)
 
 
 @pytest.mark.parametrize(
@@ -159,17 +123,14 @@ def _cdist_backward_case(p: float, id: str):
     ],
 )
 def test_cdist_backward_matches_eager(op, args, kwargs, tol):
-    _assert_same(_run(op, args, kwargs), op(*args, **kwargs), _F32)
+    check(op, *args, cast=True, tol=_F32, **kwargs)
 
 
 def test_addmm_traced_scalars_keep_beta0_semantics():
     """beta/alpha may arrive as traced scalars; beta == 0 must still drop a NaN input."""
     bias, a, b = _nan_bias, _t(3, 4), _t(4, 5)
-    fn = LOWERINGS[aten.addmm.default].fn
-    got = jax.jit(lambda x, y, z, beta, alpha: fn(x, y, z, beta=beta, alpha=alpha))(
-        _to_jax(bias), _to_jax(a), _to_jax(b), 0.0, 2.0
-    )
-    _assert_same(got, aten.addmm(bias, a, b, beta=0, alpha=2), _F32)
+    got = lowered(aten.addmm.default, bias, a, b, beta=Traced(0.0), alpha=Traced(2.0))
+    assert_same(got, aten.addmm(bias, a, b, beta=0, alpha=2), _F32, cast=True)
 
 
 def test_mm_float32_uses_full_precision():

@@ -9,68 +9,17 @@ from __future__ import annotations
 import itertools
 import math
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 import torch
 
-from spmd_torch._lazy.lowering import LOWERINGS
+from tests.unit._lowering_harness import assert_same, case, check, lowered, tight
 
 aten = torch.ops.aten
 _gen = torch.Generator().manual_seed(0)
-_F32 = {"rtol": 1e-5, "atol": 1e-5}
 
 
 def _t(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.randn(shape, generator=_gen, dtype=dtype)
-
-
-def _to_jax(t: torch.Tensor) -> jax.Array:
-    """numpy has no bfloat16: low-precision tensors cross as float32 and are cast back."""
-    if t.dtype in (torch.bfloat16, torch.float16):
-        return jnp.asarray(t.float().numpy()).astype(str(t.dtype).split(".")[1])
-    return jnp.asarray(t.numpy())
-
-
-def _run(op, args: tuple, kwargs: dict) -> object:
-    """The lowering under jax.jit, tensors as jit inputs and everything else closed over."""
-    slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-
-    def call(*arrays):
-        full = list(args)
-        for i, a in zip(slots, arrays):
-            full[i] = a
-        return LOWERINGS[op].fn(*full, **kwargs)
-
-    return jax.jit(call)(*(_to_jax(args[i]) for i in slots))
-
-
-def _assert_same(got: object, expected: object, tol: dict | None) -> None:
-    """Structure, shapes and values as torch's; results cast to torch's dtype as the engine does."""
-    if isinstance(expected, (tuple, list)):
-        assert len(got) == len(expected)
-        for g, e in zip(got, expected):
-            _assert_same(g, e, tol)
-        return
-    if expected is None:
-        assert got is None
-        return
-    got = jnp.asarray(got)
-    if got.dtype in (jnp.bfloat16, jnp.float16):
-        got = got.astype(jnp.float32)
-    got = torch.from_numpy(np.array(got)).to(expected.dtype)
-    assert got.shape == expected.shape
-    tol = tol or (_F32 if expected.dtype == torch.float32 else {})
-    torch.testing.assert_close(got, expected, equal_nan=True, **tol)
-
-
-def _case(op, *args, id: str, tol: dict | None = None, **kwargs):
-    return pytest.param(op, args, kwargs, tol, id=id)
-
-
-def _check(op, args, kwargs, tol):
-    _assert_same(_run(op, args, kwargs), op(*args, **kwargs), tol)
 
 
 # --- convolution ---------------------------------------------------------------------------------
@@ -129,9 +78,9 @@ def _conv_args(spec):
 
 
 CONV_CASES = [
-    _case(aten.convolution.default, *_conv_args(spec), id=name) for name, spec in _CONVS.items()
+    case(aten.convolution.default, *_conv_args(spec), id=name) for name, spec in _CONVS.items()
 ] + [
-    _case(
+    case(
         aten.convolution.default,
         _t(2, 4, 6, 6, dtype=torch.bfloat16),
         _t(3, 4, 3, 3, dtype=torch.bfloat16),
@@ -156,13 +105,13 @@ def _conv_backward_cases():
         bias_sizes = None if b is None else list(b.shape)
         mask = mask if b is not None else [*mask[:2], False]
         args = (grad, x, w, bias_sizes, *rest, mask)
-        cases.append(_case(aten.convolution_backward.default, *args, id=f"backward-{name}"))
+        cases.append(case(aten.convolution_backward.default, *args, id=f"backward-{name}"))
     return cases
 
 
 @pytest.mark.parametrize("op,args,kwargs,tol", CONV_CASES + _conv_backward_cases())
 def test_convolution_matches_eager(op, args, kwargs, tol):
-    _check(op, args, kwargs, tol)
+    check(op, *args, cast=True, tol=tol or tight, **kwargs)
 
 
 def test_convolution_backward_bf16_matches_eager():
@@ -170,7 +119,7 @@ def test_convolution_backward_bf16_matches_eager():
     rest = ([2, 1], [1, 0], [1, 1], False, [0, 0], 1)
     grad = _t(*aten.convolution(x, w, None, *rest).shape, dtype=torch.bfloat16)
     args = (grad, x, w, [3], *rest, [True, True, True])
-    _check(aten.convolution_backward.default, args, {}, None)
+    check(aten.convolution_backward.default, *args, cast=True, tol=tight)
 
 
 # --- pooling -------------------------------------------------------------------------------------
@@ -199,10 +148,10 @@ def _max_pool_cases():
     cases = []
     for name, x, *params in _MAX_POOLS:
         forward, backward = _max_pool_ops(x)
-        cases.append(_case(forward.default, x, *params, id=name))
+        cases.append(case(forward.default, x, *params, id=name))
         values, indices = forward(x, *params)
         grad = _t(*values.shape)
-        cases.append(_case(backward.default, grad, x, *params, indices, id=f"backward-{name}"))
+        cases.append(case(backward.default, grad, x, *params, indices, id=f"backward-{name}"))
     return cases
 
 
@@ -223,9 +172,9 @@ def _avg_pool_cases():
     for name, x, *params in _AVG_POOLS:
         forward = aten.avg_pool3d if x.ndim == 5 else aten.avg_pool2d
         backward = aten.avg_pool3d_backward if x.ndim == 5 else aten.avg_pool2d_backward
-        cases.append(_case(forward.default, x, *params, id=name))
+        cases.append(case(forward.default, x, *params, id=name))
         grad = _t(*forward(x, *params).shape)
-        cases.append(_case(backward.default, grad, x, *params, id=f"backward-{name}"))
+        cases.append(case(backward.default, grad, x, *params, id=f"backward-{name}"))
     return cases
 
 
@@ -243,9 +192,9 @@ def _adaptive_cases():
     for name, x, size in _ADAPTIVE:
         forward = aten._adaptive_avg_pool3d if len(size) == 3 else aten._adaptive_avg_pool2d
         backward = getattr(aten, f"_adaptive_avg_pool{len(size)}d_backward")
-        cases.append(_case(forward.default, x, size, id=name))
+        cases.append(case(forward.default, x, size, id=name))
         grad = _t(*forward(x, size).shape)
-        cases.append(_case(backward.default, grad, x, id=f"backward-{name}"))
+        cases.append(case(backward.default, grad, x, id=f"backward-{name}"))
     return cases
 
 
@@ -253,13 +202,13 @@ def _adaptive_cases():
     "op,args,kwargs,tol", _max_pool_cases() + _avg_pool_cases() + _adaptive_cases()
 )
 def test_pooling_matches_eager(op, args, kwargs, tol):
-    _check(op, args, kwargs, tol)
+    check(op, *args, cast=True, tol=tol or tight, **kwargs)
 
 
 def test_max_pool2d_defaults_omitted_by_dispatch():
     """__torch_dispatch__ drops trailing defaulted arguments; the lowering must supply them."""
     x = _t(1, 2, 6, 6)
-    _check(aten.max_pool2d_with_indices.default, (x, [2, 2]), {}, None)
+    check(aten.max_pool2d_with_indices.default, x, [2, 2], cast=True, tol=tight)
 
 
 _im2col_x = _t(2, 3, 6, 7)
@@ -269,9 +218,9 @@ _im2col_params = ([2, 3], [1, 2], [1, 0], [2, 1])  # kernel_size, dilation, padd
 @pytest.mark.parametrize(
     "op,args,kwargs,tol",
     [
-        _case(aten.im2col.default, _im2col_x, *_im2col_params, id="im2col"),
-        _case(aten.im2col.default, _im2col_x[0], *_im2col_params, id="im2col-unbatched"),
-        _case(
+        case(aten.im2col.default, _im2col_x, *_im2col_params, id="im2col"),
+        case(aten.im2col.default, _im2col_x[0], *_im2col_params, id="im2col-unbatched"),
+        case(
             aten.col2im.default,
             aten.im2col(_im2col_x, *_im2col_params),
             [6, 7],
@@ -281,7 +230,7 @@ _im2col_params = ([2, 3], [1, 2], [1, 0], [2, 1])  # kernel_size, dilation, padd
     ],
 )
 def test_im2col_matches_eager(op, args, kwargs, tol):
-    _check(op, args, kwargs, tol)
+    check(op, *args, cast=True, tol=tol or tight, **kwargs)
 
 
 # --- softmax -------------------------------------------------------------------------------------
@@ -303,11 +252,11 @@ def _softmax_cases():
             (aten._log_softmax, aten._log_softmax_backward_data),
         ]:
             op_name = forward.__name__.strip("_")
-            cases.append(_case(forward.default, x, dim, False, id=f"{op_name}-{name}"))
+            cases.append(case(forward.default, x, dim, False, id=f"{op_name}-{name}"))
             out = forward(x, dim, False)
             grad = torch.randn(out.shape, generator=_gen).to(x.dtype)
             cases.append(
-                _case(backward.default, grad, out, dim, x.dtype, id=f"{op_name}-backward-{name}")
+                case(backward.default, grad, out, dim, x.dtype, id=f"{op_name}-backward-{name}")
             )
     return cases
 
@@ -316,20 +265,20 @@ def _softmax_cases():
     "op,args,kwargs,tol",
     _softmax_cases()
     + [
-        _case(aten._safe_softmax.default, _masked_logits, 1, id="safe_softmax-masked-row-is-zero"),
-        _case(aten._safe_softmax.default, _logits, -1, torch.float64, id="safe_softmax-dtype"),
+        case(aten._safe_softmax.default, _masked_logits, 1, id="safe_softmax-masked-row-is-zero"),
+        case(aten._safe_softmax.default, _logits, -1, torch.float64, id="safe_softmax-dtype"),
     ],
 )
 def test_softmax_matches_eager(op, args, kwargs, tol):
-    _check(op, args, kwargs, tol)
+    check(op, *args, cast=True, tol=tol or tight, **kwargs)
 
 
 @pytest.mark.parametrize("op", [aten._softmax.default, aten._log_softmax.default], ids=str)
 def test_softmax_half_to_float_returns_float32(op):
     """CPU torch rejects half_to_float, so compare with the float32 op on the upcast input."""
-    got = _run(op, (_logits_bf16, 1, True), {})
-    assert got.dtype == jnp.float32
-    _assert_same(got, op(_logits_bf16.float(), 1, False), None)
+    got = lowered(op, _logits_bf16, 1, True)
+    assert got.dtype == torch.float32
+    assert_same(got, op(_logits_bf16.float(), 1, False), tight, cast=True)
 
 
 # --- normalization -------------------------------------------------------------------------------
@@ -344,11 +293,11 @@ def _layer_norm_cases():
         ("bf16", _t(2, 8, dtype=torch.bfloat16), [8], None, None, [True, False, False]),
     ]
     for name, x, shape, w, b, mask in configs:
-        cases.append(_case(aten.native_layer_norm.default, x, shape, w, b, 1e-5, id=name))
+        cases.append(case(aten.native_layer_norm.default, x, shape, w, b, 1e-5, id=name))
         _, mean, rstd = aten.native_layer_norm(x, shape, w, b, 1e-5)
         grad = torch.randn(x.shape, generator=_gen).to(x.dtype)
         args = (grad, x, shape, mean, rstd, w, b, mask)
-        cases.append(_case(aten.native_layer_norm_backward.default, *args, id=f"backward-{name}"))
+        cases.append(case(aten.native_layer_norm_backward.default, *args, id=f"backward-{name}"))
     return cases
 
 
@@ -357,17 +306,17 @@ def _group_norm_cases():
     for name, w, b in [("affine", _t(6), _t(6)), ("no-affine", None, None)]:
         x = _t(2, 6, 4, 5)
         args = (x, w, b, 2, 6, 20, 3, 1e-5)
-        cases.append(_case(aten.native_group_norm.default, *args, id=name))
+        cases.append(case(aten.native_group_norm.default, *args, id=name))
         _, mean, rstd = aten.native_group_norm(*args)
         mask = [True, w is not None, b is not None]  # autograd asks only for what exists
         bwd = (_t(*x.shape), x, mean, rstd, w, 2, 6, 20, 3, mask)
-        cases.append(_case(aten.native_group_norm_backward.default, *bwd, id=f"backward-{name}"))
+        cases.append(case(aten.native_group_norm_backward.default, *bwd, id=f"backward-{name}"))
     return cases
 
 
 @pytest.mark.parametrize("op,args,kwargs,tol", _layer_norm_cases() + _group_norm_cases())
 def test_layer_and_group_norm_match_eager(op, args, kwargs, tol):
-    _check(op, args, kwargs, tol)
+    check(op, *args, cast=True, tol=tol or tight, **kwargs)
 
 
 _bn_x = _t(4, 3, 5, 5)
@@ -381,33 +330,33 @@ def _batch_norm_backward_case(train: bool, mask: list, name: str):
     )
     saved = (save_mean, save_invstd) if train else (None, None)
     args = (_t(*_bn_x.shape), _bn_x, _bn_w, _bn_mean, _bn_var, *saved, train, 1e-5, mask)
-    return _case(aten.native_batch_norm_backward.default, *args, id=name)
+    return case(aten.native_batch_norm_backward.default, *args, id=name)
 
 
 @pytest.mark.parametrize(
     "op,args,kwargs,tol",
     [
-        _case(
+        case(
             aten._native_batch_norm_legit_functional.default,
             *(_bn_x, _bn_w, _bn_b, _bn_mean, _bn_var, True, 0.1, 1e-5),
             id="functional-training-updates-running-stats",
         ),
-        _case(
+        case(
             aten._native_batch_norm_legit_functional.default,
             *(_bn_x, None, None, _bn_mean, _bn_var, False, 0.1, 1e-5),
             id="functional-eval-keeps-running-stats",
         ),
-        _case(
+        case(
             aten._native_batch_norm_legit_functional.default,
             *(_t(6, 3, dtype=torch.bfloat16), None, None, _bn_mean, _bn_var, True, 0.3, 1e-3),
             id="functional-training-bf16-2d",
         ),
-        _case(
+        case(
             aten._native_batch_norm_legit_no_training.default,
             *(_bn_x, _bn_w, _bn_b, _bn_mean, _bn_var, 0.1, 1e-5),
             id="no_training",
         ),
-        _case(
+        case(
             aten._native_batch_norm_legit.no_stats,
             *(_bn_x, _bn_w, None, True, 0.1, 1e-5),
             id="no_stats",
@@ -418,7 +367,7 @@ def _batch_norm_backward_case(train: bool, mask: list, name: str):
     ],
 )
 def test_batch_norm_matches_eager(op, args, kwargs, tol):
-    _check(op, args, kwargs, tol)
+    check(op, *args, cast=True, tol=tol or tight, **kwargs)
 
 
 # --- losses --------------------------------------------------------------------------------------
@@ -446,26 +395,26 @@ def _nll_cases():
             )
             name += f"-ignore{ignore_index}"
             args = (x, target, weight, reduction, ignore_index)
-            cases.append(_case(forward.default, *args, id=name))
+            cases.append(case(forward.default, *args, id=name))
             out, total = forward(*args)
             grad = torch.randn(out.shape, generator=_gen)
             bwd = (grad, x, target, weight, reduction, ignore_index, total)
-            cases.append(_case(backward.default, *bwd, id=f"backward-{name}"))
+            cases.append(case(backward.default, *bwd, id=f"backward-{name}"))
     return cases
 
 
 @pytest.mark.parametrize("op,args,kwargs,tol", _nll_cases())
 def test_nll_loss_matches_eager(op, args, kwargs, tol):
-    _check(op, args, kwargs, tol)
+    check(op, *args, cast=True, tol=tol or tight, **kwargs)
 
 
 def test_nll_loss_all_ignored_mean_is_nan_and_grad_zero():
     target = torch.full((6,), 2)
     args = (_logp, target, None, 1, 2)
-    _check(aten.nll_loss_forward.default, args, {}, None)
+    check(aten.nll_loss_forward.default, *args, cast=True, tol=tight)
     _, total = aten.nll_loss_forward(*args)
     bwd = (torch.tensor(1.0), _logp, target, None, 1, 2, total)
-    _check(aten.nll_loss_backward.default, bwd, {}, None)
+    check(aten.nll_loss_backward.default, *bwd, cast=True, tol=tight)
 
 
 _probs = (
@@ -482,32 +431,30 @@ def _loss_cases():
     cases = []
     for reduction in (0, 1, 2):
         x, y = _t(4, 5), _t(4, 5)
-        cases.append(_case(aten.mse_loss.default, x, y, reduction, id=f"mse-reduction{reduction}"))
+        cases.append(case(aten.mse_loss.default, x, y, reduction, id=f"mse-reduction{reduction}"))
         grad = _t(*aten.mse_loss(x, y, reduction).shape)
         args = (grad, x, y, reduction)
-        cases.append(_case(aten.mse_loss_backward.default, *args, id=f"mse_backward-{reduction}"))
+        cases.append(case(aten.mse_loss_backward.default, *args, id=f"mse_backward-{reduction}"))
         for weight in (None, _bce_weight):
             name = f"reduction{reduction}-{'weight' if weight is not None else 'unweighted'}"
             args = (_probs, _labels, weight, reduction)
-            cases.append(_case(aten.binary_cross_entropy.default, *args, id=f"bce-{name}"))
+            cases.append(case(aten.binary_cross_entropy.default, *args, id=f"bce-{name}"))
             grad = _t(*aten.binary_cross_entropy(*args).shape)
             bwd = (grad, *args)
             cases.append(
-                _case(aten.binary_cross_entropy_backward.default, *bwd, id=f"bce_backward-{name}")
+                case(aten.binary_cross_entropy_backward.default, *bwd, id=f"bce_backward-{name}")
             )
-    cases.append(_case(aten.mse_loss.default, _t(3), _t(3), id="mse-default-reduction"))
+    cases.append(case(aten.mse_loss.default, _t(3), _t(3), id="mse-default-reduction"))
     grad = _t(*_bound_values.shape)
     cases.append(
-        _case(
-            aten.hardtanh_backward.default, grad, _bound_values, -1.0, 1.0, id="hardtanh_backward"
-        )
+        case(aten.hardtanh_backward.default, grad, _bound_values, -1.0, 1.0, id="hardtanh_backward")
     )
     return cases
 
 
 @pytest.mark.parametrize("op,args,kwargs,tol", _loss_cases())
 def test_loss_matches_eager(op, args, kwargs, tol):
-    _check(op, args, kwargs, tol)
+    check(op, *args, cast=True, tol=tol or tight, **kwargs)
 
 
 # --- embedding -----------------------------------------------------------------------------------
@@ -518,19 +465,19 @@ _indices = torch.tensor([[1, 3, 3, 0], [3, 2, 9, 1]])
 @pytest.mark.parametrize(
     "op,args,kwargs,tol",
     [
-        _case(aten.embedding.default, _t(10, 4), _indices, id="embedding"),
-        _case(aten.embedding.default, _t(10, 4), _indices, 3, id="embedding-padding-idx"),
-        _case(
+        case(aten.embedding.default, _t(10, 4), _indices, id="embedding"),
+        case(aten.embedding.default, _t(10, 4), _indices, 3, id="embedding-padding-idx"),
+        case(
             aten.embedding_dense_backward.default,
             *(_t(2, 4, 6), _indices, 10, -1, False),
             id="backward",
         ),
-        _case(
+        case(
             aten.embedding_dense_backward.default,
             *(_t(2, 4, 6), _indices, 10, 3, False),
             id="backward-padding-idx",
         ),
-        _case(
+        case(
             aten.embedding_dense_backward.default,
             *(_t(2, 4, 6), _indices, 12, 1, True),
             id="backward-scale-grad-by-freq-padding-idx",
@@ -538,7 +485,7 @@ _indices = torch.tensor([[1, 3, 3, 0], [3, 2, 9, 1]])
     ],
 )
 def test_embedding_matches_eager(op, args, kwargs, tol):
-    _check(op, args, kwargs, tol)
+    check(op, *args, cast=True, tol=tol or tight, **kwargs)
 
 
 # --- upsampling ----------------------------------------------------------------------------------
@@ -559,20 +506,18 @@ def _upsample_cases():
     for name, size, scales in _UPSAMPLES:
         grad = _t(2, 3, *size)
         nearest = (_image, size, *scales)
-        cases.append(_case(aten.upsample_nearest2d.default, *nearest, id=f"nearest-{name}"))
+        cases.append(case(aten.upsample_nearest2d.default, *nearest, id=f"nearest-{name}"))
         bwd = (grad, size, list(_image.shape), *scales)
         cases.append(
-            _case(aten.upsample_nearest2d_backward.default, *bwd, id=f"nearest-backward-{name}")
+            case(aten.upsample_nearest2d_backward.default, *bwd, id=f"nearest-backward-{name}")
         )
         for align_corners in (False, True):
             tag = f"{name}-align{int(align_corners)}"
             fwd = (_image, size, align_corners, *scales)
-            cases.append(_case(aten.upsample_bilinear2d.default, *fwd, id=f"bilinear-{tag}"))
+            cases.append(case(aten.upsample_bilinear2d.default, *fwd, id=f"bilinear-{tag}"))
             bwd = (grad, size, list(_image.shape), align_corners, *scales)
             cases.append(
-                _case(
-                    aten.upsample_bilinear2d_backward.default, *bwd, id=f"bilinear-backward-{tag}"
-                )
+                case(aten.upsample_bilinear2d_backward.default, *bwd, id=f"bilinear-backward-{tag}")
             )
     return cases
 
@@ -581,10 +526,10 @@ def _upsample_cases():
     "op,args,kwargs,tol",
     _upsample_cases()
     + [
-        _case(aten.upsample_nearest2d.vec, _image, None, [1.5, 2.3], id="nearest-vec-scales"),
-        _case(aten.upsample_nearest2d.vec, _image, [5, 3], None, id="nearest-vec-size"),
-        _case(aten.upsample_bilinear2d.vec, _image, None, False, [0.6, 1.7], id="bilinear-vec"),
-        _case(
+        case(aten.upsample_nearest2d.vec, _image, None, [1.5, 2.3], id="nearest-vec-scales"),
+        case(aten.upsample_nearest2d.vec, _image, [5, 3], None, id="nearest-vec-size"),
+        case(aten.upsample_bilinear2d.vec, _image, None, False, [0.6, 1.7], id="bilinear-vec"),
+        case(
             aten.upsample_bilinear2d.default,
             *(_t(1, 2, 6, 5, dtype=torch.bfloat16), [4, 7], False),
             id="bilinear-bf16",
@@ -592,4 +537,4 @@ def _upsample_cases():
     ],
 )
 def test_upsample_matches_eager(op, args, kwargs, tol):
-    _check(op, args, kwargs, tol)
+    check(op, *args, cast=True, tol=tol or tight, **kwargs)

@@ -15,6 +15,7 @@ import torch
 
 from spmd_torch._lazy.lowering import LOWERINGS
 from spmd_torch._lazy.lowering.dtypes import to_torch_dtype
+from tests.unit._lowering_harness import as_program, to_jax
 
 aten = torch.ops.aten
 N = 100_000
@@ -24,21 +25,14 @@ KEY = jax.random.key(0)
 def _draw(op, *args: object, key: jax.Array = KEY, **kwargs: object) -> object:
     """Call the lowering with torch tensors in ``args`` turned into jax arrays (eagerly: compiling
     each case costs more than it checks here)."""
-    args = [jnp.asarray(a.numpy()) if isinstance(a, torch.Tensor) else a for a in args]
-    return LOWERINGS[op].fn(key, *args, **kwargs)
+    return LOWERINGS[op].fn(key, *to_jax(args), **kwargs)
 
 
 def _trace(op, args: tuple, kwargs: dict) -> object:
-    """The lowering's output shapes and dtypes when traced as under jax.jit (tensors as inputs)."""
-    tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-
-    def call(key, *arrays):
-        full = list(args)
-        for i, array in zip(tensors, arrays, strict=True):
-            full[i] = array
-        return LOWERINGS[op].fn(key, *full, **kwargs)
-
-    return jax.eval_shape(call, KEY, *(jnp.asarray(args[i].numpy()) for i in tensors))
+    """The lowering's output shapes and dtypes when traced as under jax.jit (key and tensors as
+    inputs)."""
+    program, inputs = as_program(LOWERINGS[op].fn, (KEY, *args), kwargs)
+    return jax.eval_shape(program, *inputs)
 
 
 def _np(x: jax.Array) -> np.ndarray:
