@@ -9,7 +9,7 @@ whose arrays are known: device data, or results computed by an earlier partial r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -36,9 +36,11 @@ class Arg:
         return hash(("Arg", self.index))
 
 
-@dataclass(frozen=True)
-class Aval:
-    """Shape and PyTorch dtype of one node output: known at trace time, from the meta kernel."""
+class Aval(NamedTuple):
+    """Shape and PyTorch dtype of one node output: known at trace time, from the meta kernel.
+
+    A tuple, so that hashing it inside cache keys stays in C (it is on the trace path).
+    """
 
     shape: tuple[int, ...]
     dtype: torch.dtype

@@ -43,7 +43,7 @@ def emit(
     its PRNG ``key`` as first source and first argument.
     """
     src: list = [key] if key is not None else []
-    signature: list = [func]
+    signature: list = [id(func)]  # OpOverload.__hash__ is Python code; overloads live forever
     static: list = []
     for a in args:  # _walk inlined for the common tensor argument: this loop runs for every op
         if type(a) is LazyTensor:
