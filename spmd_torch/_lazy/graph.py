@@ -18,22 +18,14 @@ SCALAR = "scalar"  # a Python float lifted to a program input, so changing it ne
 RNG_SPLIT = "rng_split"  # threads the device PRNG key: key -> (next key, subkey)
 
 
-class Arg:
-    """Placeholder for the i-th tensor source of a node inside its args/kwargs."""
+class Arg(NamedTuple):
+    """Placeholder for the i-th tensor source of a node inside its args/kwargs.
 
-    __slots__ = ("index",)
+    A tuple so that hashing cache keys stays in C. It cannot be confused with a static tuple
+    argument: a schema position holds either tensors or static values, never both.
+    """
 
-    def __init__(self, index: int):
-        self.index = index
-
-    def __repr__(self) -> str:
-        return f"Arg({self.index})"
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is Arg and other.index == self.index
-
-    def __hash__(self) -> int:
-        return hash(("Arg", self.index))
+    index: int
 
 
 class Aval(NamedTuple):
@@ -121,47 +113,49 @@ class Program:
 
 
 def linearize(outputs: list[Ref]) -> Program:
-    """Topologically sort everything ``outputs`` need, stopping at leaves; iterative DFS."""
+    """Topologically sort everything ``outputs`` need, stopping at leaves; iterative DFS.
+
+    Leaves and lifted scalars are numbered as they are met among a node's sources, so only
+    computed nodes ever go on the stack (this runs over every node at every barrier).
+    """
     nodes: list[Node] = []
     leaves: list[Ref] = []
     scalars: list[Node] = []
     index: dict = {}
-    visiting: set[int] = set()
+
+    def is_computed(ref: Ref) -> bool:
+        """Number ``ref`` if it is a leaf or scalar; True if it is a node to compute."""
+        node, i = ref
+        if node.op == SCALAR:
+            if id(node) not in index:
+                index[id(node)] = len(scalars)
+                scalars.append(node)
+            return False
+        arrays = node.arrays
+        if arrays is not None and arrays[i] is not None:
+            if (id(node), i) not in index:
+                index[(id(node), i)] = len(leaves)
+                leaves.append(ref)
+            return False
+        return True
+
     for root in outputs:
-        stack = [root]
+        if not is_computed(root):
+            continue
+        stack = [(root[0], False)]
         while stack:
-            node, i = stack[-1]
-            if node.op == SCALAR:
-                if id(node) not in index:
-                    index[id(node)] = len(scalars)
-                    scalars.append(node)
-                stack.pop()
-                continue
-            if node.is_leaf(i):
-                if (id(node), i) not in index:
-                    index[(id(node), i)] = len(leaves)
-                    leaves.append((node, i))
-                stack.pop()
-                continue
+            node, expanded = stack.pop()
             if id(node) in index:
-                stack.pop()
                 continue
-            if id(node) not in visiting:
-                visiting.add(id(node))
-                stack.extend(ref for ref in reversed(node.src) if not _done(ref, index))
+            if expanded:
+                index[id(node)] = len(nodes)
+                nodes.append(node)
                 continue
-            visiting.discard(id(node))
-            index[id(node)] = len(nodes)
-            nodes.append(node)
-            stack.pop()
+            stack.append((node, True))
+            for ref in reversed(node.src):
+                if is_computed(ref) and id(ref[0]) not in index:
+                    stack.append((ref[0], False))
     return Program(nodes, leaves, scalars, list(outputs), index)
-
-
-def _done(ref: Ref, index: dict) -> bool:
-    node, i = ref
-    if node.op != SCALAR and node.is_leaf(i):
-        return (id(node), i) in index
-    return id(node) in index
 
 
 _DTYPE_NAMES = {

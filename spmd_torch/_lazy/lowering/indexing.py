@@ -36,6 +36,19 @@ def _crop(x: jnp.ndarray, shape: tuple) -> jnp.ndarray:
     return x[tuple(slice(0, n) for n in shape)]
 
 
+def _scalar_as_vector(fn):
+    """PyTorch's dim-wise index ops treat a 0-d self (and 0-d index/src) as one-element vectors,
+    with dim 0 or -1, and give a 0-d self a 0-d result; NumPy has no axis there to index."""
+
+    def lowering(x, dim, *args, **kwargs):
+        if x.ndim:
+            return fn(x, dim, *args, **kwargs)
+        args = [a.reshape(1) if isinstance(a, jnp.ndarray) and a.ndim == 0 else a for a in args]
+        return fn(x.reshape(1), dim, *args, **kwargs).reshape(())
+
+    return lowering
+
+
 def _scatter_index(index: jnp.ndarray, dim: int) -> tuple:
     """scatter/gather as one advanced index: ``index`` along ``dim``, the position elsewhere."""
     grid = list(jnp.indices(index.shape, sparse=True))
@@ -188,7 +201,10 @@ def _as_strided(x, size, stride, storage_offset=None):
 
 @lowers(aten.unfold.default, aten.unfold_copy.default)
 def _unfold(x, dimension, size, step):
-    """Windows become a new axis at ``dimension`` and the window elements the last axis."""
+    """Windows become a new axis at ``dimension`` and the window elements the last axis; a 0-d
+    tensor has one window, of size 1 (or 0), and PyTorch returns it as a 1-d tensor."""
+    if x.ndim == 0:
+        return jnp.broadcast_to(x, (size,))
     dim = dimension % x.ndim
     starts = np.arange((x.shape[dim] - size) // step + 1) * step
     return jnp.moveaxis(jnp.take(x, starts[:, None] + np.arange(size), axis=dim), dim + 1, -1)
@@ -265,6 +281,7 @@ def _index_put(x, indices, values, accumulate=False):
 
 
 @lowers(aten.index_select.default)
+@_scalar_as_vector
 def _index_select(x, dim, index):
     """A 0-d index still keeps the axis (with size 1)."""
     return jnp.take(x, index.reshape(-1), axis=dim)
@@ -272,12 +289,16 @@ def _index_select(x, dim, index):
 
 @lowers(aten.gather.default)
 def _gather(x, dim, index, sparse_grad=False):
-    """The index may be smaller than self along the other axes: gather from that corner of self."""
+    """The index may be smaller than self along the other axes: gather from that corner of self.
+    A 0-d self is a one-element vector, so the result just takes the index's shape."""
+    if x.ndim == 0:
+        return jnp.take(x.reshape(1), index)
     shape = [n if d != dim % x.ndim else x.shape[d] for d, n in enumerate(index.shape)]
     return jnp.take_along_axis(_crop(x, shape), index, axis=dim)
 
 
 @lowers(aten.scatter.src, aten.scatter.value)
+@_scalar_as_vector
 def _scatter(x, dim, index, src):
     """scatter.value brings a Python scalar as ``src``; a tensor src may be larger than index."""
     src = _crop(src, index.shape) if jnp.ndim(src) else src
@@ -285,11 +306,13 @@ def _scatter(x, dim, index, src):
 
 
 @lowers(aten.scatter_add.default)
+@_scalar_as_vector
 def _scatter_add(x, dim, index, src):
     return x.at[_scatter_index(index, dim)].add(_crop(src, index.shape))
 
 
 @lowers(aten.scatter_reduce.two)
+@_scalar_as_vector
 def _scatter_reduce(x, dim, index, src, reduce, include_self=True):
     """include_self=False first resets the targets to the reduction's identity; mean counts self
     as one element iff included (untouched positions divide by 1)."""
@@ -304,6 +327,7 @@ def _scatter_reduce(x, dim, index, src, reduce, include_self=True):
 
 
 @lowers(aten.scatter.reduce, aten.scatter.value_reduce)
+@_scalar_as_vector
 def _scatter_legacy_reduce(x, dim, index, src, reduce):
     """The deprecated reduce="add"|"multiply" forms, which always include self."""
     src = jnp.broadcast_to(jnp.asarray(src, x.dtype), index.shape) if jnp.ndim(src) == 0 else src
@@ -311,16 +335,19 @@ def _scatter_legacy_reduce(x, dim, index, src, reduce):
 
 
 @lowers(aten.index_add.default)
+@_scalar_as_vector
 def _index_add(x, dim, index, source, alpha=1):
     return x.at[_at(x.ndim, dim, index)].add(source * alpha if alpha != 1 else source)
 
 
 @lowers(aten.index_copy.default)
+@_scalar_as_vector
 def _index_copy(x, dim, index, source):
     return x.at[_at(x.ndim, dim, index)].set(source)
 
 
 @lowers(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor)
+@_scalar_as_vector
 def _index_fill(x, dim, index, value):
     return x.at[_at(x.ndim, dim, index)].set(value)
 
