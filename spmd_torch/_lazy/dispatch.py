@@ -152,8 +152,8 @@ def _inplace_view(func, args: tuple, kwargs: dict) -> LazyTensor:
     reshaped = views.make_view(target, getattr(packet, func._overloadname), args[1:])
     with torch._C._DisableTorchDispatch():
         func(target, *args[1:], **kwargs)  # the wrapper's own sizes and strides
-    target._view, target._cache = reshaped._view, reshaped._cache
-    target._cache_version = reshaped._cache_version
+    target._view = reshaped._view
+    target._remember(reshaped._cache)
     return target
 
 
@@ -378,9 +378,7 @@ def _set_(func, args: tuple, kwargs: dict) -> LazyTensor:
     dst, src = args[0], args[1]
     if tuple(dst.shape) != tuple(src.shape) or dst.dtype != src.dtype:
         raise RuntimeError(f"set_: cannot rebind a {list(dst.shape)} tensor to {list(src.shape)}")
-    dst._storage = src._storage
-    dst._view = src._view
-    dst._cache, dst._cache_version = src._cache, src._cache_version
+    dst._alias_of(src)
     return dst
 
 

@@ -7,7 +7,6 @@ needs and leaves the rest pending.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 import weakref
@@ -18,14 +17,13 @@ import torch
 from . import compile as compiler
 from . import config, counters
 from .graph import DATA, Node, linearize, to_text
+from .record import user_frame
 from .tensor import PENDING, LazyTensor, live_pending
 from .transfer import to_torch
 
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_TORCH_ROOT = os.path.dirname(os.path.abspath(torch.__file__))
 
 _COMPACT_PENDING_AT = 100_000
-_in_flight: list = []  # outputs of the last dispatched program, for wait_device_ops()
+_in_flight: list = []  # weak refs to the last program's outputs, for wait_device_ops()
 
 
 def sync(wait: bool = False) -> None:
@@ -69,7 +67,7 @@ def run(refs: list, donate: bool) -> list:
     start = time.perf_counter_ns()
     outputs = executable.compiled(given, kept, scalars)
     counters.record("ExecuteTime", time.perf_counter_ns() - start)
-    _in_flight[:] = outputs
+    _in_flight[:] = [weakref.ref(a) for a in outputs]
     return outputs
 
 
@@ -100,7 +98,7 @@ def to_cpu(t: LazyTensor) -> torch.Tensor:
 
 def wait_device_ops() -> None:
     """Block until every dispatched program has finished."""
-    jax.block_until_ready(_in_flight)
+    jax.block_until_ready([a for a in (weak() for weak in _in_flight) if a is not None])
 
 
 def pending_text(tensors: list[LazyTensor] | None = None) -> str:
@@ -125,7 +123,7 @@ def _pending_refs(tensors) -> list:
 
 def _debug_line(program, executable, hit: bool) -> None:
     status = "hit" if hit else "MISS"
-    line = f"compile key={executable.key} {status} {len(program.nodes)} nodes at {_user_frame()}"
+    line = f"compile key={executable.key} {status} {len(program.nodes)} nodes at {user_frame()}"
     if not hit:
         compile_ns = counters.METRICS["CompileTime"][-1]
         line += f" {compile_ns / 1e9:.2f}s; reason: "
@@ -133,14 +131,3 @@ def _debug_line(program, executable, hit: bool) -> None:
     print(f"[spmd_torch] {line}", file=sys.stderr)
     if config.DEBUG_LEVEL.value >= 2:
         print(to_text(program), file=sys.stderr)
-
-
-def _user_frame() -> str:
-    """file:line of the innermost frame outside spmd_torch and torch: where the graph was cut."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not filename.startswith((_PACKAGE_ROOT, _TORCH_ROOT)) and "importlib" not in filename:
-            return f"{os.path.basename(filename)}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "<unknown>"

@@ -7,16 +7,20 @@ signature: a training step traced again never calls them.
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import torch
 
-from . import counters
+from . import config, counters
 from .graph import SCALAR, Arg, Aval, Node, Ref, Value
 from .lowering.dtypes import to_jax_dtype
 from .tensor import DEVICE, LazyTensor, wrap_data
 
 _META_DEVICE = torch.device("meta")
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH_ROOT = os.path.dirname(os.path.abspath(torch.__file__))
 _SCALAR_AVAL = Aval((), torch.float64)
 
 _ARGS = [Arg(i) for i in range(4096)]  # shared placeholders: no allocation per traced argument
@@ -65,7 +69,21 @@ def emit(
     avals, structure = meta
     if key is not None:
         static_args = (Arg(0),) + static_args
-    return Node(func, tuple(src), static_args, static_kwargs, avals), structure
+    node = Node(func, tuple(src), static_args, static_kwargs, avals)
+    if config.DEBUG_LEVEL.value >= 2:  # frame walking costs host time: only when debugging
+        node.where = user_frame()
+    return node, structure
+
+
+def user_frame() -> str:
+    """file:line of the innermost frame outside spmd_torch and torch."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith((_PACKAGE_ROOT, _TORCH_ROOT)) and "importlib" not in filename:
+            return f"{os.path.basename(filename)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "<unknown>"
 
 
 def _walk(x: Any, src: list, key: list, lift_floats: bool) -> Any:

@@ -23,11 +23,12 @@ PENDING: list = []
 class Storage:
     """The value shared by a tensor and all its aliases, with a version bumped on every write."""
 
-    __slots__ = ("ref", "version", "__weakref__")
+    __slots__ = ("ref", "version", "views", "__weakref__")
 
     def __init__(self, ref: Ref):
         self.ref = None
         self.version = 0
+        self.views = None  # weak refs to views caching a value read from this storage
         self.set(ref)
 
     def set(self, ref: Ref) -> None:
@@ -37,8 +38,18 @@ class Storage:
             self.ref[0].holders -= 1
         self.ref = ref
         self.version += 1
+        if self.views is not None:
+            self._forget_view_caches()
         if node.arrays is None or node.arrays[ref[1]] is None:  # pending: inlined is_leaf
             PENDING.append(weakref.ref(self))
+
+    def _forget_view_caches(self) -> None:
+        """Stale view caches would keep the old graph (and its input arrays) alive."""
+        for weak in self.views:
+            view = weak()
+            if view is not None:
+                view._cache, view._cache_version = None, -1
+        self.views = None
 
     @property
     def aval(self) -> Aval:
@@ -80,9 +91,21 @@ class LazyTensor(torch.Tensor):
         ref = self._storage.ref
         for entry in self._view:
             ref = entry.read(ref)
-        self._cache = ref
-        self._cache_version = self._storage.version
+        self._remember(ref)
         return ref
+
+    def _remember(self, ref: Ref) -> None:
+        """Cache a view's value until its storage is written again."""
+        storage = self._storage
+        self._cache, self._cache_version = ref, storage.version
+        if storage.views is None:
+            storage.views = []
+        storage.views.append(weakref.ref(self))
+
+    def _alias_of(self, other: LazyTensor) -> None:
+        """Make this tensor another name for ``other``'s value (``set_``, ``.data =``)."""
+        self._storage, self._view = other._storage, other._view
+        self._cache, self._cache_version = None, -1
 
     def _write(self, ref: Ref) -> None:
         """Make ``ref`` this tensor's value, writing it back through the view chain to the storage."""
@@ -96,8 +119,7 @@ class LazyTensor(torch.Tensor):
         for entry, base in zip(reversed(self._view), reversed(bases)):
             new = entry.write(base, new)
         self._storage.set(new)
-        self._cache = ref
-        self._cache_version = self._storage.version
+        self._remember(ref)
 
     def __repr__(self, *, tensor_contents=None) -> str:
         from .execute import to_cpu
@@ -117,8 +139,7 @@ class LazyTensor(torch.Tensor):
         """``p.data = t`` swaps the C++ metadata; the value lives on the Python side, so swap it too."""
         torch._C.TensorBase.data.__set__(self, new)
         if isinstance(new, LazyTensor):
-            self._storage, self._view = new._storage, new._view
-            self._cache, self._cache_version = new._cache, new._cache_version
+            self._alias_of(new)
 
     def tolist(self) -> list:
         from .execute import to_cpu

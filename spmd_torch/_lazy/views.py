@@ -88,8 +88,7 @@ def make_view(base: LazyTensor, func, args: tuple) -> LazyTensor:
     ref = entry.read(base._ref())
     aval = ref[0].avals[ref[1]]
     view = LazyTensor(base._storage, aval, (base._view or ()) + (entry,))
-    view._cache = ref
-    view._cache_version = base._storage.version
+    view._remember(ref)
     return view
 
 
@@ -97,8 +96,8 @@ def alias(base: LazyTensor) -> LazyTensor:
     """Another tensor for the very same value (detach, alias): same storage, same chain."""
     ref = base._ref()
     view = LazyTensor(base._storage, ref[0].avals[ref[1]], base._view)
-    view._cache = ref
-    view._cache_version = base._cache_version
+    if base._view is not None:
+        view._remember(ref)
     return view
 
 

@@ -72,3 +72,11 @@ def test_pending_graph_as_text_and_stablehlo():
     hlo = graph.get_tensors_hlo([y])
     assert "stablehlo.multiply" in hlo and "stablehlo.reduce" in hlo
     assert_close(y, torch.full((2,), 6.0))
+
+
+def test_debug_level_2_dumps_the_graph_with_source_lines(capsys):
+    with config.override(PT_XLA_DEBUG_LEVEL=2):
+        x = torch.ones(3).to(dev)
+        (x * 5).cpu()
+    err = capsys.readouterr().err
+    assert "aten.mul.Tensor(%in0" in err and "# test_config_and_debug.py:" in err

@@ -252,3 +252,23 @@ def test_assigning_data_rebinds_the_value():
     p.data.mul_(2)
     assert isinstance(p, torch.nn.Parameter) and p.requires_grad
     assert_close(p.detach(), torch.full((3,), 10.0))
+
+
+def test_training_steps_leave_no_arrays_behind():
+    import gc
+
+    spmd_torch.sync()
+    gc.collect()
+    baseline = len(jax.live_arrays())
+    model = torch.nn.Linear(8, 4).to(dev)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(torch.randn(2, 8).to(dev)).sum().backward()
+        optimizer.step()
+        spmd_torch.sync()
+    held = len(jax.live_arrays()) - baseline
+    assert held == 6  # weight, bias, their momentum buffers and gradients
+    del model, optimizer
+    gc.collect()
+    assert len(jax.live_arrays()) == baseline

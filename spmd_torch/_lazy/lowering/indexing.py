@@ -290,9 +290,9 @@ def _index_select(x, dim, index):
 @lowers(aten.gather.default)
 def _gather(x, dim, index, sparse_grad=False):
     """The index may be smaller than self along the other axes: gather from that corner of self.
-    A 0-d self is a one-element vector, so the result just takes the index's shape."""
-    if x.ndim == 0:
-        return jnp.take(x.reshape(1), index)
+    A 0-d self (a one-element vector) or an empty index (any rank) just gives the index's shape."""
+    if x.ndim == 0 or index.size == 0:
+        return jnp.take(x.reshape(-1), index)
     shape = [n if d != dim % x.ndim else x.shape[d] for d, n in enumerate(index.shape)]
     return jnp.take_along_axis(_crop(x, shape), index, axis=dim)
 
