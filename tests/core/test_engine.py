@@ -225,6 +225,7 @@ def test_sync_returns_before_the_program_finishes():
     jax.block_until_ready(array)
 
 
+@pytest.mark.filterwarnings("ignore:aten.mul.Tensor has no xla lowering")
 def test_a_failing_op_inside_backward_degrades_to_cpu(monkeypatch):
     from spmd_torch._lazy import dispatch
 
