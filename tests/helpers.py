@@ -22,8 +22,9 @@ TOLERANCES = {
 def to_device(tree):
     dev = spmd_torch.device()
     return pytree.tree_map(
-        lambda x: x.detach().to(dev).requires_grad_(x.requires_grad)
-        if isinstance(x, torch.Tensor) else x,
+        lambda x: (
+            x.detach().to(dev).requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+        ),
         tree,
     )
 

@@ -61,8 +61,13 @@ def build_function(program: Program, donated: tuple) -> Callable:
         slots.append((is_donated, counts[is_donated]))
         counts[is_donated] += 1
     steps = [
-        (node.op, node.args, node.kwargs, program.wiring(node),
-         tuple((a.shape, to_jax_dtype(a.dtype)) for a in node.avals))
+        (
+            node.op,
+            node.args,
+            node.kwargs,
+            program.wiring(node),
+            tuple((a.shape, to_jax_dtype(a.dtype)) for a in node.avals),
+        )
         for node in program.nodes
     ]
     outputs = [program.locate(ref) for ref in program.outputs]
@@ -152,8 +157,11 @@ def explain_last_miss() -> str:
             if name == "graph":
                 return _explain_graph_change(old[0], new[0])
             if name.startswith("input") and len(old) == len(new):
-                diffs = [f"input {i}: {o[:2]} -> {n[:2]}" for i, (o, n) in
-                         enumerate(zip(old, new)) if o != n]
+                diffs = [
+                    f"input {i}: {o[:2]} -> {n[:2]}"
+                    for i, (o, n) in enumerate(zip(old, new))
+                    if o != n
+                ]
                 return f"{name} changed: " + "; ".join(diffs[:3])
             return f"{name} changed"
     return "unknown"

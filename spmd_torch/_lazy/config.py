@@ -39,15 +39,20 @@ def _flag(name: str, default: object, help: str, in_cache_key: bool = False) -> 
 
 
 USE_BF16 = _flag(
-    "XLA_USE_BF16", False, "Store and compute float32 and float64 tensors as bfloat16 on the device.",
+    "XLA_USE_BF16",
+    False,
+    "Store and compute float32 and float64 tensors as bfloat16 on the device.",
     in_cache_key=True,
 )
 DOWNCAST_BF16 = _flag(
-    "XLA_DOWNCAST_BF16", False,
-    "Store and compute float32 as bfloat16 and float64 as float32 on the device.", in_cache_key=True,
+    "XLA_DOWNCAST_BF16",
+    False,
+    "Store and compute float32 as bfloat16 and float64 as float32 on the device.",
+    in_cache_key=True,
 )
 DEBUG_LEVEL = _flag(
-    "PT_XLA_DEBUG_LEVEL", 0,
+    "PT_XLA_DEBUG_LEVEL",
+    0,
     "1: one line per compile or cache hit with the reason for each recompilation; 2: also the graph.",
 )
 

@@ -74,12 +74,27 @@ aten = torch.ops.aten
 # Ops that reach the PrivateUse1 key itself: factories (no tensor argument), and copies that
 # torch.tensor(..., device='xla') makes with the Python key excluded.
 _BACKEND_OPS = [
-    aten.copy_.default, aten._copy_from.default, aten._copy_from_and_resize.default,
-    aten.empty.memory_format, aten.empty_strided.default, aten.full.default, aten.zeros.default,
-    aten.ones.default, aten.scalar_tensor.default, aten.arange.default, aten.arange.start,
-    aten.arange.start_step, aten.linspace.default, aten.eye.default, aten.eye.m,
-    aten.rand.default, aten.randn.default, aten.randint.default, aten.randint.low,
-    aten.randperm.default, aten._efficientzerotensor.default,
+    aten.copy_.default,
+    aten._copy_from.default,
+    aten._copy_from_and_resize.default,
+    aten.empty.memory_format,
+    aten.empty_strided.default,
+    aten.full.default,
+    aten.zeros.default,
+    aten.ones.default,
+    aten.scalar_tensor.default,
+    aten.arange.default,
+    aten.arange.start,
+    aten.arange.start_step,
+    aten.linspace.default,
+    aten.eye.default,
+    aten.eye.m,
+    aten.rand.default,
+    aten.randn.default,
+    aten.randint.default,
+    aten.randint.low,
+    aten.randperm.default,
+    aten._efficientzerotensor.default,
 ]
 
 

@@ -26,7 +26,8 @@ _HANDLERS: dict = {}
 _TENSOR_LIST = torch._C.ListType(torch._C.TensorType.get())
 # PyTorch's decompositions into aten ops; the torch._refs ones end in prims, which we don't lower.
 _DECOMPOSITIONS = {
-    op: fn for op, fn in decomposition_table.items()
+    op: fn
+    for op, fn in decomposition_table.items()
     if not getattr(fn, "__module__", "").startswith("torch._refs")
 }
 
@@ -42,8 +43,9 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
         # process (PyTorch 2.11-2.13). Inside backward, a failing handler degrades to the CPU.
         if handler is _cpu_fallback or torch._C._current_autograd_node() is None:
             raise
-        warnings.warn(f"{func} failed on xla inside backward ({error}); running it on the CPU",
-                      stacklevel=2)
+        warnings.warn(
+            f"{func} failed on xla inside backward ({error}); running it on the CPU", stacklevel=2
+        )
         return _cpu_fallback(func, args, kwargs)
 
 
@@ -69,8 +71,9 @@ def _resolve(func) -> Callable:
     functional = _functional_variant(func)
     if functional is not None and (functional in LOWERINGS or func not in _DECOMPOSITIONS):
         return _mutation(functional)
-    if not any(a.type.isSubtypeOf(_TENSOR_LIST) or "Tensor" in str(a.type)
-               for a in func._schema.arguments):
+    if not any(
+        a.type.isSubtypeOf(_TENSOR_LIST) or "Tensor" in str(a.type) for a in func._schema.arguments
+    ):
         return _cpu_fallback  # factories decompose into themselves; make them on the CPU
     decomposition = _DECOMPOSITIONS.get(func)
     if decomposition is not None:
@@ -78,8 +81,13 @@ def _resolve(func) -> Callable:
     return _cpu_fallback
 
 
-_INDEXING = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
-             aten._unsafe_index.Tensor, aten._unsafe_index_put.default}
+_INDEXING = {
+    aten.index.Tensor,
+    aten.index_put.default,
+    aten.index_put_.default,
+    aten._unsafe_index.Tensor,
+    aten._unsafe_index_put.default,
+}
 
 
 def _lowered_handler(func) -> Callable | None:
@@ -132,8 +140,10 @@ def _with_device_indices(handler: Callable) -> Callable:
     """Indexing accepts CPU index tensors with device data, as PyTorch does: upload them first."""
 
     def upload(func, args: tuple, kwargs: dict) -> Any:
-        indices = [_upload(i) if isinstance(i, torch.Tensor) and not isinstance(i, LazyTensor)
-                   else i for i in args[1]]
+        indices = [
+            _upload(i) if isinstance(i, torch.Tensor) and not isinstance(i, LazyTensor) else i
+            for i in args[1]
+        ]
         return handler(func, (args[0], indices, *args[2:]), kwargs)
 
     return upload
@@ -205,8 +215,11 @@ def _overload_taking(packet, arguments, preferred, exclude=None):
 def _mutation(functional) -> Callable:
     def mutate(func, args: tuple, kwargs: dict) -> Any:
         schema = func._schema
-        out_names = [a.name for a in schema.arguments if a.kwarg_only and a.alias_info
-                     and a.alias_info.is_write]
+        out_names = [
+            a.name
+            for a in schema.arguments
+            if a.kwarg_only and a.alias_info and a.alias_info.is_write
+        ]
         if out_names:  # out= variant: compute, then write into the out tensors
             outs = [kwargs[n] for n in out_names]
             kwargs = {k: v for k, v in kwargs.items() if k not in out_names}
@@ -244,9 +257,15 @@ def _assign(target: LazyTensor, value: Any, func) -> None:
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
-    return {torch.float32: "Float", torch.int64: "Long", torch.int32: "Int", torch.bool: "Bool",
-            torch.float64: "Double", torch.bfloat16: "BFloat16", torch.float16: "Half"}.get(
-        dtype, str(dtype))
+    return {
+        torch.float32: "Float",
+        torch.int64: "Long",
+        torch.int32: "Int",
+        torch.bool: "Bool",
+        torch.float64: "Double",
+        torch.bfloat16: "BFloat16",
+        torch.float16: "Half",
+    }.get(dtype, str(dtype))
 
 
 def _copy_(func, args: tuple, kwargs: dict) -> LazyTensor:
@@ -272,7 +291,7 @@ _FOREACH_TARGETS = {"norm": "linalg_vector_norm"}
 
 def _foreach(func, args: tuple, kwargs: dict) -> Any:
     """``_foreach_X(lists...)`` as X applied per element (XLA fuses them again)."""
-    name = func._schema.name.split("::")[1][len("_foreach_"):]
+    name = func._schema.name.split("::")[1][len("_foreach_") :]
     inplace = name.endswith("_")
     base = name[:-1] if inplace else name
     op = getattr(aten, _FOREACH_TARGETS.get(base, base) + ("_" if inplace else ""))
@@ -329,8 +348,10 @@ def _cpu_fallback(func, args: tuple, kwargs: dict, count: bool = True) -> Any:
         counters.bump(f"aten::{name}")
         if func not in _WARNED:
             _WARNED.add(func)
-            warnings.warn(f"{func} has no xla lowering; it runs on the CPU (slow: a device round trip)",
-                          stacklevel=3)
+            warnings.warn(
+                f"{func} has no xla lowering; it runs on the CPU (slow: a device round trip)",
+                stacklevel=3,
+            )
     lazy = []
 
     def to_host(x):

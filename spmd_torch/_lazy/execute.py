@@ -55,9 +55,7 @@ def run(refs: list, donate: bool) -> list:
     """Compute graph references; donates inputs no live tensor holds any more when ``donate``."""
     program = linearize(refs)
     arrays = [node.arrays[i] for node, i in program.leaves]
-    donated = tuple(
-        donate and node.op == DATA and node.holders == 0 for node, _ in program.leaves
-    )
+    donated = tuple(donate and node.op == DATA and node.holders == 0 for node, _ in program.leaves)
     executable, hit = compiler.lookup_or_compile(program, arrays, donated)
     if config.DEBUG_LEVEL.value:
         _debug_line(program, executable, hit)

@@ -39,7 +39,17 @@ class Aval(NamedTuple):
 
 
 class Node:
-    __slots__ = ("op", "src", "args", "kwargs", "avals", "arrays", "holders", "where", "__weakref__")
+    __slots__ = (
+        "op",
+        "src",
+        "args",
+        "kwargs",
+        "avals",
+        "arrays",
+        "holders",
+        "where",
+        "__weakref__",
+    )
 
     def __init__(self, op: Any, src: tuple, args: tuple, kwargs: dict, avals: tuple[Aval, ...]):
         self.op = op
@@ -159,8 +169,15 @@ def linearize(outputs: list[Ref]) -> Program:
 
 
 _DTYPE_NAMES = {
-    torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16", torch.float16: "f16",
-    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
+    torch.float32: "f32",
+    torch.float64: "f64",
+    torch.bfloat16: "bf16",
+    torch.float16: "f16",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int16: "i16",
+    torch.int8: "i8",
+    torch.uint8: "u8",
     torch.bool: "pred",
 }
 
@@ -207,4 +224,3 @@ def substitute(value: Any, sources: list) -> Any:
     if isinstance(value, dict):
         return {k: substitute(v, sources) for k, v in value.items()}
     return value
-

@@ -128,8 +128,11 @@ def _infer(func, args: tuple, kwargs: dict) -> tuple:
     counters.bump("MetaInference")
     try:
         out = func(*_to_meta(args), **_to_meta(kwargs))
-    except (NotImplementedError, torch._subclasses.fake_tensor.DynamicOutputShapeException,
-            torch._subclasses.fake_tensor.DataDependentOutputException) as error:
+    except (
+        NotImplementedError,
+        torch._subclasses.fake_tensor.DynamicOutputShapeException,
+        torch._subclasses.fake_tensor.DataDependentOutputException,
+    ) as error:
         raise NoStaticShape(f"{func}: {error}") from None
     if isinstance(out, torch.Tensor):
         structure, tensors = None, [out]

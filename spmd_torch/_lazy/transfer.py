@@ -42,4 +42,3 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
     if t.dtype is torch.bfloat16:
         return t.contiguous().view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
     return t.contiguous().numpy()
-

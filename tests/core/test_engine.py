@@ -175,8 +175,9 @@ def test_cpu_fallback_is_counted_and_warned_once():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         inverse = torch.linalg.inv(x)
-    assert any("linalg_inv_ex" in str(w.message) and "no xla lowering" in str(w.message)
-               for w in caught)
+    assert any(
+        "linalg_inv_ex" in str(w.message) and "no xla lowering" in str(w.message) for w in caught
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the second call is counted but not warned about again
         torch.linalg.inv(x)

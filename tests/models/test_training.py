@@ -18,8 +18,9 @@ dev = spmd_torch.device()
 class MLP(nn.Module):
     def __init__(self):
         super().__init__()
-        self.layers = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.GELU(),
-                                    nn.Linear(64, 10))
+        self.layers = nn.Sequential(
+            nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 10)
+        )
 
     def forward(self, x, dropout_mask=None):
         return self.layers(x)
@@ -47,12 +48,18 @@ def _batches(model_cls, steps):
     generator = torch.Generator().manual_seed(0)
     for _ in range(steps):
         if model_cls is MLP:
-            yield torch.randn(16, 32, generator=generator), torch.randint(0, 10, (16,),
-                                                                         generator=generator), None
+            yield (
+                torch.randn(16, 32, generator=generator),
+                torch.randint(0, 10, (16,), generator=generator),
+                None,
+            )
         else:
             mask = (torch.rand(8, 64, generator=generator) > 0.25).float()
-            yield (torch.randn(8, 1, 14, 14, generator=generator),
-                   torch.randint(0, 10, (8,), generator=generator), mask)
+            yield (
+                torch.randn(8, 1, 14, 14, generator=generator),
+                torch.randint(0, 10, (8,), generator=generator),
+                mask,
+            )
 
 
 def _train(model, make_optimizer, batches, device):
@@ -88,14 +95,16 @@ def test_training_matches_eager_step_by_step(model_cls, optimizer):
     reference = model_cls()
     model = copy.deepcopy(reference)
     steps = 20
-    expected, trained_cpu = _train(reference, OPTIMIZERS[optimizer],
-                                   _batches(model_cls, steps), torch.device("cpu"))
+    expected, trained_cpu = _train(
+        reference, OPTIMIZERS[optimizer], _batches(model_cls, steps), torch.device("cpu")
+    )
     # Step 1 has no optimizer state yet; every later step is the same graph.
     with assert_compiles(2):
         actual, trained = _train(model, OPTIMIZERS[optimizer], _batches(model_cls, steps), dev)
     torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), rtol=1e-4, atol=1e-5)
-    for (name, p_cpu), p_dev in zip(trained_cpu.state_dict().items(),
-                                    trained.state_dict().values()):
+    for (name, p_cpu), p_dev in zip(
+        trained_cpu.state_dict().items(), trained.state_dict().values()
+    ):
         torch.testing.assert_close(p_dev.cpu(), p_cpu, rtol=1e-3, atol=1e-4, msg=name)
 
 
