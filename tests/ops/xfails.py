@@ -3,4 +3,50 @@
 Applied as strict xfails: when an op gets fixed its test turns red until its entry is deleted.
 """
 
-XFAILS: dict[tuple[str, str, str], str] = {}
+_SPARSE = (
+    "sparse CSR tensors are out of scope: aten::_sparse_mm_reduce_impl has no SparseCsrxla kernel"
+)
+_PARTIAL_VIEWS = (
+    "samples view a larger storage (input = base[5:15]) and storage_offset counts from the base; "
+    "the copy to the device owns a fresh 10-element storage (as .clone() does on CPU), so offsets "
+    "address other elements: the xla result equals as_strided of a CPU clone"
+)
+_SDPA_DROPOUT = (
+    "samples with dropout_p=0.5 draw a random mask on each side, so values cannot match; the "
+    "dropout_p=0 samples before them (0 and 1) do match"
+)
+_TIES = (
+    "bf16 samples hold many equal values and CPU's unstable sort/topk orders ties its own way; "
+    "values match exactly and every index points at an equal value (ours keep ties in index order)"
+)
+_CONV_T_BF16 = (
+    "CPU's bf16 slow_conv_transpose rounds intermediate sums to bf16 (off by up to 0.375 from the "
+    "float64 result); ours accumulates in float32 and equals the float64 result rounded once"
+)
+_STATS_DTYPE = (
+    "CPU returns the saved mean/rstd of a bf16 input in bf16; shapes and dtypes come from "
+    "PyTorch's meta kernel, which (as CUDA) gives float32; the output and the values match"
+)
+_BN_EVAL_STATS = (
+    "in eval (training=False) CPU saves empty (0,) mean/invstd; PyTorch's meta kernel, which gives "
+    "our shapes, says (C,); the normalized output matches"
+)
+
+XFAILS: dict[tuple[str, str, str], str] = {
+    ("sparse.mm.reduce", "fwd", "float32"): _SPARSE,
+    ("sparse.mm.reduce", "grad", "float32"): _SPARSE,
+    ("sparse.mm.reduce", "fwd", "bfloat16"): _SPARSE,
+    ("as_strided.partial_views", "fwd", "float32"): _PARTIAL_VIEWS,
+    ("as_strided.partial_views", "grad", "float32"): _PARTIAL_VIEWS,
+    ("as_strided.partial_views", "fwd", "bfloat16"): _PARTIAL_VIEWS,
+    ("nn.functional.scaled_dot_product_attention", "fwd", "float32"): _SDPA_DROPOUT,
+    ("nn.functional.scaled_dot_product_attention", "grad", "float32"): _SDPA_DROPOUT,
+    ("nn.functional.scaled_dot_product_attention", "fwd", "bfloat16"): _SDPA_DROPOUT,
+    ("sort", "fwd", "bfloat16"): _TIES,
+    ("topk", "fwd", "bfloat16"): _TIES,
+    ("nn.functional.conv_transpose2d", "fwd", "bfloat16"): _CONV_T_BF16,
+    ("nn.functional.conv_transpose3d", "fwd", "bfloat16"): _CONV_T_BF16,
+    ("native_layer_norm", "fwd", "bfloat16"): _STATS_DTYPE,
+    ("_native_batch_norm_legit", "fwd", "float32"): _BN_EVAL_STATS,
+    ("_native_batch_norm_legit", "fwd", "bfloat16"): _STATS_DTYPE + "; " + _BN_EVAL_STATS,
+}

@@ -109,3 +109,10 @@ def test_arange_matches_torch(op, args, kwargs):
 def test_linspace_matches_torch(op, args, kwargs):
     """Both ends exact (the second half counts back from end); a single step is start."""
     check(op, *args, **kwargs)
+
+
+def test_efficientzerotensor_is_plain_zeros():
+    """Autograd's ZeroTensor (an unused input's gradient, sgn's) has no storage on CPU to compare
+    against; on the device it is an ordinary tensor of zeros of its size and dtype."""
+    got = lowered(aten._efficientzerotensor.default, [2, 3], dtype=bf16)
+    assert_close(got, torch.zeros(2, 3, dtype=bf16))

@@ -101,6 +101,7 @@ VIEW_CASES = [
     _case(aten.unfold.default, x34, 0, 3, 1, id="unfold-whole"),
     _case(aten.unfold.default, _t(2, 7), -1, 3, 3, id="unfold-negative-dim"),
     _case(aten.unfold_copy.default, x234, 1, 2, 1, id="unfold_copy"),
+    _case(aten.unfold.default, torch.tensor(2.0), 0, 1, 1, id="unfold-0d"),
     _case(aten.split.Tensor, _t(5, 2), 2, id="split-remainder"),
     _case(aten.split.Tensor, _t(2, 6), 3, 1, id="split-dim"),
     _case(aten.split.Tensor, _t(0), 2, id="split-empty"),
@@ -142,6 +143,7 @@ SCATTER_BACK_CASES = [
 
 x54 = _t(5, 4)
 x456 = _t(4, 5, 6)
+x0, s0 = torch.tensor(2.0), torch.tensor(5.0)  # 0-d self and src: index ops treat them as 1-d
 INDEX_CASES = [
     _case(aten.index.Tensor, x54, [_i(0, 3, 3)], id="index"),
     _case(aten.index.Tensor, x54, [None, _i(1, -1)], id="index-none-negative"),
@@ -238,6 +240,14 @@ INDEX_CASES = [
     _case(aten.index_copy.default, _t(3, 5), -1, _i(3, 1), _t(3, 2), id="index_copy-negative-dim"),
     _case(aten.index_fill.int_Scalar, x45, 1, _i(0, 3), -1.0, id="index_fill-scalar"),
     _case(aten.index_fill.int_Tensor, x45, 0, _i(2), torch.tensor(5.0), id="index_fill-tensor"),
+    _case(aten.index_select.default, x0, 0, _i(0), id="index_select-0d"),
+    _case(aten.gather.default, x0, 0, _i(0, 0), id="gather-0d-self"),
+    _case(aten.gather.default, _t(5), 0, _i([], []).long(), id="gather-empty-index"),
+    _case(aten.scatter.src, x0, -1, torch.tensor(0), s0, id="scatter-0d"),
+    _case(aten.scatter_add.default, x0, 0, torch.tensor(0), s0, id="scatter_add-0d"),
+    _case(aten.index_add.default, x0, 0, _i(0), s0, alpha=2, id="index_add-0d"),
+    _case(aten.index_copy.default, x0, 0, _i(0), s0, id="index_copy-0d"),
+    _case(aten.index_fill.int_Scalar, x0, -1, _i(0), 7.0, id="index_fill-0d"),
     _case(aten.masked_scatter.default, x34, x34 > 0, _t(12), id="masked_scatter"),
     _case(aten.masked_scatter.default, x34, x34[0] > 0, _t(15), id="masked_scatter-broadcast"),
 ]
@@ -307,6 +317,17 @@ SHAPE_CASES = [
         aten.reflection_pad3d.default, _t(1, 1, 3, 4, 5), [1, 1, 2, 0, 1, 2], id="reflection_pad3d"
     ),
     _case(aten.replication_pad1d.default, _t(2, 3, 5), [2, 1], id="replication_pad1d"),
+    _case(aten.replication_pad1d.default, _t(2, 3, 5), [-2, 1], id="replication_pad1d-crop"),
+    _case(
+        aten.replication_pad2d.default, _t(2, 4, 4), [-4, 5, 2, -1], id="replication_pad2d-crop-all"
+    ),
+    _case(
+        aten.replication_pad2d_backward.default,
+        _t(2, 5, 5),
+        _t(2, 4, 4),
+        [-4, 5, 2, -1],
+        id="replication_pad2d_backward-crop-all",
+    ),
     _case(aten.replication_pad2d.default, _t(2, 4, 5), [3, 0, 1, 4], id="replication_pad2d"),
     _case(
         aten.replication_pad3d.default,

@@ -220,6 +220,7 @@ _im2col_params = ([2, 3], [1, 2], [1, 0], [2, 1])  # kernel_size, dilation, padd
     [
         case(aten.im2col.default, _im2col_x, *_im2col_params, id="im2col"),
         case(aten.im2col.default, _im2col_x[0], *_im2col_params, id="im2col-unbatched"),
+        case(aten.im2col.default, _t(0, 3, 6, 7), *_im2col_params, id="im2col-empty-batch"),
         case(
             aten.col2im.default,
             aten.im2col(_im2col_x, *_im2col_params),

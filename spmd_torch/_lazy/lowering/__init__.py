@@ -11,8 +11,8 @@ result. Random lowerings (``random=True``) receive a ``jax.random`` key as their
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

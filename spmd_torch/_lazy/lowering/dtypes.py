@@ -46,7 +46,9 @@ def to_jax_dtype(dtype: torch.dtype, op: object = None) -> np.dtype:
         return _TORCH_TO_JAX[dtype]
     except KeyError:
         where = f" in {op}" if op is not None else ""
-        raise UnsupportedDtypeError(f"dtype {dtype}{where} is not supported on the xla device") from None
+        raise UnsupportedDtypeError(
+            f"dtype {dtype}{where} is not supported on the xla device"
+        ) from None
 
 
 def to_torch_dtype(dtype: object) -> torch.dtype:

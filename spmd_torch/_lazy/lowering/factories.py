@@ -80,7 +80,12 @@ register_table(
         aten.full.default: _full,
         aten.full_like.default: _full_like,
         aten.new_full.default: _new_full,
-        (aten.zeros.default, aten.empty.memory_format, aten.empty_strided.default): _constant(0),
+        (
+            aten.zeros.default,
+            aten.empty.memory_format,
+            aten.empty_strided.default,
+            aten._efficientzerotensor.default,  # autograd's zero gradients (sgn, where, ...)
+        ): _constant(0),
         aten.ones.default: _constant(1),
         (aten.zeros_like.default, aten.empty_like.default): _constant_like(0),
         aten.ones_like.default: _constant_like(1),

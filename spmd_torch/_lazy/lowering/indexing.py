@@ -7,6 +7,7 @@ contiguous arrays, so a view is just the array it reads.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -393,7 +394,24 @@ def _reflection_pad(x, padding):
     aten.replication_pad3d.default,
 )
 def _replication_pad(x, padding):
-    return jnp.pad(x, _pad_widths(x.ndim, padding), mode="edge")
+    """Output i of an axis reads input clamp(i - before, 0, n - 1), as PyTorch's kernel does, so
+    negative widths crop, and a crop of the whole axis still repeats its far edge (jnp.pad's
+    "edge" mode takes neither)."""
+    for axis, (before, after) in enumerate(_pad_widths(x.ndim, padding)):
+        n = x.shape[axis]
+        x = jnp.take(x, np.clip(np.arange(n + before + after) - before, 0, n - 1), axis=axis)
+    return x
+
+
+@lowers(
+    aten.replication_pad1d_backward.default,
+    aten.replication_pad2d_backward.default,
+    aten.replication_pad3d_backward.default,
+)
+def _replication_pad_backward(grad_output, x, padding):
+    """The adjoint of the gather above: each output's gradient adds onto the input it read."""
+    _, pullback = jax.vjp(lambda y: _replication_pad(y, padding), x)
+    return pullback(grad_output)[0]
 
 
 @lowers(aten.flip.default)

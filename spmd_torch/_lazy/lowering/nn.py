@@ -302,8 +302,8 @@ def _im2col(self, kernel_size, dilation, padding, stride):
     """(…, C, H, W) -> (…, C*kh*kw, L): channel-major columns, as nn.Unfold lays them out."""
     kernel, stride, padding, dilation = _pool_args(2, kernel_size, stride, padding, dilation)
     windows = jnp.moveaxis(_windows(self, kernel, stride, padding, dilation, False, 0), -1, -3)
-    lead = self.shape[:-3]
-    return windows.reshape(lead + (-1, windows.shape[-2] * windows.shape[-1]))
+    *lead, channels, taps, rows, cols = windows.shape  # sizes spelled out: the batch may be 0
+    return windows.reshape(*lead, channels * taps, rows * cols)
 
 
 @lowers(aten.col2im.default)
