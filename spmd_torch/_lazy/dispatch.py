@@ -7,6 +7,7 @@ functional op -> PyTorch's decomposition -> CPU fallback (counted as ``aten::<op
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, Callable
 
@@ -94,6 +95,8 @@ def _lowered_handler(func) -> Callable | None:
     lowering = LOWERINGS.get(func)
     if lowering is None:
         return None
+    if func is aten.as_strided.default:
+        return _as_strided
     if func.is_view:
         return _view
     if lowering.random:
@@ -147,6 +150,20 @@ def _with_device_indices(handler: Callable) -> Callable:
         return handler(func, (args[0], indices, *args[2:]), kwargs)
 
     return upload
+
+
+def _as_strided(func, args: tuple, kwargs: dict) -> LazyTensor:
+    """``as_strided`` must stay inside its base, as PyTorch checks against the storage."""
+    base, size, stride = args[0], args[1], args[2]
+    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset") or 0
+    last = offset + sum((n - 1) * s for n, s in zip(size, stride)) if all(size) else offset - 1
+    elements = math.prod(base._storage.aval.shape)
+    if last >= elements:
+        raise RuntimeError(
+            f"as_strided: size {list(size)}, stride {list(stride)}, offset {offset} reads "
+            f"element {last}, out of bounds for a storage of {elements} elements"
+        )
+    return _view(func, args, kwargs)
 
 
 def _view(func, args: tuple, kwargs: dict) -> LazyTensor:

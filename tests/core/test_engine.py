@@ -274,3 +274,10 @@ def test_training_steps_leave_no_arrays_behind():
     del model, optimizer
     gc.collect()
     assert len(jax.live_arrays()) == baseline
+
+
+def test_as_strided_out_of_bounds_raises():
+    x = torch.arange(10.0).to(dev)
+    with pytest.raises(RuntimeError, match=r"as_strided.*out of bounds for a storage of 10"):
+        x.as_strided((2, 2), (1, 2), 10)
+    assert_close(x.as_strided((2, 2), (1, 2), 5), torch.arange(10.0).as_strided((2, 2), (1, 2), 5))
