@@ -55,7 +55,7 @@ def _resolve(func) -> Callable:
         return SPECIALS[func]
     name = func._schema.name.split("::")[1]
     if name.startswith("_foreach_"):
-        return _foreach
+        return _foreach_handler(func)
     if func in views.IDENTITY_VIEWS:
         return lambda f, args, kwargs: views.alias(args[0])
     if func in views.SPLIT_VIEWS:
@@ -306,19 +306,67 @@ def _copy_(func, args: tuple, kwargs: dict) -> LazyTensor:
 _FOREACH_TARGETS = {"norm": "linalg_vector_norm"}
 
 
-def _foreach(func, args: tuple, kwargs: dict) -> Any:
-    """``_foreach_X(lists...)`` as X applied per element (XLA fuses them again)."""
+def _foreach_handler(func) -> Callable:
+    """``_foreach_X(lists...)`` as X applied per element (XLA fuses them again).
+
+    The element overload is resolved once, so elements go straight to ``dispatch`` instead of
+    through PyTorch's overload resolution and dispatcher each time.
+    """
     name = func._schema.name.split("::")[1][len("_foreach_") :]
     inplace = name.endswith("_")
-    base = name[:-1] if inplace else name
-    op = getattr(aten, _FOREACH_TARGETS.get(base, base) + ("_" if inplace else ""))
-    length = next(len(a) for a in args if isinstance(a, (list, tuple)))
-    results = []
-    for i in range(length):
-        element = [a[i] if isinstance(a, (list, tuple)) else a for a in args]
-        element_kwargs = {k: v[i] if isinstance(v, (list, tuple)) else v for k, v in kwargs.items()}
-        results.append(op(*element, **element_kwargs))
-    return None if inplace else results
+    base = _FOREACH_TARGETS.get(name.rstrip("_"), name.rstrip("_"))
+    packet = getattr(aten, base + "_", None) if inplace else None
+    write_back = inplace and packet is None  # e.g. maximum_ does not exist: compute, then copy
+    packet = packet or getattr(aten, base)
+    element, trailing = _element_overload(func, packet)
+
+    def foreach(func, args: tuple, kwargs: dict) -> Any:
+        length = next(len(a) for a in args if isinstance(a, (list, tuple)))
+        results = []
+        for i in range(length):
+            element_args = [a[i] if isinstance(a, (list, tuple)) else a for a in args]
+            element_kwargs = {
+                k: v[i] if isinstance(v, (list, tuple)) else v for k, v in kwargs.items()
+            }
+            if element is None:  # no overload matched by type: let PyTorch resolve it
+                result = packet(*element_args, **element_kwargs)
+            else:
+                cut = len(element_args) - len(trailing)
+                element_kwargs.update(zip(trailing, element_args[cut:]))
+                result = dispatch(element, tuple(element_args[:cut]), element_kwargs)
+            if write_back:
+                _assign(element_args[0], result, func)
+            results.append(result)
+        return None if inplace else results
+
+    return foreach
+
+
+def _element_overload(func, packet) -> tuple:
+    """The overload of ``packet`` taking one element of each of ``func``'s list arguments, and
+    the names of its keyword-only arguments that receive ``func``'s trailing positionals
+    (``_foreach_addcdiv_(..., scalars)`` -> ``addcdiv_(..., value=s)``)."""
+
+    def element_type(argument) -> str:
+        kind = argument.type
+        return str(kind.getElementType() if isinstance(kind, torch._C.ListType) else kind)
+
+    positional = [element_type(a) for a in func._schema.arguments if not a.kwarg_only]
+    keywords = {a.name for a in func._schema.arguments if a.kwarg_only}
+    for overload in packet.overloads():
+        op = getattr(packet, overload)
+        candidates = [a for a in op._schema.arguments if not a.kwarg_only]
+        named = [a for a in op._schema.arguments if a.kwarg_only]
+        extra = len(positional) - len(candidates)
+        trailing = named[:extra] if extra > 0 else []
+        slots = candidates + trailing
+        if (
+            [str(a.type) for a in slots[: len(positional)]] == positional
+            and all(a.has_default_value() for a in slots[len(positional) :])
+            and keywords <= {a.name for a in named}
+        ):
+            return op, [a.name for a in trailing]
+    return None, []
 
 
 # --- specials ------------------------------------------------------------------------------------

@@ -1,0 +1,36 @@
+"""Foreach ops (what torch.optim and clip_grad_norm_ use) match eager CPU, in place and not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import spmd_torch  # noqa: F401
+from tests.helpers import assert_close, to_device
+
+CASES = {
+    "add_list_alpha": lambda a, b, c: torch._foreach_add_(a, b, alpha=-0.5),
+    "add_scalarlist": lambda a, b, c: torch._foreach_add_(a, [0.5, 1.5, 2.5]),
+    "mul_scalar": lambda a, b, c: torch._foreach_mul_(a, 0.9),
+    "mul_tensor": lambda a, b, c: torch._foreach_mul_(a, c[0].sum()),
+    "addcdiv_scalarlist": lambda a, b, c: torch._foreach_addcdiv_(a, b, c, [0.1, 0.2, 0.3]),
+    "addcmul_scalar": lambda a, b, c: torch._foreach_addcmul_(a, b, c, value=0.3),
+    "lerp_scalar": lambda a, b, c: torch._foreach_lerp_(a, b, 0.25),
+    "maximum_list": lambda a, b, c: torch._foreach_maximum_(a, b),
+    "sqrt": lambda a, b, c: torch._foreach_sqrt([x.abs() for x in a]),
+    "norm": lambda a, b, c: torch._foreach_norm(a, 2),
+    "zero": lambda a, b, c: torch._foreach_zero_(a),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_foreach_matches_eager(name):
+    torch.manual_seed(0)
+    tensors = [[torch.randn(n, 3) for n in (2, 3, 4)] for _ in range(3)]
+    for group in tensors[2]:
+        group.abs_().add_(0.5)  # divisors away from zero
+    device_tensors = to_device(tensors)
+    expected = CASES[name](*tensors)
+    actual = CASES[name](*device_tensors)
+    assert_close(actual, expected)
+    assert_close(device_tensors, tensors)  # in-place results
