@@ -95,7 +95,7 @@ def test_op_matches_eager(opinfo, dtype, kind):
         expected = op(*args, **sample.kwargs)
         device_args, device_kwargs = to_device((args, sample.kwargs))
         actual = op(*device_args, **device_kwargs)
-        if _full_name(opinfo) in _RANDOM:
+        if _full_name(opinfo) in _RANDOM or sample.kwargs.get("dropout_p", 0) > 0:
             _compare_shape_dtype(actual, expected)
             continue
         if kind == "fwd":

@@ -11,10 +11,6 @@ _PARTIAL_VIEWS = (
     "the copy to the device owns a fresh 10-element storage (as .clone() does on CPU), so offsets "
     "address other elements: the xla result equals as_strided of a CPU clone"
 )
-_SDPA_DROPOUT = (
-    "samples with dropout_p=0.5 draw a random mask on each side, so values cannot match; the "
-    "dropout_p=0 samples before them (0 and 1) do match"
-)
 _TIES = (
     "bf16 samples hold many equal values and CPU's unstable sort/topk orders ties its own way; "
     "values match exactly and every index points at an equal value (ours keep ties in index order)"
@@ -39,9 +35,6 @@ XFAILS: dict[tuple[str, str, str], str] = {
     ("as_strided.partial_views", "fwd", "float32"): _PARTIAL_VIEWS,
     ("as_strided.partial_views", "grad", "float32"): _PARTIAL_VIEWS,
     ("as_strided.partial_views", "fwd", "bfloat16"): _PARTIAL_VIEWS,
-    ("nn.functional.scaled_dot_product_attention", "fwd", "float32"): _SDPA_DROPOUT,
-    ("nn.functional.scaled_dot_product_attention", "grad", "float32"): _SDPA_DROPOUT,
-    ("nn.functional.scaled_dot_product_attention", "fwd", "bfloat16"): _SDPA_DROPOUT,
     ("sort", "fwd", "bfloat16"): _TIES,
     ("topk", "fwd", "bfloat16"): _TIES,
     ("nn.functional.conv_transpose2d", "fwd", "bfloat16"): _CONV_T_BF16,
