@@ -24,7 +24,6 @@ from .transfer import to_device_array
 aten = torch.ops.aten
 
 _HANDLERS: dict = {}
-_TENSOR_LIST = torch._C.ListType(torch._C.TensorType.get())
 # PyTorch's decompositions into aten ops; the torch._refs ones end in prims, which we don't lower.
 _DECOMPOSITIONS = {
     op: fn
@@ -72,9 +71,7 @@ def _resolve(func) -> Callable:
     functional = _functional_variant(func)
     if functional is not None and (functional in LOWERINGS or func not in _DECOMPOSITIONS):
         return _mutation(functional)
-    if not any(
-        a.type.isSubtypeOf(_TENSOR_LIST) or "Tensor" in str(a.type) for a in func._schema.arguments
-    ):
+    if not any("Tensor" in str(a.type) for a in func._schema.arguments):
         return _cpu_fallback  # factories decompose into themselves; make them on the CPU
     decomposition = _DECOMPOSITIONS.get(func)
     if decomposition is not None:
@@ -124,8 +121,8 @@ def _wrap_outputs(node, structure) -> Any:
 def _record(func, args: tuple, kwargs: dict) -> Any:
     try:
         node, structure = emit(func, args, kwargs)
-    except NoStaticShape:  # data-dependent shape (x[mask]): compute it on the CPU
-        return _cpu_fallback(func, args, kwargs, count=False)
+    except NoStaticShape:  # data-dependent shape (x[mask]): compute it on the CPU, counted
+        return _cpu_fallback(func, args, kwargs)
     return _wrap_outputs(node, structure)
 
 
@@ -397,7 +394,7 @@ def _local_scalar_dense(func, args: tuple, kwargs: dict) -> Any:
 
 
 def _materialising(func, args: tuple, kwargs: dict) -> Any:
-    """Ops whose result is host data (equal, is_nonzero, nonzero...): run on the CPU copies."""
+    """Ops whose result is host data (equal, is_nonzero), like ``.item()``: not a fallback."""
     return _cpu_fallback(func, args, kwargs, count=False)
 
 
@@ -477,9 +474,9 @@ SPECIALS: dict = {
     aten.set_.source_Tensor: _set_,
     aten.equal.default: _materialising,
     aten.is_nonzero.default: _materialising,
-    aten.nonzero.default: _materialising,
-    aten.masked_select.default: _materialising,
-    aten._unique2.default: _materialising,
+    aten.nonzero.default: _cpu_fallback,  # data-dependent output shapes
+    aten.masked_select.default: _cpu_fallback,
+    aten._unique2.default: _cpu_fallback,
 }
 
 __all__ = ["dispatch", "DeviceMismatchError"]

@@ -281,3 +281,13 @@ def test_as_strided_out_of_bounds_raises():
     with pytest.raises(RuntimeError, match=r"as_strided.*out of bounds for a storage of 10"):
         x.as_strided((2, 2), (1, 2), 10)
     assert_close(x.as_strided((2, 2), (1, 2), 5), torch.arange(10.0).as_strided((2, 2), (1, 2), 5))
+
+
+def test_data_dependent_shapes_run_on_cpu_and_are_counted():
+    x = torch.tensor([3.0, -1.0, 2.0, -5.0], device=dev)
+    counters.COUNTERS.pop("aten::index", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        positive = x[x > 0]
+    assert counters.COUNTERS["aten::index"] == 1
+    assert_close(positive, torch.tensor([3.0, 2.0]))
