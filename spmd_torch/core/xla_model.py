@@ -23,7 +23,6 @@ from spmd_torch._lazy import execute as _execute
 from spmd_torch._lazy import rng as _rng
 
 
-
 def is_xla_tensor(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` lives on the xla device.
 

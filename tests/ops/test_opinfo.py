@@ -20,28 +20,86 @@ MAX_SAMPLES = 3
 _LOWERED_PACKETS = {op.overloadpacket.__name__ for op in LOWERINGS}
 # User-facing ops that reach lowered aten ops only through a decomposition.
 _THROUGH_DECOMPOSITION = {
-    "nn.functional.conv1d", "nn.functional.conv2d", "nn.functional.conv3d",
-    "nn.functional.conv_transpose1d", "nn.functional.conv_transpose2d",
-    "nn.functional.conv_transpose3d", "nn.functional.max_pool1d", "nn.functional.max_pool2d",
-    "nn.functional.avg_pool1d", "nn.functional.avg_pool2d", "nn.functional.avg_pool3d",
-    "nn.functional.adaptive_avg_pool2d", "nn.functional.batch_norm", "nn.functional.layer_norm",
-    "nn.functional.group_norm", "nn.functional.embedding", "softmax", "log_softmax",
-    "nn.functional.cross_entropy", "nn.functional.nll_loss", "nn.functional.interpolate",
-    "nn.functional.scaled_dot_product_attention", "nn.functional.gelu", "nn.functional.relu",
-    "nn.functional.linear", "matmul", "nn.functional.mse_loss", "nn.functional.silu",
-    "nn.functional.leaky_relu", "nn.functional.hardtanh", "nn.functional.elu",
-    "nn.functional.pad", "nn.functional.dropout", "addmm", "baddbmm", "bmm", "mm",
-    "masked_fill", "where", "clamp", "cumsum", "cumprod", "sort", "topk", "argmax", "argmin",
-    "index_put", "scatter", "scatter_add", "gather", "take_along_dim", "index_select",
-    "nn.functional.binary_cross_entropy", "nn.functional.binary_cross_entropy_with_logits",
+    "nn.functional.conv1d",
+    "nn.functional.conv2d",
+    "nn.functional.conv3d",
+    "nn.functional.conv_transpose1d",
+    "nn.functional.conv_transpose2d",
+    "nn.functional.conv_transpose3d",
+    "nn.functional.max_pool1d",
+    "nn.functional.max_pool2d",
+    "nn.functional.avg_pool1d",
+    "nn.functional.avg_pool2d",
+    "nn.functional.avg_pool3d",
+    "nn.functional.adaptive_avg_pool2d",
+    "nn.functional.batch_norm",
+    "nn.functional.layer_norm",
+    "nn.functional.group_norm",
+    "nn.functional.embedding",
+    "softmax",
+    "log_softmax",
+    "nn.functional.cross_entropy",
+    "nn.functional.nll_loss",
+    "nn.functional.interpolate",
+    "nn.functional.scaled_dot_product_attention",
+    "nn.functional.gelu",
+    "nn.functional.relu",
+    "nn.functional.linear",
+    "matmul",
+    "nn.functional.mse_loss",
+    "nn.functional.silu",
+    "nn.functional.leaky_relu",
+    "nn.functional.hardtanh",
+    "nn.functional.elu",
+    "nn.functional.pad",
+    "nn.functional.dropout",
+    "addmm",
+    "baddbmm",
+    "bmm",
+    "mm",
+    "masked_fill",
+    "where",
+    "clamp",
+    "cumsum",
+    "cumprod",
+    "sort",
+    "topk",
+    "argmax",
+    "argmin",
+    "index_put",
+    "scatter",
+    "scatter_add",
+    "gather",
+    "take_along_dim",
+    "index_select",
+    "nn.functional.binary_cross_entropy",
+    "nn.functional.binary_cross_entropy_with_logits",
 }
 # Ops whose values are random or uninitialised: only shapes and dtypes are compared.
 _RANDOM = {
-    "nn.functional.dropout", "bernoulli", "normal", "normal.in_place", "normal.number_mean",
-    "uniform", "exponential", "rand_like", "randn", "randn_like", "randint", "randint_like",
-    "multinomial", "nn.functional.rrelu", "nn.functional.feature_alpha_dropout",
-    "nn.functional.alpha_dropout", "nn.functional.dropout2d", "nn.functional.dropout3d",
-    "empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided",
+    "nn.functional.dropout",
+    "bernoulli",
+    "normal",
+    "normal.in_place",
+    "normal.number_mean",
+    "uniform",
+    "exponential",
+    "rand_like",
+    "randn",
+    "randn_like",
+    "randint",
+    "randint_like",
+    "multinomial",
+    "nn.functional.rrelu",
+    "nn.functional.feature_alpha_dropout",
+    "nn.functional.alpha_dropout",
+    "nn.functional.dropout2d",
+    "nn.functional.dropout3d",
+    "empty",
+    "empty_like",
+    "new_empty",
+    "new_empty_strided",
+    "empty_strided",
 }
 
 
@@ -107,10 +165,16 @@ def test_op_matches_eager(opinfo, dtype, kind):
 def _compare_grads(args, device_args, expected, actual, opinfo, dtype):
     leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
     device_leaves = [a for a in device_args if isinstance(a, torch.Tensor) and a.requires_grad]
-    outs = [o for o in (expected if isinstance(expected, (tuple, list)) else [expected])
-            if isinstance(o, torch.Tensor) and o.requires_grad]
-    device_outs = [o for o in (actual if isinstance(actual, (tuple, list)) else [actual])
-                   if isinstance(o, torch.Tensor) and o.requires_grad]
+    outs = [
+        o
+        for o in (expected if isinstance(expected, (tuple, list)) else [expected])
+        if isinstance(o, torch.Tensor) and o.requires_grad
+    ]
+    device_outs = [
+        o
+        for o in (actual if isinstance(actual, (tuple, list)) else [actual])
+        if isinstance(o, torch.Tensor) and o.requires_grad
+    ]
     if not leaves or not outs:
         return
     cotangents = [torch.randn_like(o) for o in outs]
