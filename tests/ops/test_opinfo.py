@@ -12,9 +12,10 @@ import torch
 from torch.testing._internal.common_methods_invocations import op_db
 
 import spmd_torch  # noqa: F401  (registers the device)
+from spmd_torch._lazy import counters
 from spmd_torch._lazy.lowering import LOWERINGS
 from tests.helpers import assert_close, to_device
-from tests.ops.xfails import XFAILS
+from tests.ops.xfails import CPU_FALLBACKS, XFAILS
 
 MAX_SAMPLES = 3
 _LOWERED_PACKETS = {op.overloadpacket.__name__ for op in LOWERINGS}
@@ -147,6 +148,19 @@ def _compare_shape_dtype(actual, expected):
 
 @pytest.mark.parametrize("opinfo, dtype, kind", list(_cases()))
 def test_op_matches_eager(opinfo, dtype, kind):
+    before = _fallback_counts()
+    _check_samples(opinfo, dtype, kind)
+    fallbacks = sorted(k for k, n in _fallback_counts().items() if n > before.get(k, 0))
+    allowed = set(CPU_FALLBACKS.get((_full_name(opinfo), kind), ()))
+    # Exact, like a strict xfail: an op that gets its lowering must leave CPU_FALLBACKS.
+    assert set(fallbacks) == allowed, f"ran on the CPU: {fallbacks}, expected {sorted(allowed)}"
+
+
+def _fallback_counts() -> dict:
+    return {k: v for k, v in counters.COUNTERS.items() if k.startswith("aten::")}
+
+
+def _check_samples(opinfo, dtype, kind):
     op = opinfo.op
     for sample in _samples(opinfo, dtype, requires_grad=kind == "grad"):
         args = (sample.input, *sample.args)
