@@ -67,6 +67,7 @@ def build_function(program: Program, donated: tuple) -> Callable:
             node.kwargs,
             program.wiring(node),
             tuple((a.shape, to_jax_dtype(a.dtype)) for a in node.avals),
+            node.shardings,
         )
         for node in program.nodes
     ]
@@ -85,10 +86,16 @@ def build_function(program: Program, donated: tuple) -> Callable:
                 return groups[is_donated][k]
             return scalars[location[1]]
 
-        for op, args, kwargs, wiring, avals in steps:
+        for op, args, kwargs, wiring, avals, shardings in steps:
             sources = [value(w) for w in wiring]
             with jax.named_scope(str(op)):
-                results.append(_lower_step(op, args, kwargs, sources, avals))
+                outs = _lower_step(op, args, kwargs, sources, avals)
+            if shardings is not None:  # GSPMD propagates from these constraints
+                outs = [
+                    o if s is None else jax.lax.with_sharding_constraint(o, s)
+                    for o, s in zip(outs, shardings)
+                ]
+            results.append(outs)
         return [value(o) for o in outputs]
 
     return run

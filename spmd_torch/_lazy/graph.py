@@ -48,6 +48,7 @@ class Node:
         "arrays",
         "holders",
         "where",
+        "shardings",
         "__weakref__",
     )
 
@@ -60,6 +61,8 @@ class Node:
         self.arrays: list | None = None  # per-output jax arrays once known
         self.holders = 0  # live storages whose value is this node (donation bookkeeping)
         self.where: str | None = None  # user file:line, captured only when debugging
+        # Per-output jax.sharding.Sharding constraints (mark_sharding on a pending value), or None.
+        self.shardings: tuple | None = None
 
     @classmethod
     def data(cls, array: Any, aval: Aval) -> Node:
@@ -106,7 +109,7 @@ class Program:
         rows = []
         for node in self.nodes:
             kwargs = tuple(node.kwargs.items()) if node.kwargs else ()
-            rows.append((node.op, node.args, kwargs, self.wiring(node)))
+            rows.append((node.op, node.args, kwargs, self.wiring(node), node.shardings))
         outs = tuple(self.locate(ref) for ref in self.outputs)
         return (tuple(rows), outs)
 
