@@ -112,6 +112,10 @@ class LazyTensor(torch.Tensor):
         if self._view is None:
             self._storage.set(ref)
             return
+        if any(entry.overlapping for entry in self._view):  # copy on write: see views.OVERLAPPING
+            self._storage, self._view = Storage(ref), None
+            self._cache, self._cache_version = None, -1
+            return
         bases = [self._storage.ref]
         for entry in self._view[:-1]:
             bases.append(entry.read(bases[-1]))

@@ -5,7 +5,6 @@ storage every alias shares (the torchax ``ViewInfo`` idea, over graph values).
 
 from __future__ import annotations
 
-from typing import Callable
 
 import torch
 
@@ -29,16 +28,6 @@ def _permute_back(base: Value, new: Value, dims) -> Value:
     return emit_value(aten.permute.default, new, inverse)
 
 
-def _no_write_back(name: str) -> Callable:
-    def refuse(base: Value, new: Value, *args) -> Value:
-        raise RuntimeError(
-            f"writing through a view made by {name} is not supported: more than one element of "
-            "the written-to tensor may refer to a single memory location; clone() it first"
-        )
-
-    return refuse
-
-
 WRITE_BACK: dict = {
     aten.view.default: _reshape_back,
     aten._unsafe_view.default: _reshape_back,
@@ -58,19 +47,24 @@ WRITE_BACK: dict = {
     aten.as_strided.default: lambda base, new, *a: emit_value(
         aten.as_strided_scatter.default, base, new, *a
     ),
-    aten.expand.default: _no_write_back("expand"),
-    aten.unfold.default: _no_write_back("unfold"),
 }
+
+
+# Views whose elements overlap in memory. PyTorch refuses most writes through them; the one
+# legal way to reach one is autograd keeping an expanded gradient as ``.grad`` (our tensors
+# report contiguous strides), whose later ``add_``/``zero_`` must not touch the base.
+OVERLAPPING = {aten.expand.default, aten.unfold.default}
 
 
 class View:
     """One step of a view chain: ``func(base, *args)`` and its write-back."""
 
-    __slots__ = ("func", "args")
+    __slots__ = ("func", "args", "overlapping")
 
     def __init__(self, func, args: tuple):
         self.func = func
         self.args = args
+        self.overlapping = func in OVERLAPPING
 
     def read(self, base: Ref) -> Ref:
         return emit_value(self.func, Value(base), *self.args).ref

@@ -294,3 +294,19 @@ def test_data_dependent_shapes_run_on_cpu_and_are_counted():
         positive = x[x > 0]
     assert counters.COUNTERS["aten::index"] == 1
     assert_close(positive, torch.tensor([3.0, 2.0]))
+
+
+def test_expanded_gradient_accumulates_without_touching_its_source():
+    """Autograd may keep an expanded tensor as .grad; add_/zero_ on it must act on the grad alone."""
+    w_cpu = torch.nn.Parameter(torch.ones(3))
+    w = torch.nn.Parameter(torch.ones(3).to(dev))
+    for param in (w_cpu, w):
+        for _ in range(2):
+            (param.sum() * 2).backward()
+    assert_close(w.grad, w_cpu.grad)
+    w.grad.zero_()
+    assert_close(w.grad, torch.zeros(3))
+    x = torch.ones(3).to(dev)
+    y = x.expand(2, 3)
+    x.add_(1)  # reads through an expand view still see writes to the base
+    assert_close(y, torch.full((2, 3), 2.0))
