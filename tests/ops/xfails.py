@@ -48,17 +48,7 @@ XFAILS: dict[tuple[str, str, str], str] = {
 # (op, "fwd"|"grad") -> the aten:: fallback counters the test may bump. Any other fallback fails.
 # Each entry is a missing lowering, not a wrong answer; the list is the to-do for the lowerings.
 CPU_FALLBACKS: dict[tuple[str, str], tuple[str, ...]] = {
-    ("masked_scatter", "grad"): ("aten::masked_scatter_backward",),
-    ("nn.functional.interpolate.nearest", "grad"): ("aten::upsample_nearest1d_backward",),
-    ("nn.functional.interpolate.nearest-exact", "grad"): (
-        "aten::_upsample_nearest_exact1d_backward",
-    ),
-    ("nn.functional.interpolate.linear", "grad"): ("aten::upsample_linear1d_backward",),
-    ("nn.functional.interpolate.bicubic", "grad"): ("aten::upsample_bicubic2d_backward",),
-    ("nn.functional.interpolate.trilinear", "grad"): ("aten::upsample_trilinear3d_backward",),
     # Backward through boolean-mask indexing: the mask's nonzero positions are data-dependent.
     ("index_fill", "grad"): ("aten::_unique",),
     ("index_put", "grad"): ("aten::index",),
-    ("norm.nuc", "fwd"): ("aten::_linalg_svd",),  # no SVD lowering yet
-    ("norm.nuc", "grad"): ("aten::_linalg_svd",),
 }

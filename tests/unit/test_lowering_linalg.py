@@ -146,3 +146,30 @@ def test_mm_bf16_accumulates_in_float32():
     text = jax.jit(fn).lower(a, a.T).as_text()
     assert "bf16" in text and "-> tensor<2x2xf32>" in text.replace("\n", " ")
     assert fn(a, a.T).dtype == jnp.bfloat16
+
+
+def _svd_parts(A: torch.Tensor, full_matrices: bool) -> tuple:
+    """S and the products that do not depend on the SVD's free signs: U^T A Vh^T and U Vh."""
+    U, S, Vh = lowered(aten._linalg_svd.default, A, full_matrices)
+    k = S.shape[-1]
+    return S, U[..., :k].mT @ A @ Vh[..., :k, :].mT, U[..., :k] @ Vh[..., :k, :]
+
+
+@pytest.mark.parametrize("full_matrices", [False, True])
+@pytest.mark.parametrize("shape", [(4, 3), (3, 5), (2, 4, 4)])
+def test_linalg_svd_matches_eager(shape, full_matrices):
+    A = _t(*shape)
+    U, S, Vh = aten._linalg_svd.default(A, full_matrices)
+    got = lowered(aten._linalg_svd.default, A, full_matrices)
+    assert [t.shape for t in got] == [U.shape, S.shape, Vh.shape]
+    k = S.shape[-1]
+    expected = (S, torch.diag_embed(S), U[..., :k] @ Vh[..., :k, :])
+    assert_same(_svd_parts(A, full_matrices), expected, _F32)
+
+
+def test_linalg_svd_without_uv_returns_empty_factors():
+    A = _t(2, 4, 3)
+    U, S, Vh = aten._linalg_svd.default(A, compute_uv=False)
+    got = lowered(aten._linalg_svd.default, A, compute_uv=False)
+    assert [t.shape for t in got] == [U.shape, S.shape, Vh.shape] == [(0,), (2, 3), (0,)]
+    assert_same(got[1], S, _F32)

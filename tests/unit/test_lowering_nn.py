@@ -539,3 +539,80 @@ def _upsample_cases():
 )
 def test_upsample_matches_eager(op, args, kwargs, tol):
     check(op, *args, cast=True, tol=tol or tight, **kwargs)
+
+
+# sizes per rank: (input spatial, output sizes (up-uneven, down), scales given for the up case)
+_RANKS = {
+    1: ((6,), ([11], [4]), (1.7,)),
+    2: ((4, 5), ([7, 9], [3, 2]), (1.6, 2.3)),
+    3: ((3, 4, 2), ([5, 7, 4], [2, 3, 1]), (1.5, 2.1, 2.0)),
+}
+_NEAREST = {
+    1: (aten.upsample_nearest1d, aten._upsample_nearest_exact1d),
+    2: (aten.upsample_nearest2d, aten._upsample_nearest_exact2d),
+    3: (aten.upsample_nearest3d, aten._upsample_nearest_exact3d),
+}
+_INTERPOLATING = {
+    1: aten.upsample_linear1d,
+    2: aten.upsample_bicubic2d,
+    3: aten.upsample_trilinear3d,
+}
+_BACKWARD = {
+    aten.upsample_nearest1d: aten.upsample_nearest1d_backward,
+    aten.upsample_nearest2d: aten.upsample_nearest2d_backward,
+    aten.upsample_nearest3d: aten.upsample_nearest3d_backward,
+    aten._upsample_nearest_exact1d: aten._upsample_nearest_exact1d_backward,
+    aten._upsample_nearest_exact2d: aten._upsample_nearest_exact2d_backward,
+    aten._upsample_nearest_exact3d: aten._upsample_nearest_exact3d_backward,
+    aten.upsample_linear1d: aten.upsample_linear1d_backward,
+    aten.upsample_bicubic2d: aten.upsample_bicubic2d_backward,
+    aten.upsample_trilinear3d: aten.upsample_trilinear3d_backward,
+}
+
+
+def _upsample_nd_cases():
+    """Forward and backward of every rank's nearest, nearest-exact and (bi/tri)linear or bicubic
+    op: upsampling and downsampling by size, explicit scales, both align_corners."""
+    cases = []
+    for nd, (spatial, sizes, given) in _RANKS.items():
+        x = _t(2, 3, *spatial)
+        shapes = [(sizes[0], (None,) * nd, "up"), (sizes[1], (None,) * nd, "down")]
+        shapes.append(([int(n * s) for n, s in zip(spatial, given)], given, "scales"))
+        for size, scales, tag in shapes:
+            grad = _t(2, 3, *size)
+            for packet in _NEAREST[nd]:
+                name = f"{packet.__name__}-{tag}"
+                cases.append(case(packet.default, x, size, *scales, id=name))
+                bwd = (grad, size, list(x.shape), *scales)
+                cases.append(case(_BACKWARD[packet].default, *bwd, id=f"{name}-backward"))
+            packet = _INTERPOLATING[nd]
+            for align in (False, True):
+                name = f"{packet.__name__}-{tag}-align{int(align)}"
+                cases.append(case(packet.default, x, size, align, *scales, id=name))
+                bwd = (grad, size, list(x.shape), align, *scales)
+                cases.append(case(_BACKWARD[packet].default, *bwd, id=f"{name}-backward"))
+    return cases
+
+
+@pytest.mark.parametrize(
+    "op,args,kwargs,tol",
+    _upsample_nd_cases()
+    + [
+        case(aten.upsample_nearest1d.default, _t(1, 2, 5), [9], id="nearest1d-scales-omitted"),
+        # double size with another scale given: only the 2d forward and the backwards shortcut
+        case(aten.upsample_nearest1d.default, _t(2, 3, 4), [8], 2.1, id="nearest1d-2x-scale"),
+        case(aten.upsample_nearest2d.default, _t(2, 3, 4, 4), [8, 8], 2.1, 2.1, id="nearest2d-2x"),
+        case(
+            aten.upsample_nearest1d_backward.default,
+            *(_t(2, 3, 8), [8], [2, 3, 4], 2.1),
+            id="nearest1d-backward-2x-scale",
+        ),
+        case(
+            aten.upsample_bicubic2d.default,
+            *(_t(1, 2, 6, 5, dtype=torch.bfloat16), [9, 7], False),
+            id="bicubic-bf16",
+        ),
+    ],
+)
+def test_upsample_nd_matches_eager(op, args, kwargs, tol):
+    check(op, *args, cast=True, tol=tol or tight, **kwargs)

@@ -7,6 +7,8 @@ contiguous arrays, so a view is just the array it reads.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -357,6 +359,18 @@ def _index_fill(x, dim, index, value):
 def _masked_scatter(x, mask, source):
     """The i-th true position of the (broadcast) mask takes the i-th element of source."""
     return _masked_put(x, 0, jnp.broadcast_to(mask, x.shape), source.reshape(-1), False)
+
+
+@lowers(aten.masked_scatter_backward.default)
+def _masked_scatter_backward(grad_output, mask, sizes):
+    """The grad at the mask's true positions, in order, then zeros: source's grad, shaped ``sizes``.
+    The running count of the mask places each value, so no data-dependent masked_select is needed."""
+    shape = jnp.broadcast_shapes(grad_output.shape, mask.shape)
+    grad = jnp.broadcast_to(grad_output, shape).reshape(-1)
+    m = jnp.broadcast_to(mask, shape).reshape(-1)
+    numel = math.prod(sizes)
+    slot = jnp.where(m, jnp.cumsum(m) - 1, numel)
+    return jnp.zeros(numel, grad.dtype).at[slot].set(grad, mode="drop").reshape(sizes)
 
 
 # ------------------------------------------------------------------------------------ shape ops

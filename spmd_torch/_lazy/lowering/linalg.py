@@ -1,4 +1,4 @@
-"""Lowerings: matrix products (mm, bmm, addmm, ...) and pairwise distances.
+"""Lowerings: matrix products (mm, bmm, addmm, ...), pairwise distances and the SVD.
 
 Float32 products run at ``Precision.HIGHEST``: XLA's default on TPU/GPU rounds float32 operands
 to bf16 (or TF32) passes, which drifts from PyTorch CPU's true float32 GEMM by ~1e-3 relative and
@@ -99,3 +99,13 @@ def _cdist_backward(grad, x1, x2, p, cdist):
         coef = jnp.sign(diff) * jnp.abs(diff) ** (p - 1) / dist ** (p - 1)
     coef = jnp.where((dist == 0) | (diff == 0), 0, coef)
     return (grad[..., None] * coef).sum(-2)
+
+
+@lowers(aten._linalg_svd.default)
+def _linalg_svd(A, full_matrices=False, compute_uv=True, driver=None):
+    """(U, S, Vh) as PyTorch returns them; without compute_uv, U and Vh are empty, as its meta
+    kernel says. ``driver`` only picks a CUDA solver, so it is ignored."""
+    if not compute_uv:
+        empty = jnp.zeros((0,), A.dtype)
+        return empty, jnp.linalg.svd(A, compute_uv=False), empty
+    return jnp.linalg.svd(A, full_matrices=full_matrices)

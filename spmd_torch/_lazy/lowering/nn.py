@@ -602,46 +602,102 @@ def _source_scale(in_size: int, out_size: int, scale) -> float:
     return 1 / scale if scale is not None and scale > 0 else in_size / out_size
 
 
-def _nearest_index(in_size: int, out_size: int, scale) -> np.ndarray:
-    """PyTorch's nearest_idx, in float32 as its kernel computes it."""
-    if out_size == in_size:
-        return np.arange(out_size)
-    if out_size == 2 * in_size:
-        return np.arange(out_size) >> 1
+def _nearest_source(in_size: int, out_size: int, scale) -> np.ndarray:
+    """PyTorch's nearest_neighbor_compute_source_index, floor(i * scale) in float32: what the 1d
+    and 3d forward kernels use."""
     s = np.float32(_source_scale(in_size, out_size, scale))
     src = np.floor(np.arange(out_size, dtype=np.float32) * s).astype(np.int64)
     return np.minimum(src, in_size - 1)
 
 
-def _linear_taps(in_size: int, out_size: int, align_corners: bool, scale):
-    """Two source indices and their weights per output, by area_pixel_compute_source_index."""
+def _nearest_index(in_size: int, out_size: int, scale) -> np.ndarray:
+    """PyTorch's nearest_idx, used by the 2d forward and every backward kernel: same size and
+    double size map exactly, whatever scale the caller gave."""
+    if out_size == in_size:
+        return np.arange(out_size)
+    if out_size == 2 * in_size:
+        return np.arange(out_size) >> 1
+    return _nearest_source(in_size, out_size, scale)
+
+
+def _nearest_exact_index(in_size: int, out_size: int, scale) -> np.ndarray:
+    """PyTorch's nearest_exact_idx: (i + 0.5) * scale in double, rounded to float32, floored."""
+    s = np.float32(_source_scale(in_size, out_size, scale))
+    src = ((np.arange(out_size) + 0.5) * np.float64(s)).astype(np.float32)
+    return np.minimum(np.floor(src).astype(np.int64), in_size - 1)
+
+
+def _source_index(in_size: int, out_size: int, align_corners: bool, scale, cubic=False):
+    """PyTorch's area_pixel_compute_source_index for every output; only cubic keeps negatives."""
     dst = np.arange(out_size, dtype=np.float64)
     if align_corners:
-        src = dst * ((in_size - 1) / (out_size - 1) if out_size > 1 else 0)
-    else:
-        src = np.maximum((dst + 0.5) * _source_scale(in_size, out_size, scale) - 0.5, 0)
+        return dst * ((in_size - 1) / (out_size - 1) if out_size > 1 else 0)
+    src = (dst + 0.5) * _source_scale(in_size, out_size, scale) - 0.5
+    return src if cubic else np.maximum(src, 0)
+
+
+def _linear_taps(in_size: int, out_size: int, align_corners: bool, scale):
+    """Two source indices and their weights per output, as guard_index_and_lambda picks them."""
+    src = _source_index(in_size, out_size, align_corners, scale)
     i0 = np.minimum(src.astype(np.int64), in_size - 1)
-    i1 = np.minimum(i0 + 1, in_size - 1)
-    return i0, i1, 1 - (src - i0), src - i0
+    t = np.clip(src - i0, 0, 1)
+    return (i0, np.minimum(i0 + 1, in_size - 1)), (1 - t, t)
 
 
-def _upsample_nearest(self, output_size, scales):
+def _cubic_near(x: np.ndarray, a: float = -0.75) -> np.ndarray:
+    """Keys' cubic convolution weight for a tap at distance x <= 1 (PyTorch's A = -0.75)."""
+    return ((a + 2) * x - (a + 3)) * x * x + 1
+
+
+def _cubic_far(x: np.ndarray, a: float = -0.75) -> np.ndarray:
+    """Keys' cubic convolution weight for a tap at distance 1 < x < 2."""
+    return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+
+
+def _cubic_taps(in_size: int, out_size: int, align_corners: bool, scale):
+    """Four source indices, clamped at the borders, and their weights per output, as PyTorch's
+    HelperInterpCubic computes them."""
+    src = _source_index(in_size, out_size, align_corners, scale, cubic=True)
+    i = np.minimum(np.floor(src).astype(np.int64), in_size - 1)
+    t = np.clip(src - i, 0, 1)
+    indices = tuple(np.clip(i + k, 0, in_size - 1) for k in (-1, 0, 1, 2))
+    return indices, (_cubic_far(t + 1), _cubic_near(t), _cubic_near(1 - t), _cubic_far(2 - t))
+
+
+def _upsample_nearest(self, output_size, scales, index=_nearest_index):
     for i, (n, s) in enumerate(zip(output_size, scales)):
         axis = self.ndim - len(output_size) + i
-        self = jnp.take(self, _nearest_index(self.shape[axis], n, s), axis=axis)
+        self = jnp.take(self, index(self.shape[axis], n, s), axis=axis)
     return self
 
 
-def _upsample_linear(self, output_size, align_corners, scales):
-    """Separable linear interpolation, one spatial axis at a time, in the accumulation dtype."""
+def _interpolate(self, output_size, align_corners, scales, taps, round_weights=False):
+    """Separable interpolation, one spatial axis at a time, in the accumulation dtype: each output
+    is the weighted sum of the inputs ``taps`` picks along that axis. ``round_weights`` first
+    rounds the weights to the input dtype, as PyTorch's generic CPU kernel stores them."""
     x = _upcast(self)
+    weight_dtype = self.dtype if round_weights else x.dtype
     for i, (n, s) in enumerate(zip(output_size, scales)):
         axis = x.ndim - len(output_size) + i
-        i0, i1, w0, w1 = _linear_taps(x.shape[axis], n, align_corners, s)
+        indices, weights = taps(x.shape[axis], n, align_corners, s)
         shape = (-1,) + (1,) * (x.ndim - 1 - axis)
-        w0, w1 = jnp.asarray(w0, x.dtype).reshape(shape), jnp.asarray(w1, x.dtype).reshape(shape)
-        x = jnp.take(x, i0, axis=axis) * w0 + jnp.take(x, i1, axis=axis) * w1
+        terms = zip(indices, weights, strict=True)
+        x = sum(
+            jnp.take(x, j, axis=axis) * jnp.asarray(w, weight_dtype).astype(x.dtype).reshape(shape)
+            for j, w in terms
+        )
     return x.astype(self.dtype)
+
+
+def _scales(output_size, scales: tuple) -> tuple:
+    """An upsample op's per-axis scales, None for the trailing ones dispatch left out."""
+    return scales + (None,) * (len(output_size) - len(scales))
+
+
+def _upsample_grad(grad_output, input_size, up):
+    """The vjp of ``up``, an upsampling of an ``input_size`` tensor, in the accumulation dtype."""
+    zeros = jnp.zeros(input_size, _upcast(grad_output).dtype)
+    return _vjp(up, zeros, grad_output).astype(grad_output.dtype)
 
 
 def _vec_size(x, output_size, scale_factors):
@@ -650,6 +706,11 @@ def _vec_size(x, output_size, scale_factors):
         return output_size, [None] * len(output_size)
     spatial = x.shape[2:]
     return [int(n * s) for n, s in zip(spatial, scale_factors)], scale_factors
+
+
+@lowers(aten.upsample_nearest1d.default, aten.upsample_nearest3d.default)
+def _upsample_nearest_1d_3d(self, output_size, *scales):
+    return _upsample_nearest(self, output_size, _scales(output_size, scales), _nearest_source)
 
 
 @lowers(aten.upsample_nearest2d.default)
@@ -662,33 +723,87 @@ def _upsample_nearest2d_vec(input, output_size, scale_factors):
     return _upsample_nearest(input, *_vec_size(input, output_size, scale_factors))
 
 
-@lowers(aten.upsample_nearest2d_backward.default)
-def _upsample_nearest2d_backward(
-    grad_output, output_size, input_size, scales_h=None, scales_w=None
-):
-    zeros = jnp.zeros(input_size, _upcast(grad_output).dtype)
-    up = partial(_upsample_nearest, output_size=output_size, scales=(scales_h, scales_w))
-    return _vjp(up, zeros, grad_output).astype(grad_output.dtype)
+@lowers(
+    aten.upsample_nearest1d_backward.default,
+    aten.upsample_nearest2d_backward.default,
+    aten.upsample_nearest3d_backward.default,
+)
+def _upsample_nearest_backward(grad_output, output_size, input_size, *scales):
+    up = partial(_upsample_nearest, output_size=output_size, scales=_scales(output_size, scales))
+    return _upsample_grad(grad_output, input_size, up)
 
 
-@lowers(aten.upsample_bilinear2d.default)
-def _upsample_bilinear2d(self, output_size, align_corners, scales_h=None, scales_w=None):
-    return _upsample_linear(self, output_size, align_corners, (scales_h, scales_w))
+@lowers(
+    aten._upsample_nearest_exact1d.default,
+    aten._upsample_nearest_exact2d.default,
+    aten._upsample_nearest_exact3d.default,
+)
+def _upsample_nearest_exact(self, output_size, *scales):
+    return _upsample_nearest(self, output_size, _scales(output_size, scales), _nearest_exact_index)
+
+
+@lowers(
+    aten._upsample_nearest_exact1d_backward.default,
+    aten._upsample_nearest_exact2d_backward.default,
+    aten._upsample_nearest_exact3d_backward.default,
+)
+def _upsample_nearest_exact_backward(grad_output, output_size, input_size, *scales):
+    scales = _scales(output_size, scales)
+    up = partial(
+        _upsample_nearest, output_size=output_size, scales=scales, index=_nearest_exact_index
+    )
+    return _upsample_grad(grad_output, input_size, up)
+
+
+@lowers(
+    aten.upsample_linear1d.default,
+    aten.upsample_bilinear2d.default,
+    aten.upsample_trilinear3d.default,
+)
+def _upsample_linear(self, output_size, align_corners, *scales):
+    return _interpolate(
+        self, output_size, align_corners, _scales(output_size, scales), _linear_taps
+    )
 
 
 @lowers(aten.upsample_bilinear2d.vec)
 def _upsample_bilinear2d_vec(input, output_size, align_corners, scale_factors):
     size, scales = _vec_size(input, output_size, scale_factors)
-    return _upsample_linear(input, size, align_corners, scales)
+    return _interpolate(input, size, align_corners, scales, _linear_taps)
 
 
-@lowers(aten.upsample_bilinear2d_backward.default)
-def _upsample_bilinear2d_backward(
-    grad_output, output_size, input_size, align_corners, scales_h=None, scales_w=None
-):
-    zeros = jnp.zeros(input_size, _upcast(grad_output).dtype)
-    scales = (scales_h, scales_w)
+@lowers(
+    aten.upsample_linear1d_backward.default,
+    aten.upsample_bilinear2d_backward.default,
+    aten.upsample_trilinear3d_backward.default,
+)
+def _upsample_linear_backward(grad_output, output_size, input_size, align_corners, *scales):
+    scales = _scales(output_size, scales)
     up = partial(
-        _upsample_linear, output_size=output_size, align_corners=align_corners, scales=scales
+        _interpolate,
+        output_size=output_size,
+        align_corners=align_corners,
+        scales=scales,
+        taps=_linear_taps,
     )
-    return _vjp(up, zeros, grad_output).astype(grad_output.dtype)
+    return _upsample_grad(grad_output, input_size, up)
+
+
+@lowers(aten.upsample_bicubic2d.default)
+def _upsample_bicubic2d(self, output_size, align_corners, *scales):
+    """The weights round to bf16/fp16 here (not in the backward, whose kernel keeps float32)."""
+    scales = _scales(output_size, scales)
+    return _interpolate(self, output_size, align_corners, scales, _cubic_taps, round_weights=True)
+
+
+@lowers(aten.upsample_bicubic2d_backward.default)
+def _upsample_bicubic2d_backward(grad_output, output_size, input_size, align_corners, *scales):
+    scales = _scales(output_size, scales)
+    up = partial(
+        _interpolate,
+        output_size=output_size,
+        align_corners=align_corners,
+        scales=scales,
+        taps=_cubic_taps,
+    )
+    return _upsample_grad(grad_output, input_size, up)
