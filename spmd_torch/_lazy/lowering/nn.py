@@ -778,13 +778,19 @@ def _upsample_bilinear2d_vec(input, output_size, align_corners, scale_factors):
     aten.upsample_trilinear3d_backward.default,
 )
 def _upsample_linear_backward(grad_output, output_size, input_size, align_corners, *scales):
-    scales = _scales(output_size, scales)
+    return _interpolate_backward(
+        grad_output, output_size, input_size, align_corners, scales, _linear_taps
+    )
+
+
+def _interpolate_backward(grad_output, output_size, input_size, align_corners, scales, taps):
+    """The vjp of the forward interpolation with the same taps (PyTorch's own backward math)."""
     up = partial(
         _interpolate,
         output_size=output_size,
         align_corners=align_corners,
-        scales=scales,
-        taps=_linear_taps,
+        scales=_scales(output_size, scales),
+        taps=taps,
     )
     return _upsample_grad(grad_output, input_size, up)
 
@@ -798,12 +804,6 @@ def _upsample_bicubic2d(self, output_size, align_corners, *scales):
 
 @lowers(aten.upsample_bicubic2d_backward.default)
 def _upsample_bicubic2d_backward(grad_output, output_size, input_size, align_corners, *scales):
-    scales = _scales(output_size, scales)
-    up = partial(
-        _interpolate,
-        output_size=output_size,
-        align_corners=align_corners,
-        scales=scales,
-        taps=_cubic_taps,
+    return _interpolate_backward(
+        grad_output, output_size, input_size, align_corners, scales, _cubic_taps
     )
-    return _upsample_grad(grad_output, input_size, up)
