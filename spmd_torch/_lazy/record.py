@@ -148,9 +148,7 @@ def _infer(func, args: tuple, kwargs: dict) -> tuple:
 
 
 def _to_meta(x: Any) -> Any:
-    if type(x) is LazyTensor:
-        return torch.empty(x.shape, dtype=x.dtype, device=_META_DEVICE)
-    if isinstance(x, torch.Tensor):
+    if isinstance(x, torch.Tensor):  # LazyTensors and 0-dim CPU tensors alike
         return torch.empty(x.shape, dtype=x.dtype, device=_META_DEVICE)
     if type(x) is Value:
         return torch.empty(x.aval.shape, dtype=x.aval.dtype, device=_META_DEVICE)
