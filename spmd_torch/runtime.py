@@ -15,6 +15,8 @@ import re
 import jax
 import torch
 
+from ._lazy import placement
+
 _PLATFORM_NAMES = {"cpu": "CPU", "tpu": "TPU", "gpu": "CUDA", "cuda": "CUDA", "rocm": "ROCM"}
 _XLA_DEVICE = re.compile(r"xla(?::(\d+))?$")
 
@@ -179,10 +181,11 @@ def addressable_runtime_device_count() -> int:
 def use_spmd(auto: bool = False) -> None:
     """Declare that the program uses SPMD sharding, as in PyTorch/XLA.
 
-    Execution is always SPMD here (one program over every device), so this changes no
-    computation: it records that the program asked for SPMD, which :func:`is_spmd` reports and
-    which APIs that only make sense in one model (sharding annotations, emulated
-    multiprocessing) may check. Call it at the start of the program, as in PyTorch/XLA.
+    From then on every program runs over all devices JAX sees: new tensors are replicated over
+    them, and tensors already on the device are replicated onto them the first time a program
+    uses them (a one-time copy, as in PyTorch/XLA). Sharding annotations
+    (``spmd_torch.distributed.spmd.mark_sharding``) turn it on themselves. Call it at the start of
+    the program, as in PyTorch/XLA.
 
     Args:
         auto: PyTorch/XLA's automatic sharding; not supported.
@@ -199,6 +202,7 @@ def use_spmd(auto: bool = False) -> None:
             "mark_sharding instead"
         )
     _spmd_requested = True
+    placement.enable_spmd(jax.devices())
 
 
 def is_spmd() -> bool:

@@ -11,13 +11,14 @@ from __future__ import annotations
 import hashlib
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from . import config, counters, rng
+from . import config, counters, placement, rng
 from .graph import RNG_SPLIT, Program, substitute
 from .lowering import LOWERINGS
 from .lowering.dtypes import to_jax_dtype
@@ -42,24 +43,56 @@ class CacheKey:
     inputs: tuple
     donated: tuple
     n_scalars: int
+    out_shardings: tuple | None
     flags: tuple
 
     def parts(self) -> tuple:
-        return (self.structure, self.inputs, self.donated, self.n_scalars, self.flags)
+        return (
+            self.structure,
+            self.inputs,
+            self.donated,
+            self.n_scalars,
+            self.out_shardings,
+            self.flags,
+        )
 
 
-def cache_key(program: Program, arrays: list, donated: tuple) -> CacheKey:
-    inputs = tuple((a.shape, a.dtype, a.sharding) for a in arrays)
-    return CacheKey(program.structure(), inputs, donated, len(program.scalars), config.cache_key())
+def cache_key(
+    program: Program, arrays: list, donated: tuple, out_shardings: tuple | None = None
+) -> CacheKey:
+    """Inputs enter as (stored shape, dtype, sharding, logical shape): uneven ones are padded."""
+    inputs = tuple(
+        (a.shape, a.dtype, a.sharding, node.avals[i].shape)
+        for a, (node, i) in zip(arrays, program.leaves)
+    )
+    return CacheKey(
+        program.structure(),
+        inputs,
+        donated,
+        len(program.scalars),
+        out_shardings,
+        config.cache_key(),
+    )
 
 
-def build_function(program: Program, donated: tuple) -> Callable:
-    """The program as a function of (donated inputs, kept inputs, scalars) -> outputs."""
+def build_function(
+    program: Program, donated: tuple, stored_shapes: list, out_shardings: tuple | None = None
+) -> Callable:
+    """The program as a function of (donated inputs, kept inputs, scalars) -> outputs.
+
+    Inputs stored padded (``stored_shapes`` differ from the leaves' shapes) are sliced to their
+    logical shape first; outputs given a sharding are constrained to it, padded when uneven.
+    """
     slots = []  # input position -> (is donated, index within its group)
     counts = [0, 0]
     for is_donated in donated:
         slots.append((is_donated, counts[is_donated]))
         counts[is_donated] += 1
+    trims = {
+        k: node.avals[i].shape
+        for k, (stored, (node, i)) in enumerate(zip(stored_shapes, program.leaves))
+        if tuple(stored) != node.avals[i].shape
+    }
     steps = [
         (
             node.op,
@@ -83,7 +116,9 @@ def build_function(program: Program, donated: tuple) -> Callable:
                 return results[location[1]][location[2]]
             if kind == "in":
                 is_donated, k = slots[location[1]]
-                return groups[is_donated][k]
+                x = groups[is_donated][k]
+                logical = trims.get(location[1])
+                return x if logical is None else jax.lax.slice(x, (0,) * x.ndim, logical)
             return scalars[location[1]]
 
         for op, args, kwargs, wiring, avals, shardings in steps:
@@ -96,9 +131,20 @@ def build_function(program: Program, donated: tuple) -> Callable:
                     for o, s in zip(outs, shardings)
                 ]
             results.append(outs)
-        return [value(o) for o in outputs]
+        values = [value(o) for o in outputs]
+        if out_shardings is None:
+            return values
+        return [v if s is None else _laid_out(v, s) for v, s in zip(values, out_shardings)]
 
     return run
+
+
+def _laid_out(value: jax.Array, sharding) -> jax.Array:
+    """``value`` constrained to ``sharding``, zero-padded first when the sharding is uneven."""
+    target = placement.padded_shape(value.shape, sharding)
+    if target != value.shape:
+        value = jnp.pad(value, [(0, t - n) for t, n in zip(target, value.shape)])
+    return jax.lax.with_sharding_constraint(value, sharding)
 
 
 def _lower_step(op, args, kwargs, sources: list, avals: tuple) -> list:
@@ -124,9 +170,11 @@ _CACHE: dict[tuple, Executable] = {}
 _HISTORY: list[tuple] = []  # recent key parts, to explain recompilations
 
 
-def lookup_or_compile(program: Program, arrays: list, donated: tuple) -> tuple[Executable, bool]:
+def lookup_or_compile(
+    program: Program, arrays: list, donated: tuple, out_shardings: tuple | None = None
+) -> tuple[Executable, bool]:
     """The executable for ``program`` on these inputs; compiles on a miss. Returns (exe, was_hit)."""
-    key = cache_key(program, arrays, donated)
+    key = cache_key(program, arrays, donated, out_shardings)
     parts = key.parts()
     executable = _CACHE.get(parts)
     if executable is not None:
@@ -135,7 +183,7 @@ def lookup_or_compile(program: Program, arrays: list, donated: tuple) -> tuple[E
     counters.bump("UncachedCompile")
     digest = hashlib.sha1(repr(parts[0]).encode()).hexdigest()[:8]
     start = time.perf_counter_ns()
-    function = build_function(program, donated)
+    function = build_function(program, donated, [a.shape for a in arrays], out_shardings)
     abstract_inputs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in arrays]
     kept = [a for a, d in zip(abstract_inputs, donated) if not d]
     given = [a for a, d in zip(abstract_inputs, donated) if d]
@@ -157,7 +205,14 @@ def explain_last_miss() -> str:
     previous = _HISTORY[:-1]
     if not previous:
         return "first compilation"
-    names = ("graph", "input shapes/dtypes/shardings", "donated inputs", "lifted scalars", "flags")
+    names = (
+        "graph",
+        "input shapes/dtypes/shardings",
+        "donated inputs",
+        "lifted scalars",
+        "output shardings",
+        "flags",
+    )
     best = max(previous, key=lambda p: sum(a == b for a, b in zip(p, parts)))
     for name, old, new in zip(names, best, parts):
         if old != new:
@@ -165,7 +220,7 @@ def explain_last_miss() -> str:
                 return _explain_graph_change(old[0], new[0])
             if name.startswith("input") and len(old) == len(new):
                 diffs = [
-                    f"input {i}: {o[:2]} -> {n[:2]}"
+                    f"input {i}: {o[:3]} -> {n[:3]}"
                     for i, (o, n) in enumerate(zip(old, new))
                     if o != n
                 ]
@@ -183,7 +238,7 @@ def _explain_graph_change(old: tuple, new: tuple) -> str:
 
 def stablehlo_text(program: Program, arrays: list) -> str:
     """The program lowered to StableHLO, nothing compiled or run."""
-    function = build_function(program, (False,) * len(arrays))
+    function = build_function(program, (False,) * len(arrays), [a.shape for a in arrays])
     abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in arrays]
     return jax.jit(function).lower([], abstract, [_SCALAR_AVAL] * len(program.scalars)).as_text()
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch._decomp import decomposition_table
@@ -293,7 +294,9 @@ def _copy_(func, args: tuple, kwargs: dict) -> LazyTensor:
         value = emit_value(aten.copy.default, dst, src)
     else:
         cpu = src.detach().to(dst.dtype).expand(dst.shape).contiguous()
-        value = Value(wrap_data(to_device_array(cpu), Aval(tuple(dst.shape), dst.dtype))._ref())
+        sharding = dst._storage.sharding if dst._view is None else None  # keep a marked layout
+        array = to_device_array(cpu, sharding)
+        value = Value(wrap_data(array, Aval(tuple(dst.shape), dst.dtype))._ref())
     dst._write(value.ref)
     return dst
 

@@ -15,12 +15,11 @@ import jax
 import torch
 
 from . import compile as compiler
-from . import config, counters
+from . import config, counters, placement
 from .graph import DATA, Node, linearize, to_text
 from .record import user_frame
 from .tensor import PENDING, LazyTensor, live_pending
 from .transfer import to_torch
-
 
 _COMPACT_PENDING_AT = 100_000
 _in_flight: list = []  # weak refs to the last program's outputs, for wait_device_ops()
@@ -42,21 +41,35 @@ def sync(wait: bool = False) -> None:
     if not owners:
         return
     refs = [ref for ref, _ in owners.values()]
-    arrays = run(refs, donate=True)
+    spmd = placement.spmd_enabled()
+    shardings = None
+    if spmd:  # each output keeps the layout its storage had (see placement.py)
+        shardings = tuple(
+            placement.output_sharding(holders[0], ref[0].avals[ref[1]])
+            for ref, holders in owners.values()
+        )
+    arrays = run(refs, donate=True, out_shardings=shardings)
     for (ref, holders), array in zip(owners.values(), arrays):
         data = Node.data(array, ref[0].avals[ref[1]])
         for storage in holders:
             storage.set((data, 0))
+            if spmd:
+                placement.remember(storage, array)
     if wait:
         jax.block_until_ready(arrays)
 
 
-def run(refs: list, donate: bool) -> list:
-    """Compute graph references; donates inputs no live tensor holds any more when ``donate``."""
+def run(refs: list, donate: bool, out_shardings: tuple | None = None) -> list:
+    """Compute graph references; donates inputs no live tensor holds any more when ``donate``.
+
+    ``out_shardings`` constrains each output's layout (None entries: the partitioner decides).
+    """
     program = linearize(refs)
     arrays = [node.arrays[i] for node, i in program.leaves]
+    if placement.spmd_enabled():
+        arrays = placement.onto_spmd_devices(program.leaves, arrays)
     donated = tuple(donate and node.op == DATA and node.holders == 0 for node, _ in program.leaves)
-    executable, hit = compiler.lookup_or_compile(program, arrays, donated)
+    executable, hit = compiler.lookup_or_compile(program, arrays, donated, out_shardings)
     if config.DEBUG_LEVEL.value:
         _debug_line(program, executable, hit)
     kept = [a for a, d in zip(arrays, donated) if not d]
@@ -91,7 +104,7 @@ def materialize_refs(refs: list) -> list[jax.Array]:
 def to_cpu(t: LazyTensor) -> torch.Tensor:
     """A CPU copy of a device tensor (waits for its value)."""
     (array,) = materialize([t])
-    return to_torch(array, t.dtype)
+    return to_torch(array, t.dtype, tuple(t.shape))
 
 
 def wait_device_ops() -> None:

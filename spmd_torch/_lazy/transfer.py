@@ -7,26 +7,33 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from . import counters
+from . import counters, placement
 from .lowering.dtypes import to_jax_dtype
 
 
 def to_device_array(t: torch.Tensor, sharding=None) -> jax.Array:
-    """Upload a CPU tensor as the device dtype (bf16 switches applied)."""
+    """Upload a CPU tensor as the device dtype (bf16 switches applied), padded if ``sharding``
+    is uneven; by default where placement says new data lands."""
     with counters.timed("TransferToDeviceTime"):
         host = _to_numpy(t.detach())
         device_dtype = to_jax_dtype(t.dtype)
         # A copy we own: JAX's CPU backend may alias host memory, which the tensor may mutate.
         host = host.astype(device_dtype, copy=True)
+        sharding = sharding or placement.default_sharding()
+        if sharding is not None:
+            host = placement.host_padded(host, sharding)
         array = jax.device_put(host, sharding)
     counters.bump("TransferToDevice")
     return array
 
 
-def to_torch(array: jax.Array, dtype: torch.dtype) -> torch.Tensor:
-    """Download an array as a CPU tensor of PyTorch ``dtype`` (waits for it to be computed)."""
+def to_torch(array: jax.Array, dtype: torch.dtype, shape: tuple | None = None) -> torch.Tensor:
+    """Download an array as a CPU tensor of PyTorch ``dtype`` (waits for it to be computed);
+    ``shape`` is the logical shape of an array stored padded."""
     with counters.timed("TransferFromDeviceTime"):
         host = np.asarray(array)
+        if shape is not None and host.shape != shape:
+            host = host[tuple(slice(0, n) for n in shape)]
         if dtype is torch.bfloat16:
             out = torch.from_numpy(host.astype(ml_dtypes.bfloat16).view(np.uint16).copy())
             out = out.view(torch.bfloat16)

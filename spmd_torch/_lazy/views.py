@@ -5,7 +5,6 @@ storage every alias shares (the torchax ``ViewInfo`` idea, over graph values).
 
 from __future__ import annotations
 
-
 import torch
 
 from .graph import Ref, Value

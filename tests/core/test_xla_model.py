@@ -13,7 +13,7 @@ import torch
 import spmd_torch
 import spmd_torch.core.xla_model as xm
 import spmd_torch.runtime as xr
-from spmd_torch._lazy import counters
+from spmd_torch._lazy import counters, placement
 from spmd_torch._lazy.tensor import live_pending
 
 DEV = torch.device("xla:0")
@@ -75,6 +75,7 @@ def test_xla_device_hw_rejects_a_second_device():
 
 def test_use_spmd_is_reported_by_is_spmd(monkeypatch):
     monkeypatch.setattr(xr, "_spmd_requested", False)
+    monkeypatch.setattr(placement, "_replicated", None)  # SPMD placement ends with the test
     monkeypatch.delenv("XLA_USE_SPMD", raising=False)
     assert xr.is_spmd() is False
     xr.use_spmd()

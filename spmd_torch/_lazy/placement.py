@@ -1,0 +1,177 @@
+"""Where device data lives: one device, or (in SPMD mode) the devices of the mesh, sharded as marked.
+
+Outside SPMD mode every array sits on JAX's default device. ``enable_spmd`` makes uploads land
+replicated over all devices and moves any array still on one device onto them the first time a
+program uses it (PyTorch/XLA's one-time replication when SPMD starts).
+
+A tensor's sharding belongs to its storage: ``mark`` places data or constrains a pending value,
+and the barrier constrains every later value written to that storage the same way, so in-place
+updates (parameters, optimizer state) keep their layout and a training loop compiles once. An
+output the partitioner sharded on its own keeps that sharding the same way from then on.
+
+Uneven shardings (a dimension not divisible by its mesh axes) are stored padded at the end of each
+dimension, as PyTorch/XLA does, because JAX arrays cannot be uneven: the graph keeps the logical
+shape, programs slice padded inputs and pad outputs back.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from .graph import Aval, Node
+from .tensor import LazyTensor, Storage
+
+_replicated: NamedSharding | None = None  # over every SPMD device; None outside SPMD mode
+
+
+def enable_spmd(devices: Sequence[jax.Device]) -> None:
+    """Run every later program over ``devices``; new data is replicated over them."""
+    global _replicated
+    mesh = jax.sharding.Mesh(np.array(list(devices)), ("devices",))
+    _replicated = NamedSharding(mesh, PartitionSpec())
+
+
+def disable_spmd() -> None:
+    global _replicated
+    _replicated = None
+
+
+def spmd_enabled() -> bool:
+    return _replicated is not None
+
+
+def default_sharding() -> NamedSharding | None:
+    """Where uploads land: replicated over the SPMD devices, or JAX's default device."""
+    return _replicated
+
+
+def onto_spmd_devices(leaves: list, arrays: list) -> list:
+    """Program inputs with every single-device array replicated onto the SPMD devices, once."""
+    n = _replicated.num_devices
+    for k, array in enumerate(arrays):
+        if array.sharding.num_devices != n:
+            node, index = leaves[k]
+            arrays[k] = node.arrays[index] = jax.device_put(array, _replicated)
+    return arrays
+
+
+def padded_shape(shape: tuple, sharding) -> tuple:
+    """``shape`` rounded up so each dimension divides evenly among its mesh axes."""
+    spec = getattr(sharding, "spec", None)
+    if not spec:
+        return tuple(shape)
+    sizes = sharding.mesh.shape
+    out = []
+    for dim, n in enumerate(shape):
+        entry = spec[dim] if dim < len(spec) else None
+        names = () if entry is None else (entry,) if isinstance(entry, str) else entry
+        ways = math.prod(sizes[name] for name in names)
+        out.append(-(-n // ways) * ways)
+    return tuple(out)
+
+
+def host_padded(host: np.ndarray, sharding) -> np.ndarray:
+    """A host array zero-padded to ``sharding``'s even shape (itself when already even)."""
+    target = padded_shape(host.shape, sharding)
+    if target == host.shape:
+        return host
+    return np.pad(host, [(0, t - n) for t, n in zip(target, host.shape)])
+
+
+def output_sharding(storage: Storage, aval: Aval):
+    """The sharding the barrier gives ``storage``'s new value (None: the partitioner decides)."""
+    sharding = storage.sharding
+    if sharding is not None and len(getattr(sharding, "spec", ())) > len(aval.shape):
+        return None  # the storage changed rank since it was marked (resize_, set_)
+    return sharding
+
+
+def remember(storage: Storage, array: jax.Array) -> None:
+    """Keep the layout the partitioner chose for an output, so the next step reuses it."""
+    if storage.sharding is None and array.sharding.num_devices > 1:
+        storage.sharding = array.sharding
+
+
+def canonical(sharding: NamedSharding) -> NamedSharding:
+    """The form program outputs report (no trailing ``None``), so step N+1 keys equal step N's."""
+    entries = list(sharding.spec)
+    while entries and entries[-1] is None:
+        entries.pop()
+    if len(entries) == len(sharding.spec):
+        return sharding
+    return NamedSharding(sharding.mesh, PartitionSpec(*entries), memory_kind=sharding.memory_kind)
+
+
+def mark(t: LazyTensor, sharding: NamedSharding) -> None:
+    """Give ``t`` this sharding: data moves onto the mesh, a pending value gets a constraint."""
+    sharding = canonical(sharding)
+    storage = _own_storage(t, "mark_sharding")
+    storage.sharding = sharding
+    node, index = storage.ref
+    aval = node.avals[index]
+    if node.is_leaf(index):
+        storage.set((Node.data(_place(node.arrays[index], aval, sharding), aval), 0))
+        return
+    shardings = list(node.shardings or (None,) * len(node.avals))
+    shardings[index] = sharding
+    node.shardings = tuple(shardings)
+
+
+def clear(t: LazyTensor) -> None:
+    """Forget ``t``'s sharding: later values are laid out by the partitioner."""
+    _own_storage(t, "clear_sharding").sharding = None
+
+
+def sharding_of(t: LazyTensor):
+    """``t``'s marked (or remembered) sharding, else its data's; None for an unmarked pending value."""
+    storage = t._storage
+    if t._view is None and storage.sharding is not None:
+        return storage.sharding
+    node, index = t._ref()
+    return node.arrays[index].sharding if node.is_leaf(index) else None
+
+
+def global_array(t: LazyTensor) -> jax.Array:
+    """``t``'s device array, computed if pending; padded at the end when its sharding is uneven."""
+    from .execute import materialize
+
+    (array,) = materialize([t])
+    return array
+
+
+def upload(cpu, sharding: NamedSharding) -> LazyTensor:
+    """A CPU tensor placed directly with ``sharding``: each device receives only its shard."""
+    from .tensor import wrap_data
+    from .transfer import to_device_array
+
+    sharding = canonical(sharding)
+    aval = Aval(tuple(cpu.shape), cpu.dtype)
+    t = wrap_data(to_device_array(cpu, sharding), aval)
+    t._storage.sharding = sharding
+    return t
+
+
+def _own_storage(t: LazyTensor, api: str) -> Storage:
+    if not isinstance(t, LazyTensor):
+        device = getattr(t, "device", type(t).__name__)
+        raise ValueError(f"{api} needs a tensor on the xla device, got one on {device}")
+    if t._view is not None:
+        raise ValueError(
+            f"{api}: the tensor of shape {tuple(t.shape)} is a view of another tensor; "
+            "mark the tensor it views (or a .clone() of the view)"
+        )
+    return t._storage
+
+
+def _place(array: jax.Array, aval: Aval, sharding: NamedSharding) -> jax.Array:
+    """``array`` laid out with ``sharding``; through the host when the layout needs padding."""
+    target = padded_shape(aval.shape, sharding)
+    if target == array.shape:
+        return jax.device_put(array, sharding)
+    host = np.asarray(array)[tuple(slice(0, n) for n in aval.shape)]
+    return jax.device_put(host_padded(host, sharding), sharding)
