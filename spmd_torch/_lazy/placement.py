@@ -146,13 +146,19 @@ def global_array(t: LazyTensor) -> jax.Array:
 
 def upload(cpu, sharding: NamedSharding) -> LazyTensor:
     """A CPU tensor placed directly with ``sharding``: each device receives only its shard."""
-    from .tensor import wrap_data
     from .transfer import to_device_array
 
     sharding = canonical(sharding)
-    aval = Aval(tuple(cpu.shape), cpu.dtype)
-    t = wrap_data(to_device_array(cpu, sharding), aval)
-    t._storage.sharding = sharding
+    return adopt(to_device_array(cpu, sharding), tuple(cpu.shape), cpu.dtype, sharding)
+
+
+def adopt(array: jax.Array, shape: tuple, dtype, sharding=None) -> LazyTensor:
+    """A tensor of logical ``shape`` holding an uploaded array (a loader's prefetch thread may
+    run ``transfer.to_device_array``; this part touches engine state, so call it on the main one)."""
+    from .tensor import wrap_data
+
+    t = wrap_data(array, Aval(tuple(shape), dtype))
+    t._storage.sharding = None if sharding is None else canonical(sharding)
     return t
 
 
