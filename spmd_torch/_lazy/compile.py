@@ -62,7 +62,7 @@ def cache_key(
 ) -> CacheKey:
     """Inputs enter as (stored shape, dtype, sharding, logical shape): uneven ones are padded."""
     inputs = tuple(
-        (a.shape, a.dtype, a.sharding, node.avals[i].shape)
+        (a.shape, a.dtype, placement.key_of(a.sharding), node.avals[i].shape)
         for a, (node, i) in zip(arrays, program.leaves)
     )
     return CacheKey(

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch._decomp import decomposition_table
 
-from . import counters, rng, views
+from . import counters, placement, rng, views
 from .graph import Aval, Value
 from .lowering import LOWERINGS
 from .record import DeviceMismatchError, NoStaticShape, emit, emit_value
@@ -296,6 +296,8 @@ def _copy_(func, args: tuple, kwargs: dict) -> LazyTensor:
         cpu = src.detach().to(dst.dtype).expand(dst.shape).contiguous()
         sharding = dst._storage.sharding if dst._view is None else None  # keep a marked layout
         array = to_device_array(cpu, sharding)
+        if dst._view is None:
+            placement.remember(dst._storage, array)
         value = Value(wrap_data(array, Aval(tuple(dst.shape), dst.dtype))._ref())
     dst._write(value.ref)
     return dst

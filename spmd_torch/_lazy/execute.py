@@ -35,7 +35,10 @@ def sync(wait: bool = False) -> None:
         node, index = storage.ref
         if node.is_leaf(index):
             if node.op != DATA:  # computed by an earlier partial run: drop its history
-                storage.set((Node.data(node.arrays[index], node.avals[index]), 0))
+                array = node.arrays[index]
+                storage.set((Node.data(array, node.avals[index]), 0))
+                if placement.spmd_enabled():
+                    placement.remember(storage, array)
             continue
         owners.setdefault((id(node), index), (storage.ref, []))[1].append(storage)
     if not owners:

@@ -94,7 +94,15 @@ def output_sharding(storage: Storage, aval: Aval):
 def remember(storage: Storage, array: jax.Array) -> None:
     """Keep the layout the partitioner chose for an output, so the next step reuses it."""
     if storage.sharding is None and array.sharding.num_devices > 1:
-        storage.sharding = array.sharding
+        storage.sharding = key_of(array.sharding)
+
+
+def key_of(sharding):
+    """``sharding`` as compile keys see it: replicated over every device is one layout, whichever
+    mesh object it names (uploads use ours, program outputs the user's)."""
+    if sharding.is_fully_replicated and sharding.num_devices > 1 and _replicated is not None:
+        return _replicated
+    return sharding
 
 
 def canonical(sharding: NamedSharding) -> NamedSharding:

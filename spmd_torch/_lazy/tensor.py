@@ -174,14 +174,19 @@ def _rebuild_on_device(cpu: torch.Tensor, requires_grad: bool) -> torch.Tensor:
 
 
 def live_pending() -> list[Storage]:
-    """Live storages that were given a pending value, each once, in first-write order."""
+    """Live storages that were given a pending value, each once, in last-write order.
+
+    Last, not first: a storage written before the step began (``.to()`` fills a fresh tensor)
+    would otherwise order this step's outputs differently from the next step's.
+    """
     seen: set = set()
     storages = []
-    for weak in PENDING:
+    for weak in reversed(PENDING):
         storage = weak()
         if storage is not None and id(storage) not in seen:
             seen.add(id(storage))
             storages.append(storage)
+    storages.reverse()
     return storages
 
 
