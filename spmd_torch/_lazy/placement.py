@@ -136,10 +136,10 @@ def clear(t: LazyTensor) -> None:
 
 
 def sharding_of(t: LazyTensor):
-    """``t``'s marked (or remembered) sharding, else its data's; None for an unmarked pending value."""
-    storage = t._storage
-    if t._view is None and storage.sharding is not None:
-        return storage.sharding
+    """``t``'s sharding: marked, remembered from its last program, or its upload's; None once
+    cleared or while unmarked and pending (a view reports its data's, if it has data)."""
+    if t._view is None:
+        return t._storage.sharding
     node, index = t._ref()
     return node.arrays[index].sharding if node.is_leaf(index) else None
 
@@ -166,7 +166,10 @@ def adopt(array: jax.Array, shape: tuple, dtype, sharding=None) -> LazyTensor:
     from .tensor import wrap_data
 
     t = wrap_data(array, Aval(tuple(shape), dtype))
-    t._storage.sharding = None if sharding is None else canonical(sharding)
+    if sharding is None:
+        remember(t._storage, array)
+    else:
+        t._storage.sharding = canonical(sharding)
     return t
 
 

@@ -1,0 +1,369 @@
+"""Mesh, HybridMesh and the global mesh: PyTorch/XLA's logical device topology, on JAX devices.
+
+A ``Mesh`` is a frozen value, hashable and compared by content, because it enters cache keys. It
+maps once, through a cache, to a ``jax.sharding.Mesh``; with a partition spec it maps once to a
+``jax.sharding.NamedSharding``, the only sharding object the engine (``_lazy``) ever sees.
+
+Device ids are indices into ``jax.devices()``, as PyTorch/XLA's ids index its runtime devices.
+Unnamed mesh axes are called ``'0'``, ``'1'``... on the JAX side, as PyTorch/XLA's
+``Mesh.get_jax_mesh`` names them.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from . import validate
+
+PartitionSpecLike = tuple
+"""One entry per tensor dimension: a mesh axis index, an axis name, a tuple of them, or None."""
+
+
+class Mesh:
+    """The logical device topology: device ids laid out in ``mesh_shape``, with optional names.
+
+    Frozen: meshes are hashable and equal when their ids, shape and names are equal, so they can
+    key caches; each maps once to a ``jax.sharding.Mesh`` (:meth:`get_jax_mesh`).
+
+    Args:
+        device_ids: A flat list (or 1-D array) of device ids in the order they fill the mesh,
+            row-major. Each id indexes ``jax.devices()``; the mesh must use every device once.
+        mesh_shape: The number of devices along each mesh axis; its product is
+            ``len(device_ids)``.
+        axis_names: Optional distinct names, one per mesh axis, usable in partition specs.
+
+    Example:
+        >>> mesh = Mesh(np.arange(8), (4, 2), ('x', 'y'))
+        >>> mesh.get_logical_mesh()
+        array([[0, 1],
+               [2, 3],
+               [4, 5],
+               [6, 7]])
+        >>> mesh.shape()
+        OrderedDict([('x', 4), ('y', 2)])
+    """
+
+    __slots__ = ("device_ids", "mesh_shape", "axis_names", "_key", "_hash")
+
+    device_ids: np.ndarray
+    mesh_shape: tuple[int, ...]
+    axis_names: tuple[str, ...] | None
+
+    def __init__(
+        self,
+        device_ids: np.ndarray | Sequence[int],
+        mesh_shape: Sequence[int],
+        axis_names: Sequence[str] | None = None,
+    ) -> None:
+        ids = np.array(device_ids)
+        if ids.size == 0:
+            ids = ids.astype(np.int64)
+        shape = tuple(mesh_shape)
+        names = None if axis_names is None else tuple(axis_names)
+        validate._check_axis_names(names, shape)
+        validate._check_device_ids(ids, jax.device_count())
+        validate._check_mesh_shape(shape, ids.size)
+        validate._check_mesh_size(ids.size, shape, jax.device_count())
+        ids = ids.astype(np.int64)
+        ids.flags.writeable = False
+        shape = tuple(int(d) for d in shape)
+        object.__setattr__(self, "device_ids", ids)
+        object.__setattr__(self, "mesh_shape", shape)
+        object.__setattr__(self, "axis_names", names)
+        object.__setattr__(self, "_key", (tuple(ids.tolist()), shape, names))
+        object.__setattr__(self, "_hash", hash(self._key))  # meshes key every sharding lookup
+
+    def __setattr__(self, name: str, value) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable: cannot set {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"{type(self).__name__} is immutable: cannot delete {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Mesh):
+            return NotImplemented
+        return self._key == other._key
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        ids, shape, names = self._key
+        return (
+            f"{type(self).__name__}(device_ids={list(ids)}, mesh_shape={shape}, axis_names={names})"
+        )
+
+    def __str__(self) -> str:
+        """PyTorch/XLA's text form, read back by :meth:`from_str`."""
+        return (
+            f"{{'device_ids': {self.device_ids.tolist()}, 'mesh_shape': {self.mesh_shape}, "
+            f"'axis_names': {self.axis_names}}}"
+        )
+
+    def __reduce__(self):
+        return (Mesh, (self.device_ids.tolist(), self.mesh_shape, self.axis_names))
+
+    @classmethod
+    def from_str(cls, mesh_str: str) -> Mesh | None:
+        """A mesh from its ``str()`` form; None when the text is not one.
+
+        Args:
+            mesh_str: Text as ``str(mesh)`` writes it.
+
+        Example:
+            >>> Mesh.from_str(str(mesh)) == mesh
+            True
+        """
+        try:
+            fields = ast.literal_eval(mesh_str.replace("Mesh", ""))
+            return cls(fields["device_ids"], fields["mesh_shape"], fields["axis_names"])
+        except (ValueError, SyntaxError, KeyError, TypeError):
+            return None
+
+    def size(self) -> int:
+        """The number of devices in the mesh.
+
+        Example:
+            >>> Mesh(np.arange(8), (4, 2)).size()
+            8
+        """
+        return math.prod(self.mesh_shape)
+
+    def shape(self) -> OrderedDict:
+        """Axis name (or axis index, for an unnamed mesh) to its size, in mesh order.
+
+        Example:
+            >>> Mesh(np.arange(8), (4, 2), ('x', 'y')).shape()
+            OrderedDict([('x', 4), ('y', 2)])
+        """
+        keys = self.axis_names if self.axis_names is not None else range(len(self.mesh_shape))
+        return OrderedDict(zip(keys, self.mesh_shape))
+
+    def get_logical_mesh(self) -> np.ndarray:
+        """The device ids laid out in ``mesh_shape`` (a read-only array).
+
+        Example:
+            >>> Mesh([0, 2, 1, 3, 4, 6, 5, 7], (2, 4)).get_logical_mesh()[0]
+            array([0, 2, 1, 3])
+        """
+        return self.device_ids.reshape(self.mesh_shape)
+
+    def get_axis_name_idx(self, name: str) -> int | None:
+        """The index of the axis called ``name``; None when no axis has that name.
+
+        Args:
+            name: An axis name.
+
+        Example:
+            >>> Mesh(np.arange(8), (4, 2), ('x', 'y')).get_axis_name_idx('y')
+            1
+        """
+        if self.axis_names is None or name not in self.axis_names:
+            return None
+        return self.axis_names.index(name)
+
+    def get_jax_mesh(self) -> jax.sharding.Mesh:
+        """The same mesh as a ``jax.sharding.Mesh`` (cached; Auto axes).
+
+        Unnamed axes are named ``'0'``, ``'1'``... as PyTorch/XLA names them.
+
+        Example:
+            >>> Mesh(np.arange(8), (4, 2), ('x', 'y')).get_jax_mesh().shape
+            OrderedDict([('x', 4), ('y', 2)])
+        """
+        return _jax_mesh(self)
+
+    def get_named_sharding(self, partition_spec: PartitionSpecLike) -> NamedSharding:
+        """The ``jax.sharding.NamedSharding`` of ``partition_spec`` over this mesh (cached).
+
+        Args:
+            partition_spec: One entry per tensor dimension: an axis index, an axis name, a tuple
+                of them (the dimension is sharded over all of them, major to minor), or None
+                (replicated along the dimension).
+
+        Example:
+            >>> Mesh(np.arange(8), (4, 2), ('x', 'y')).get_named_sharding((0, None)).spec
+            PartitionSpec('x', None)
+        """
+        return named_sharding(self, partition_spec)
+
+
+class HybridMesh(Mesh):
+    """A mesh over devices joined by a fast network (ICI) within a host and a slow one (DCN) across.
+
+    Each mesh axis has size ``ici_mesh_shape[i] * dcn_mesh_shape[i]``; a coordinate along it is
+    ``dcn_index * ici_mesh_shape[i] + ici_index``, so the DCN part of every axis is its major part.
+    With several processes the devices of one process form one DCN coordinate and are laid out as
+    ``jax.experimental.mesh_utils.create_hybrid_device_mesh(..., process_is_granule=True)`` lays
+    them out; on one process each DCN coordinate takes a contiguous block of ``prod(ici_mesh_shape)``
+    devices (``jax.devices()`` order). Order axes by increasing network intensity.
+
+    Args:
+        ici_mesh_shape: The logical mesh within a host (or slice).
+        dcn_mesh_shape: The logical mesh of hosts, same length; default all ones.
+        axis_names: Optional names of the mesh axes.
+
+    Example:
+        >>> mesh = HybridMesh(ici_mesh_shape=(1, 4), dcn_mesh_shape=(2, 1), axis_names=('dp', 'fsdp'))
+        >>> mesh.shape()
+        OrderedDict([('dp', 2), ('fsdp', 4)])
+    """
+
+    __slots__ = ("ici_mesh_shape", "dcn_mesh_shape")
+
+    def __init__(
+        self,
+        ici_mesh_shape: Sequence[int],
+        dcn_mesh_shape: Sequence[int] | None = None,
+        axis_names: Sequence[str] | None = None,
+    ) -> None:
+        ici = tuple(ici_mesh_shape)
+        dcn = tuple(dcn_mesh_shape) if dcn_mesh_shape is not None else (1,) * len(ici)
+        validate._check_hybrid_shapes(ici, dcn)
+        validate._check_mesh_shape(ici, math.prod(ici))
+        validate._check_mesh_shape(dcn, math.prod(dcn))
+        mesh_shape = tuple(int(i) * int(d) for i, d in zip(ici, dcn))
+        validate._check_mesh_size(math.prod(mesh_shape), mesh_shape, jax.device_count())
+        ids = _hybrid_device_ids(ici, dcn)
+        super().__init__(ids.reshape(-1), mesh_shape, axis_names)
+        object.__setattr__(self, "ici_mesh_shape", tuple(int(i) for i in ici))
+        object.__setattr__(self, "dcn_mesh_shape", tuple(int(d) for d in dcn))
+
+    def __reduce__(self):
+        return (HybridMesh, (self.ici_mesh_shape, self.dcn_mesh_shape, self.axis_names))
+
+
+def _hybrid_device_ids(ici: tuple, dcn: tuple) -> np.ndarray:
+    """Device ids in the hybrid layout, shaped ``ici * dcn``."""
+    mesh_shape = tuple(i * d for i, d in zip(ici, dcn))
+    if jax.process_count() > 1:
+        from jax.experimental import mesh_utils
+
+        validate._check_granules(jax.process_count(), dcn)
+        devices = jax.devices()
+        index = {d.id: k for k, d in enumerate(devices)}
+        laid_out = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=True)
+        return np.vectorize(lambda d: index[d.id], otypes=[np.int64])(laid_out)
+    # One contiguous block of devices per DCN coordinate; then interleave (dcn_k, ici_k) per axis.
+    blocks = np.arange(math.prod(mesh_shape)).reshape(dcn + ici)
+    rank = len(ici)
+    interleaved = [axis for k in range(rank) for axis in (k, rank + k)]
+    return blocks.transpose(interleaved).reshape(mesh_shape)
+
+
+def get_1d_mesh(axis_name: str | None = None) -> Mesh:
+    """A mesh with every device along one axis, in ``jax.devices()`` order.
+
+    Args:
+        axis_name: Optional name of the single axis.
+
+    Returns:
+        ``Mesh(range(n), (n,), (axis_name,))`` for the ``n`` devices of the program.
+
+    Example:
+        >>> mesh = get_1d_mesh('data')
+        >>> mesh.mesh_shape, mesh.axis_names
+        ((8,), ('data',))
+    """
+    n = jax.device_count()
+    return Mesh(np.arange(n), (n,), None if axis_name is None else (axis_name,))
+
+
+_GLOBAL_MESH: Mesh | None = None
+
+
+def set_global_mesh(mesh: Mesh | None) -> None:
+    """Set the mesh APIs use when none is passed (``None`` clears it).
+
+    Args:
+        mesh: The process-wide mesh.
+
+    Example:
+        >>> set_global_mesh(get_1d_mesh('data'))
+    """
+    global _GLOBAL_MESH
+    if mesh is not None:
+        validate._check_mesh(mesh)
+    _GLOBAL_MESH = mesh
+
+
+def get_global_mesh() -> Mesh | None:
+    """The mesh set by :func:`set_global_mesh`, or None.
+
+    Example:
+        >>> get_global_mesh() is None
+        True
+    """
+    return _GLOBAL_MESH
+
+
+def translate_spec(mesh: Mesh, partition_spec: PartitionSpecLike) -> tuple:
+    """``partition_spec`` validated against ``mesh``: per dimension None or a tuple of axis indices."""
+    validate._check_spec_container(partition_spec)
+    spec = tuple(tuple(e) if isinstance(e, list) else e for e in partition_spec)
+    try:
+        return _translate(mesh, spec)
+    except TypeError:  # an unhashable entry: let the entry check name it
+        for entry in spec:
+            validate._check_spec_entry(entry, spec)
+        raise
+
+
+@functools.lru_cache(maxsize=4096)
+def _translate(mesh: Mesh, spec: tuple) -> tuple:
+    out = []
+    for entry in spec:
+        validate._check_spec_entry(entry, spec)
+        if entry is None or (isinstance(entry, tuple) and not entry):
+            out.append(None)
+            continue
+        indices = []
+        for axis in entry if isinstance(entry, tuple) else (entry,):
+            if isinstance(axis, str):
+                validate._check_axis_name(axis, mesh.axis_names, spec)
+                indices.append(mesh.axis_names.index(axis))
+            else:
+                validate._check_axis_index(int(axis), mesh.mesh_shape, spec)
+                indices.append(int(axis))
+        out.append(tuple(indices))
+    validate._check_unique_axes(out, spec, mesh.axis_names)
+    return tuple(out)
+
+
+def named_sharding(mesh: Mesh, partition_spec: PartitionSpecLike) -> NamedSharding:
+    """The ``NamedSharding`` of ``partition_spec`` over ``mesh``, built once per (mesh, spec)."""
+    return _named_sharding(mesh, translate_spec(mesh, partition_spec))
+
+
+@functools.lru_cache(maxsize=4096)
+def _named_sharding(mesh: Mesh, indices: tuple) -> NamedSharding:
+    jax_mesh = _jax_mesh(mesh)
+    names = jax_mesh.axis_names
+    entries = []
+    for axes in indices:
+        if axes is None:
+            entries.append(None)
+        elif len(axes) == 1:
+            entries.append(names[axes[0]])
+        else:
+            entries.append(tuple(names[a] for a in axes))
+    return NamedSharding(jax_mesh, PartitionSpec(*entries))
+
+
+@functools.lru_cache(maxsize=256)
+def _jax_mesh(mesh: Mesh) -> jax.sharding.Mesh:
+    # A plain jax Mesh (not jax.make_mesh): its axes are Auto, so GSPMD propagates through them.
+    devices = jax.devices()
+    array = np.empty(mesh.mesh_shape, dtype=object)
+    for position, device_id in np.ndenumerate(mesh.get_logical_mesh()):
+        array[position] = devices[device_id]
+    names = mesh.axis_names or tuple(str(i) for i in range(len(mesh.mesh_shape)))
+    return jax.sharding.Mesh(array, names)
