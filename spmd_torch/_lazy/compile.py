@@ -18,8 +18,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import config, counters, placement, rng
-from .graph import RNG_SPLIT, Program, substitute
+from . import config, counters, manual, placement, rng
+from .graph import MANUAL_ENTER, MANUAL_EXIT, RNG_SPLIT, Program, substitute
 from .lowering import LOWERINGS
 from .lowering.dtypes import to_jax_dtype
 
@@ -105,10 +105,13 @@ def build_function(
         for node in program.nodes
     ]
     outputs = [program.locate(ref) for ref in program.outputs]
+    manual_plan = manual.plan(program)
+    order = range(len(steps)) if manual_plan is None else manual_plan.order
+    regions = {} if manual_plan is None else _region_calls(program, steps, manual_plan)
 
     def run(donated_inputs, kept_inputs, scalars):
         groups = (kept_inputs, donated_inputs)
-        results: list = []
+        results: list = [None] * len(steps)
 
         def value(location):
             kind = location[0]
@@ -121,7 +124,13 @@ def build_function(
                 return x if logical is None else jax.lax.slice(x, (0,) * x.ndim, logical)
             return scalars[location[1]]
 
-        for op, args, kwargs, wiring, avals, shardings in steps:
+        for k in order:
+            if type(k) is not int:  # a manual region: one shard_map, its exits come out
+                call, inputs, exits = regions[id(k)]
+                for position, out in zip(exits, call(*[value(w) for w in inputs])):
+                    results[position] = [out]
+                continue
+            op, args, kwargs, wiring, avals, shardings = steps[k]
             sources = [value(w) for w in wiring]
             with jax.named_scope(str(op)):
                 outs = _lower_step(op, args, kwargs, sources, avals)
@@ -130,13 +139,50 @@ def build_function(
                     o if s is None else jax.lax.with_sharding_constraint(o, s)
                     for o, s in zip(outs, shardings)
                 ]
-            results.append(outs)
+            results[k] = outs
         values = [value(o) for o in outputs]
         if out_shardings is None:
             return values
         return [v if s is None else _laid_out(v, s) for v, s in zip(values, out_shardings)]
 
     return run
+
+
+def _region_calls(program: Program, steps: list, manual_plan) -> dict:
+    """id(region) -> (shard_map'ed function of the region's inputs, input locations, exits)."""
+    calls = {}
+    for region in {id(r): r for r in manual_plan.region_of.values()}.values():
+        inputs = manual.external_inputs(program, region)
+        slot_of = {location: i for i, location in enumerate(inputs)}
+
+        def local(*values, region=region, slot_of=slot_of):
+            results: dict = {}
+
+            def value(location):
+                if location[0] == "n" and location[1] in results:
+                    return results[location[1]][location[2]]
+                return values[slot_of[location]]
+
+            for k in region.nodes:
+                op, args, kwargs, wiring, avals, _ = steps[k]
+                sources = [value(w) for w in wiring]
+                if op in (MANUAL_ENTER, MANUAL_EXIT):  # the shard_map boundary does the work
+                    results[k] = sources
+                    continue
+                with jax.named_scope(str(op)):
+                    results[k] = _lower_step(op, args, kwargs, sources, avals)
+            return [results[k][0] for k in region.exits]
+
+        out_specs = [program.nodes[k].args[0].spec for k in region.exits]
+        call = jax.shard_map(
+            local,
+            mesh=region.mesh,
+            in_specs=manual.in_specs(program, region, inputs),
+            out_specs=out_specs,
+            check_vma=False,
+        )
+        calls[id(region)] = (call, inputs, region.exits)
+    return calls
 
 
 def _laid_out(value: jax.Array, sharding) -> jax.Array:

@@ -15,7 +15,7 @@ import jax
 import torch
 
 from . import compile as compiler
-from . import config, counters, placement
+from . import config, counters, manual, placement
 from .graph import DATA, Node, linearize, to_text
 from .record import user_frame
 from .tensor import PENDING, LazyTensor, live_pending
@@ -41,6 +41,9 @@ def sync(wait: bool = False) -> None:
                     placement.remember(storage, array)
             continue
         owners.setdefault((id(node), index), (storage.ref, []))[1].append(storage)
+    if manual.USED:  # per-device shards stay pending until disable_manual_sharding
+        local = manual.local_nodes([ref for ref, _ in owners.values()])
+        owners = {key: entry for key, entry in owners.items() if id(entry[0][0]) not in local}
     if not owners:
         return
     refs = [ref for ref, _ in owners.values()]

@@ -16,6 +16,8 @@ import torch
 DATA = "data"  # a leaf holding device arrays
 SCALAR = "scalar"  # a Python float lifted to a program input, so changing it never recompiles
 RNG_SPLIT = "rng_split"  # threads the device PRNG key: key -> (next key, subkey)
+MANUAL_ENTER = "full_to_shard"  # args (sharding,): a full value -> each device's shard
+MANUAL_EXIT = "shard_to_full"  # args (sharding,): per-device shards -> the full value
 
 
 class Arg(NamedTuple):

@@ -23,8 +23,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .graph import Aval, Node
-from .tensor import LazyTensor, Storage
+from .graph import MANUAL_ENTER, MANUAL_EXIT, Aval, Node
+from .tensor import LazyTensor, Storage, wrap
 
 _replicated: NamedSharding | None = None  # over every SPMD device; None outside SPMD mode
 
@@ -171,6 +171,47 @@ def adopt(array: jax.Array, shape: tuple, dtype, sharding=None) -> LazyTensor:
     else:
         t._storage.sharding = canonical(sharding)
     return t
+
+
+def enter_manual(t: LazyTensor, sharding: NamedSharding) -> LazyTensor:
+    """``t``'s per-device shard under ``sharding``: ops on it run on each device on its own."""
+    from . import manual
+
+    manual.USED = True
+    aval = Aval(_shard_shape(tuple(t.shape), sharding, "enable_manual_sharding"), t.dtype)
+    return wrap((Node(MANUAL_ENTER, (t._ref(),), (sharding,), {}, (aval,)), 0), aval)
+
+
+def exit_manual(t: LazyTensor, sharding: NamedSharding, full_shape: tuple) -> LazyTensor:
+    """The full tensor of ``full_shape`` whose shards are each device's ``t``, laid out so."""
+    from . import manual
+
+    ref = t._ref()
+    if id(ref[0]) not in manual.local_nodes([ref]):
+        raise manual.ManualShardingError(
+            f"disable_manual_sharding on a tensor of shape {tuple(t.shape)} that is not a "
+            "per-device shard: call enable_manual_sharding on it first"
+        )
+    local = _shard_shape(full_shape, sharding, "disable_manual_sharding")
+    if tuple(t.shape) != local:
+        raise ValueError(
+            f"disable_manual_sharding: a shard of full shape {full_shape} under "
+            f"{sharding.spec} is {local}, but the tensor has shape {tuple(t.shape)}"
+        )
+    aval = Aval(tuple(full_shape), t.dtype)
+    out = wrap((Node(MANUAL_EXIT, (ref,), (sharding,), {}, (aval,)), 0), aval)
+    out._storage.sharding = canonical(sharding)
+    return out
+
+
+def _shard_shape(shape: tuple, sharding: NamedSharding, api: str) -> tuple:
+    """Each device's block of ``shape``; manual shards must be even (no padding to hide)."""
+    if padded_shape(shape, sharding) != shape:
+        raise ValueError(
+            f"{api}: shape {shape} does not divide evenly under {sharding.spec} over mesh "
+            f"{dict(sharding.mesh.shape)}; manual sharding needs even shards"
+        )
+    return sharding.shard_shape(shape)
 
 
 def _own_storage(t: LazyTensor, api: str) -> Storage:

@@ -18,6 +18,8 @@ from .xla_sharded_tensor import XLAShard, XLAShardedTensor
 from .xla_sharding import (
     ShardingSpec,
     clear_sharding,
+    disable_manual_sharding,
+    enable_manual_sharding,
     get_xla_sharding_spec,
     mark_sharding,
     unwrap_sharded_tensor,
@@ -33,6 +35,8 @@ __all__ = [
     "XLAShard",
     "XLAShardedTensor",
     "clear_sharding",
+    "disable_manual_sharding",
+    "enable_manual_sharding",
     "get_1d_mesh",
     "get_global_mesh",
     "get_xla_sharding_spec",

@@ -38,6 +38,8 @@ __all__ = [
     "XLAShard",
     "XLAShardedTensor",
     "clear_sharding",
+    "disable_manual_sharding",
+    "enable_manual_sharding",
     "get_1d_mesh",
     "get_global_mesh",
     "get_xla_sharding_spec",
@@ -86,6 +88,71 @@ def mark_sharding(
         runtime.use_spmd()
     placement.mark(tensor, sharding)
     return wrap_as_sharded_tensor(t)
+
+
+def enable_manual_sharding(
+    t: torch.Tensor | XLAShardedTensor,
+    partition_spec: PartitionSpecLike,
+    *,
+    mesh: Mesh | None = None,
+) -> XLAShardedTensor:
+    """Shard ``t`` as ``partition_spec`` says and hand each device its own shard to work on.
+
+    The result has the shape of one shard. Ops on it, and on everything computed from it, run
+    on every device separately with no sharding propagation (a hand-partitioned region, as in
+    ``jax.shard_map``), until :func:`disable_manual_sharding` assembles a full tensor again. A
+    shard cannot be read or kept past a barrier on its own: pass it through
+    ``disable_manual_sharding`` first. Shards must be even.
+
+    Args:
+        t: A tensor on the xla device.
+        partition_spec: As for :func:`mark_sharding`.
+        mesh: The device mesh; the global mesh when omitted.
+
+    Example:
+        >>> mesh = xs.get_1d_mesh('x')
+        >>> local = xs.enable_manual_sharding(x, ('x', None)).global_tensor  # [8, 4] -> [1, 4]
+        >>> y = xs.disable_manual_sharding(local * 2, ('x', None), x.shape)
+    """
+    mesh = _mesh_or_global(mesh, "enable_manual_sharding")
+    tensor = unwrap_sharded_tensor(mark_sharding(t, mesh, partition_spec))
+    return wrap_as_sharded_tensor(
+        placement.enter_manual(tensor, named_sharding(mesh, partition_spec))
+    )
+
+
+def disable_manual_sharding(
+    t: torch.Tensor | XLAShardedTensor,
+    partition_spec: PartitionSpecLike,
+    full_shape: tuple | torch.Size,
+    *,
+    mesh: Mesh | None = None,
+) -> XLAShardedTensor:
+    """The full tensor of ``full_shape`` whose shards are each device's ``t``, sharded so.
+
+    Args:
+        t: A per-device shard from a region opened by :func:`enable_manual_sharding`.
+        partition_spec: How the shards tile the full tensor.
+        full_shape: The full tensor's shape.
+        mesh: The device mesh; the global mesh when omitted.
+
+    Example:
+        >>> y = xs.disable_manual_sharding(local * 2, ('x', None), (8, 4))
+    """
+    mesh = _mesh_or_global(mesh, "disable_manual_sharding")
+    tensor = unwrap_sharded_tensor(t)
+    validate._check_xla_tensor(tensor, "disable_manual_sharding")
+    validate._check_spec_container(partition_spec)
+    validate._check_spec_rank(tuple(full_shape), tuple(partition_spec))
+    sharding = named_sharding(mesh, partition_spec)
+    return wrap_as_sharded_tensor(placement.exit_manual(tensor, sharding, tuple(full_shape)))
+
+
+def _mesh_or_global(mesh: Mesh | None, api: str) -> Mesh:
+    mesh = get_global_mesh() if mesh is None else mesh
+    if mesh is None:
+        raise ValueError(f"{api}: no mesh given and no global mesh set (xs.set_global_mesh)")
+    return mesh
 
 
 def clear_sharding(t: torch.Tensor | XLAShardedTensor) -> torch.Tensor:
