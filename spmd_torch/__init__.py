@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import torch
 
+from . import runtime as _runtime
 from ._lazy import device as _device
 from ._lazy import execute as _execute
 from ._lazy import rng as _rng
 from ._lazy.tensor import DEVICE as _DEVICE
 
 _device.register()
+if _runtime.is_spmd():  # XLA_USE_SPMD=1 in the environment
+    _runtime.use_spmd()
 
 __version__ = "0.1.0"
 

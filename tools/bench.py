@@ -4,6 +4,9 @@ Workloads:
   W1  tracing overhead: 2000 cheap elementwise ops on a 256x256 tensor, host µs per op.
   W2  MLP 784-1024-1024-10 (ReLU), batch 256, cross-entropy, SGD lr 0.01 momentum 0.9.
   W3  GPT decoder, 4 layers, d_model 256, 4 heads, seq 128, batch 8, vocab 1024, AdamW.
+  W4  FSDP: the W3 GPT at batch 16, AdamW, every 2-D param and the batch sharded on dim 0 over
+      an 8-device mesh with axis 'fsdp' (8 virtual CPU devices; --gpu: min(8, GPUs)), the rest
+      replicated. Implementations jax and spmd_torch only; also reports param bytes per device.
 
 Each (workload, implementation) pair runs in its own subprocess (``--only W3:jax``), so compile
 caches, thread pools and device peak memory never leak from one run into the next. The parent
@@ -16,12 +19,14 @@ Usage:
   python3 tools/bench.py --impls eager,jax        # skip spmd_torch
   python3 tools/bench.py --check                  # 3 steps each from one init: loss differences
   python3 tools/bench.py --gpu                    # spmd_torch and JAX on CUDA (and eager if it can)
+  python3 tools/bench.py --workloads W4 --impls jax
   python3 tools/bench.py --only W2:jax            # one run in this process (what the parent runs)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -40,8 +45,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-WORKLOADS = ("W1", "W2", "W3")
+WORKLOADS = ("W1", "W2", "W3", "W4")
 IMPLS = ("eager", "jax", "spmd_torch")
+# Workloads that lack an implementation: W4 is about sharding, which eager PyTorch has no say in.
+WORKLOAD_IMPLS = {"W4": ("jax", "spmd_torch")}
 _IMPL_ALIASES = {
     "eager": "eager",
     "torch": "eager",
@@ -50,7 +57,7 @@ _IMPL_ALIASES = {
     "spmd_torch": "spmd_torch",
 }
 # (warm-up, timed) steps per workload; W1 counts repetitions of the whole 2000-op chain.
-DEFAULT_STEPS = {"W1": (2, 10), "W2": (5, 20), "W3": (3, 10)}
+DEFAULT_STEPS = {"W1": (2, 10), "W2": (5, 20), "W3": (3, 10), "W4": (3, 10)}
 CHECK_STEPS = 3
 # Losses of the three implementations must agree to this relative tolerance under --check.
 CHECK_RTOL = 1e-4
@@ -91,9 +98,18 @@ class GPTConfig:
     ln_eps: float = 1e-5
 
 
+@dataclass(frozen=True)
+class FSDPConfig:
+    mesh_devices: int = 8  # on CPU, virtual host devices forced in the child's XLA_FLAGS
+    axis: str = "fsdp"
+
+
 CHAIN = ChainConfig()
 MLP_CFG = MLPConfig()
 GPT_CFG = GPTConfig()
+# W4 trains the W3 model; only the batch grows, so it splits evenly over the mesh.
+GPT_W4_CFG = dataclasses.replace(GPT_CFG, batch=16)
+FSDP = FSDPConfig()
 
 # The W1 chain. Each op is written with Python operators so the same lambdas build torch eager
 # ops, lazy spmd_torch nodes and traced jnp ops. x -> ((x + y) * 0.5 - y + 1) * w contracts, so
@@ -130,9 +146,9 @@ def _mlp_data() -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
-def _gpt_data() -> tuple[np.ndarray, np.ndarray]:
+def _gpt_data(cfg: GPTConfig = GPT_CFG) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.RandomState(2)
-    tokens = rng.randint(0, GPT_CFG.vocab, size=(GPT_CFG.batch, GPT_CFG.seq + 1)).astype(np.int64)
+    tokens = rng.randint(0, cfg.vocab, size=(cfg.batch, cfg.seq + 1)).astype(np.int64)
     return tokens[:, :-1].copy(), tokens[:, 1:].copy()
 
 
@@ -381,6 +397,9 @@ class Trainer:
     compiles: Callable[[], int | None] = lambda: None
     cached_compiles: Callable[[], int | None] = lambda: None
     peak_bytes: Callable[[], int | None] = lambda: None
+    # (bytes of one device's shards, bytes of the whole params), read after the timed steps so a
+    # sharding lost during training shows; only W4 sets it.
+    param_bytes: Callable[[], tuple[int, int] | None] = lambda: None
 
 
 def _now() -> float:
@@ -422,6 +441,7 @@ def _run_trainer(tr: Trainer, warmup: int, steps: int, check: bool) -> dict[str,
 
     compiles_end = tr.compiles()
     median_s = statistics.median(times)
+    per_device, total = tr.param_bytes() or (None, None)
     return {
         "first_step_s": first_step_s,
         "median_step_s": median_s,
@@ -434,6 +454,8 @@ def _run_trainer(tr: Trainer, warmup: int, steps: int, check: bool) -> dict[str,
         "compiles_in_timed": _diff(compiles_end, compiles_warm),
         "cached_compiles": tr.cached_compiles(),
         "peak_bytes": tr.peak_bytes(),
+        "param_bytes_per_device": per_device,
+        "param_bytes_total": total,
         "loss_first": tr.loss_value(losses[0]),
         "loss_last": tr.loss_value(losses[-1]),
         "warmup": warmup,
@@ -522,11 +544,52 @@ def w3_eager(warmup: int, steps: int, check: bool, gpu: bool) -> dict[str, Any]:
 # Hand-written JAX
 
 
-def _jax_peak() -> int | None:
+def _jax_peak(devices: list[Any] | None = None) -> int | None:
+    """Largest peak_bytes_in_use over `devices` (default: the first); None where JAX keeps no
+    memory stats (CPU)."""
     import jax
 
-    stats = jax.devices()[0].memory_stats()
-    return stats.get("peak_bytes_in_use") if stats else None
+    stats = [d.memory_stats() or {} for d in devices or jax.devices()[:1]]
+    peaks = [s["peak_bytes_in_use"] for s in stats if "peak_bytes_in_use" in s]
+    return max(peaks) if peaks else None
+
+
+def _fsdp_mesh_size() -> int:
+    """FSDP.mesh_devices, or fewer where there are fewer (--gpu), rounded down to a power of two
+    so the batch and every sharded dim 0 (128 to 1024) still split evenly."""
+    import jax
+
+    n = min(FSDP.mesh_devices, jax.device_count())
+    return 1 << (n.bit_length() - 1)
+
+
+def _fsdp_info(n: int) -> dict[str, Any]:
+    """Result fields naming the mesh, so a GPU run on fewer than FSDP.mesh_devices says so."""
+    import jax
+
+    return {"device": f"{n}x {jax.devices()[0].platform} mesh", "mesh_devices": n}
+
+
+def _jax_fsdp_where(mesh: Any) -> Callable[[Any], Any]:
+    """W4's placement: 2-D arrays (weights, their AdamW moments, the batch) split on dim 0 over
+    the mesh, everything else replicated. The moments follow their params as in any FSDP, and so
+    the donated step gets back the shardings it was given (one compile). P(axis) is P(axis, None)
+    for a 2-D array, but jit returns the short form, and jax 0.10's cache treats the long one as
+    a different input sharding: a second compile at step 2."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    sharded = NamedSharding(mesh, P(FSDP.axis))
+    replicated = NamedSharding(mesh, P())
+    return lambda x: sharded if np.ndim(x) == 2 else replicated
+
+
+def _jax_param_bytes(params: Any) -> tuple[int, int]:
+    """Bytes of device 0's shards (every device holds an equal split) and of the whole params."""
+    import jax
+
+    leaves = jax.tree.leaves(params)
+    return sum(p.addressable_shards[0].data.nbytes for p in leaves), sum(p.nbytes for p in leaves)
 
 
 def w1_jax(warmup: int, steps: int, check: bool, gpu: bool) -> dict[str, Any]:
@@ -569,13 +632,20 @@ def _jax_trainer(
     update_fn: Callable,
     model: nn.Module,
     data: tuple[np.ndarray, ...],
+    mesh: Any = None,
 ) -> Trainer:
+    """Single-device (W2, W3) or, given a mesh, W4's FSDP placement of params, state and batch."""
     import jax
 
-    dev = jax.devices()[0]
-    params = jax.device_put(_jax_params(model), dev)
-    opt_state = jax.device_put(init_fn(params), dev)
-    batch = [jax.device_put(a.astype(np.int32) if a.dtype == np.int64 else a, dev) for a in data]
+    devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
+    where = (lambda x: devices[0]) if mesh is None else _jax_fsdp_where(mesh)
+
+    def put(tree: Any) -> Any:
+        return jax.tree.map(lambda x: jax.device_put(x, where(x)), tree)
+
+    params = put(_jax_params(model))
+    opt_state = put(init_fn(params))
+    batch = put([a.astype(np.int32) if a.dtype == np.int64 else a for a in data])
     train_step = _jax_train_step(loss_fn, update_fn)
     state = {"params": params, "opt": opt_state}
 
@@ -592,7 +662,8 @@ def _jax_trainer(
         lambda: jax.block_until_ready(state),
         lambda loss: float(loss),
         compiles=compiles,
-        peak_bytes=_jax_peak,
+        peak_bytes=lambda: _jax_peak(devices),
+        param_bytes=(lambda: None) if mesh is None else lambda: _jax_param_bytes(state["params"]),
     )
 
 
@@ -608,6 +679,18 @@ def w3_jax(warmup: int, steps: int, check: bool, gpu: bool) -> dict[str, Any]:
 
     tr = _jax_trainer(_jax_gpt_loss, _jax_adamw_init, _jax_adamw_update, _new_gpt(), _gpt_data())
     return {**_run_trainer(tr, warmup, steps, check), "device": str(jax.devices()[0])}
+
+
+def w4_jax(warmup: int, steps: int, check: bool, gpu: bool) -> dict[str, Any]:
+    import jax
+
+    n = _fsdp_mesh_size()
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), (FSDP.axis,))
+    data = _gpt_data(GPT_W4_CFG)
+    tr = _jax_trainer(
+        _jax_gpt_loss, _jax_adamw_init, _jax_adamw_update, _new_gpt(), data, mesh=mesh
+    )
+    return {**_run_trainer(tr, warmup, steps, check), **_fsdp_info(n)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -687,15 +770,23 @@ def w1_spmd(warmup: int, steps: int, check: bool, gpu: bool) -> dict[str, Any]:
 
 
 def _spmd_trainer(
-    model: nn.Module, opt_fn: Callable, loss_fn: Callable, data: tuple[np.ndarray, ...]
+    model: nn.Module,
+    opt_fn: Callable,
+    loss_fn: Callable,
+    data: tuple[np.ndarray, ...],
+    shard: Callable[[nn.Module, list[torch.Tensor]], None] | None = None,
 ) -> Trainer:
+    """`shard` marks the model and batch once they are on the device; the optimizer comes after,
+    as PyTorch/XLA asks, so its state is made from the marked parameters."""
     spmd_torch = _import_spmd()
     import spmd_torch.core.xla_model as xm
 
     dev = spmd_torch.device()
     model.to(dev)
-    opt = opt_fn(model)
     batch = [torch.from_numpy(a).to(dev) for a in data]
+    if shard is not None:
+        shard(model, batch)
+    opt = opt_fn(model)
     spmd_torch.sync()
     xm.wait_device_ops()
 
@@ -730,6 +821,47 @@ def w3_spmd(warmup: int, steps: int, check: bool, gpu: bool) -> dict[str, Any]:
     return {**_run_trainer(tr, warmup, steps, check), "device": str(spmd_torch.device())}
 
 
+def _spmd_fsdp_shard(n: int) -> Callable[[nn.Module, list[torch.Tensor]], None]:
+    """W4's marks, written as a PyTorch/XLA FSDP user would: every 2-D parameter and the batch
+    split on dim 0 over an n-device mesh; everything else is left replicated."""
+    import spmd_torch.distributed.spmd as xs
+
+    mesh = xs.Mesh(np.arange(n), (n,), (FSDP.axis,))
+
+    def shard(model: nn.Module, batch: list[torch.Tensor]) -> None:
+        for p in model.parameters():
+            if p.dim() == 2:
+                xs.mark_sharding(p, mesh, (FSDP.axis, None))
+        for t in batch:
+            xs.mark_sharding(t, mesh, (FSDP.axis, None))
+
+    return shard
+
+
+def _spmd_param_bytes(model: nn.Module) -> tuple[int, int]:
+    """Bytes of device 0's shards of the parameters' device arrays, and the params' total."""
+    from spmd_torch._lazy.placement import global_array
+
+    per_device = sum(global_array(p).addressable_shards[0].data.nbytes for p in model.parameters())
+    return per_device, sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def w4_spmd(warmup: int, steps: int, check: bool, gpu: bool) -> dict[str, Any]:
+    _import_spmd()
+    import jax
+
+    n = _fsdp_mesh_size()
+    model = _new_gpt()
+    data = _gpt_data(GPT_W4_CFG)
+    tr = _spmd_trainer(model, _new_adamw, _gpt_loss, data, shard=_spmd_fsdp_shard(n))
+    tr = dataclasses.replace(
+        tr,
+        peak_bytes=lambda: _jax_peak(jax.devices()[:n]),
+        param_bytes=lambda: _spmd_param_bytes(model),
+    )
+    return {**_run_trainer(tr, warmup, steps, check), **_fsdp_info(n)}
+
+
 RUNNERS: dict[tuple[str, str], Callable[[int, int, bool, bool], dict[str, Any]]] = {
     ("W1", "eager"): w1_eager,
     ("W1", "jax"): w1_jax,
@@ -740,6 +872,8 @@ RUNNERS: dict[tuple[str, str], Callable[[int, int, bool, bool], dict[str, Any]]]
     ("W3", "eager"): w3_eager,
     ("W3", "jax"): w3_jax,
     ("W3", "spmd_torch"): w3_spmd,
+    ("W4", "jax"): w4_jax,
+    ("W4", "spmd_torch"): w4_spmd,
 }
 
 
@@ -747,13 +881,17 @@ RUNNERS: dict[tuple[str, str], Callable[[int, int, bool, bool], dict[str, Any]]]
 # Child process: one (workload, implementation)
 
 
-def _configure_jax_env(gpu: bool, env: dict[str, str]) -> dict[str, str]:
+def _configure_jax_env(gpu: bool, env: dict[str, str], workload: str = "") -> dict[str, str]:
     """Pins the JAX platform before jax is imported; drops a forced CPU device count (tests set 8),
-    which would split the CPU thread pool between virtual devices."""
+    which would split the CPU thread pool between virtual devices, except for W4 on CPU, whose
+    mesh needs FSDP.mesh_devices of them."""
     env["JAX_PLATFORMS"] = "cuda" if gpu else "cpu"
     flags = re.sub(
         r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")
     ).strip()
+    if workload == "W4" and not gpu:
+        flags += f" --xla_force_host_platform_device_count={FSDP.mesh_devices}"
+        flags = flags.strip()
     if flags:
         env["XLA_FLAGS"] = flags
     else:
@@ -763,7 +901,7 @@ def _configure_jax_env(gpu: bool, env: dict[str, str]) -> dict[str, str]:
 
 def _run_child(only: str, args: argparse.Namespace) -> int:
     workload, impl = _parse_only(only)
-    _configure_jax_env(args.gpu, os.environ)
+    _configure_jax_env(args.gpu, os.environ, workload)
     if args.matmul_precision and impl != "eager":
         import jax
 
@@ -785,7 +923,14 @@ def _parse_only(only: str) -> tuple[str, str]:
             f"--only expects WORKLOAD:IMPL with WORKLOAD in {WORKLOADS} and IMPL in "
             f"{sorted(_IMPL_ALIASES)}; got {only!r}"
         )
-    return workload, _IMPL_ALIASES[impl]
+    impl = _IMPL_ALIASES[impl]
+    if impl not in _impls_of(workload):
+        raise SystemExit(f"--only {only}: {workload} has only {_impls_of(workload)}")
+    return workload, impl
+
+
+def _impls_of(workload: str) -> tuple[str, ...]:
+    return WORKLOAD_IMPLS.get(workload, IMPLS)
 
 
 def _steps_for(workload: str, args: argparse.Namespace) -> tuple[int, int]:
@@ -818,7 +963,7 @@ def _spawn(workload: str, impl: str, args: argparse.Namespace) -> dict[str, Any]
     cmd += ["--gpu"] * args.gpu + ["--check"] * args.check
     if args.matmul_precision:
         cmd += ["--matmul-precision", args.matmul_precision]
-    env = _configure_jax_env(args.gpu, dict(os.environ))
+    env = _configure_jax_env(args.gpu, dict(os.environ), workload)
     print(f"... {workload}:{impl}", file=sys.stderr, flush=True)
     try:
         proc = subprocess.run(
@@ -953,25 +1098,52 @@ def _report_training(
             ]
         )
     speed = {impl: r.get("steps_per_s") for impl, r in results.items()}
-    spmd = speed.get("spmd_torch")
-    ratios = {
-        "spmd_over_eager": _ratio(spmd, speed.get("eager")),
-        "spmd_over_jax": _ratio(spmd, speed.get("jax")),
-    }
+    others = [i for i in _impls_of(workload) if i != "spmd_torch"]
+    ratios = {f"spmd_over_{o}": _ratio(speed.get("spmd_torch"), speed.get(o)) for o in others}
     print(f"\n{workload} {title}")
     print(_table(headers, rows))
     _print_errors(results)
-    print(
-        f"  steps/s ratio (>1: spmd_torch faster): spmd_torch/eager "
-        f"{_fmt(ratios['spmd_over_eager'], '.2f', 'x')}, spmd_torch/jax "
-        f"{_fmt(ratios['spmd_over_jax'], '.2f', 'x')}"
+    shown = ", ".join(
+        f"spmd_torch/{o} {_fmt(ratios[f'spmd_over_{o}'], '.2f', 'x')}" for o in others
     )
+    print(f"  steps/s ratio (>1: spmd_torch faster): {shown}")
     return ratios
+
+
+def _fmt_mib(value: float | None) -> str:
+    return "-" if value is None else f"{value / 2**20:.2f} MiB"
+
+
+def _report_param_bytes(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """W4: one device's param bytes against the ideal total/mesh; replicated 1-D params (biases,
+    LayerNorms) keep it a little above 1x, a lost sharding shows as about mesh-size x."""
+    out = {}
+    for impl, r in results.items():
+        per_device, total = r.get("param_bytes_per_device"), r.get("param_bytes_total")
+        if per_device is None or total is None:
+            continue
+        ideal = total / r["mesh_devices"]
+        out[impl] = {
+            "per_device": per_device,
+            "total": total,
+            "total_over_mesh": ideal,
+            "per_device_over_ideal": per_device / ideal,
+        }
+        print(
+            f"  param bytes per device, {impl}: {_fmt_mib(per_device)} vs total/"
+            f"{r['mesh_devices']} {_fmt_mib(ideal)} ({per_device / ideal:.3f}x; total "
+            f"{_fmt_mib(total)})"
+        )
+    return out
 
 
 _TITLES = {
     "W2": "MLP 784-1024-1024-10, batch 256, SGD momentum",
     "W3": "GPT 4L d256 4H seq128 batch 8 vocab 1024, AdamW",
+    "W4": (
+        f"FSDP: W3's GPT at batch {GPT_W4_CFG.batch}, AdamW, 2-D params and batch sharded on dim 0"
+        f" over a '{FSDP.axis}' mesh (peak mem: the largest of its devices)"
+    ),
 }
 
 
@@ -998,6 +1170,17 @@ def _report_check(workload: str, results: dict[str, dict[str, Any]]) -> dict[str
     for name, p in pairs.items():
         print(f"  max |diff| {name}: {p['max_abs_diff']:.3g} {'OK' if p['ok'] else 'MISMATCH'}")
     return pairs
+
+
+def _print_mesh_note(results: dict[str, dict[str, Any]]) -> None:
+    """Says so when a run had fewer devices than W4 asks for (--gpu on a small machine)."""
+    sizes = {r["mesh_devices"] for r in results.values() if "mesh_devices" in r}
+    if sizes and sizes != {FSDP.mesh_devices}:
+        print(
+            f"  note: mesh of {', '.join(map(str, sorted(sizes)))} device(s), not "
+            f"{FSDP.mesh_devices}: fewer devices visible (min({FSDP.mesh_devices}, device_count), "
+            f"rounded down to a power of two)"
+        )
 
 
 def _run_parent(args: argparse.Namespace) -> int:
@@ -1032,7 +1215,12 @@ def _run_parent(args: argparse.Namespace) -> int:
     }
     failed = False  # a child that failed, or a --check mismatch
     for workload in workloads:
-        results = {impl: _spawn(workload, impl, args) for impl in impls}
+        skipped = [i for i in impls if i not in _impls_of(workload)]
+        if skipped:
+            print(f"\n{workload}: no {', '.join(skipped)} implementation; skipped")
+        results = {impl: _spawn(workload, impl, args) for impl in impls if impl not in skipped}
+        if not results:
+            continue
         for r in results.values():
             if "error" in r:
                 failed = True
@@ -1040,6 +1228,8 @@ def _run_parent(args: argparse.Namespace) -> int:
                     f"{workload}:{r['impl']} failed:\n{r.pop('stderr_tail', '')}", file=sys.stderr
                 )
         entry: dict[str, Any] = {impl: r for impl, r in results.items()}
+        if skipped:
+            entry["skipped"] = skipped
         if args.check:
             entry["check"] = _report_check(workload, results)
             failed |= not all(p["ok"] for p in entry["check"].values())
@@ -1047,6 +1237,9 @@ def _run_parent(args: argparse.Namespace) -> int:
             entry["ratios"] = _report_w1(results)
         else:
             entry["ratios"] = _report_training(workload, _TITLES[workload], results, args.gpu)
+        if workload == "W4" and not args.check:
+            entry["param_bytes"] = _report_param_bytes(results)
+            _print_mesh_note(results)
         summary["results"][workload] = entry
     print()
     print(SUMMARY_TAG + json.dumps(summary), flush=True)

@@ -1,0 +1,48 @@
+"""SPMD mode: every program runs over all devices; unmarked data is replicated over them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import torch
+
+import spmd_torch
+import spmd_torch.runtime as xr
+from spmd_torch._lazy import placement
+from tests.helpers import assert_close
+
+dev = spmd_torch.device()
+
+
+def test_uploads_are_replicated_over_every_device():
+    array = placement.global_array(torch.arange(6.0).to(dev))
+    assert array.sharding.is_fully_replicated
+    assert {shard.device for shard in array.addressable_shards} == set(jax.devices())
+
+
+def test_data_from_before_spmd_joins_the_mesh_on_first_use():
+    placement.disable_spmd()
+    early = torch.arange(6.0).to(dev)
+    assert placement.global_array(early).sharding.num_devices == 1
+    xr.use_spmd()
+    late = torch.ones(6).to(dev)
+    total = early + late
+    spmd_torch.sync()
+    assert placement.global_array(total).sharding.num_devices == 8
+    assert placement.global_array(early).sharding.num_devices == 8  # moved once, kept there
+    assert_close(total, torch.arange(6.0) + 1)
+
+
+def test_xla_use_spmd_variable_turns_spmd_on_at_import():
+    env = dict(os.environ, XLA_USE_SPMD="1", JAX_PLATFORMS="cpu")
+    code = (
+        "import torch, spmd_torch; from spmd_torch._lazy import placement; "
+        "x = torch.ones(2).to(spmd_torch.device()); "
+        "print(placement.global_array(x).sharding.num_devices)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(jax.device_count())
