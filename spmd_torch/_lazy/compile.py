@@ -17,13 +17,18 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax._src.lax.lax import _convert_element_type  # weak-typed casts have no public API
 
 from . import config, counters, manual, placement, rng
 from .graph import MANUAL_ENTER, MANUAL_EXIT, RNG_SPLIT, Program, substitute
 from .lowering import LOWERINGS
 from .lowering.dtypes import to_jax_dtype
 
-_SCALAR_AVAL = jax.ShapeDtypeStruct((), jnp.float64, weak_type=True)
+
+def _scalars_aval(n: int) -> jax.ShapeDtypeStruct:
+    """Lifted scalars travel packed in one float64 vector: one transfer, however many there are."""
+    return jax.ShapeDtypeStruct((n,), jnp.float64)
 
 
 class LoweringError(RuntimeError):
@@ -109,9 +114,14 @@ def build_function(
     order = range(len(steps)) if manual_plan is None else manual_plan.order
     regions = {} if manual_plan is None else _region_calls(program, steps, manual_plan)
 
-    def run(donated_inputs, kept_inputs, scalars):
+    def run(donated_inputs, kept_inputs, packed_scalars):
         groups = (kept_inputs, donated_inputs)
         results: list = [None] * len(steps)
+        # Weakly typed, as Python scalars are: ``x_f32 * lr`` stays float32.
+        scalars = [
+            _convert_element_type(packed_scalars[k], np.dtype(np.float64), weak_type=True)
+            for k in range(packed_scalars.shape[0])
+        ]
 
         def value(location):
             kind = location[0]
@@ -237,7 +247,7 @@ def lookup_or_compile(
     with warnings.catch_warnings():
         # Donating a dead input no output can reuse still frees it early; that is the point.
         warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-        compiled = jitted.lower(given, kept, [_SCALAR_AVAL] * len(program.scalars)).compile()
+        compiled = jitted.lower(given, kept, _scalars_aval(len(program.scalars))).compile()
     counters.record("CompileTime", time.perf_counter_ns() - start)
     executable = _CACHE[parts] = Executable(compiled, digest, len(program.nodes))
     _HISTORY.append(parts)
@@ -286,7 +296,7 @@ def stablehlo_text(program: Program, arrays: list) -> str:
     """The program lowered to StableHLO, nothing compiled or run."""
     function = build_function(program, (False,) * len(arrays), [a.shape for a in arrays])
     abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in arrays]
-    return jax.jit(function).lower([], abstract, [_SCALAR_AVAL] * len(program.scalars)).as_text()
+    return jax.jit(function).lower([], abstract, _scalars_aval(len(program.scalars))).as_text()
 
 
 def clear_cache() -> None:

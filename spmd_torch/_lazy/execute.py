@@ -12,6 +12,7 @@ import time
 import weakref
 
 import jax
+import numpy as np
 import torch
 
 from . import compile as compiler
@@ -80,7 +81,7 @@ def run(refs: list, donate: bool, out_shardings: tuple | None = None) -> list:
         _debug_line(program, executable, hit)
     kept = [a for a, d in zip(arrays, donated) if not d]
     given = [a for a, d in zip(arrays, donated) if d]
-    scalars = [node.args[0] for node in program.scalars]
+    scalars = np.array([node.args[0] for node in program.scalars], dtype=np.float64)
     start = time.perf_counter_ns()
     outputs = executable.compiled(given, kept, scalars)
     counters.record("ExecuteTime", time.perf_counter_ns() - start)
