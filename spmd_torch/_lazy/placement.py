@@ -118,13 +118,22 @@ def canonical(sharding: NamedSharding) -> NamedSharding:
 def mark(t: LazyTensor, sharding: NamedSharding) -> None:
     """Give ``t`` this sharding: data moves onto the mesh, a pending value gets a constraint."""
     sharding = canonical(sharding)
-    storage = _own_storage(t, "mark_sharding")
+    _check_device(t, "mark_sharding")
+    node, index = t._ref()
+    if t._view is not None and not node.is_leaf(index):
+        _constrain(node, index, sharding)  # a pending view: this value only, as in PyTorch/XLA
+        return
+    storage = t._storage  # its own value, or an identity view (detach) of one: mark the storage
     storage.sharding = sharding
     node, index = storage.ref
     aval = node.avals[index]
     if node.is_leaf(index):
         storage.set((Node.data(_place(node.arrays[index], aval, sharding), aval), 0))
         return
+    _constrain(node, index, sharding)
+
+
+def _constrain(node: Node, index: int, sharding: NamedSharding) -> None:
     shardings = list(node.shardings or (None,) * len(node.avals))
     shardings[index] = sharding
     node.shardings = tuple(shardings)
@@ -214,10 +223,14 @@ def _shard_shape(shape: tuple, sharding: NamedSharding, api: str) -> tuple:
     return sharding.shard_shape(shape)
 
 
-def _own_storage(t: LazyTensor, api: str) -> Storage:
+def _check_device(t, api: str) -> None:
     if not isinstance(t, LazyTensor):
         device = getattr(t, "device", type(t).__name__)
         raise ValueError(f"{api} needs a tensor on the xla device, got one on {device}")
+
+
+def _own_storage(t: LazyTensor, api: str) -> Storage:
+    _check_device(t, api)
     if t._view is not None:
         raise ValueError(
             f"{api}: the tensor of shape {tuple(t.shape)} is a view of another tensor; "

@@ -180,3 +180,15 @@ def test_compiled_step_contains_the_collectives_gspmd_inserts():
     (executable,) = compiler._CACHE.values()
     assert "all-reduce" in executable.compiled.as_text()
     assert_close(z, a @ b)
+
+
+def test_marking_a_pending_view_constrains_that_value_only():
+    mesh = MESHES["1d"]()
+    base = torch.arange(64.0).reshape(16, 4).to(dev)
+    flat = (base * 2).view(-1)  # a model output flattened, as a forward may return it
+    xs.mark_sharding(flat, mesh, ("x",))
+    doubled = flat + 0
+    spmd_torch.sync()
+    assert [s.data.shape for s in placement.global_array(doubled).addressable_shards] == [(8,)] * 8
+    assert_close(doubled, torch.arange(64.0) * 2)
+    assert xs.get_xla_sharding_spec(base) == ""  # the base was not marked
