@@ -1,0 +1,1 @@
+"""torch_xla.experimental on JAX: APIs PyTorch/XLA still calls experimental (SPMD FSDP...)."""
