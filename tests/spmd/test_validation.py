@@ -170,8 +170,6 @@ def test_mark_sharding_needs_our_mesh(t):
         xs.mark_sharding(t, jax_mesh, (0, None))
 
 
-
-
 @pytest.mark.parametrize(
     "api",
     [xs.clear_sharding, xs.get_xla_sharding_spec, xs.visualize_tensor_sharding],
