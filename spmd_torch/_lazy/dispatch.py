@@ -392,6 +392,20 @@ def _to_copy(func, args: tuple, kwargs: dict) -> Any:
     return _wrap_outputs(node, structure)
 
 
+def _mm(func, args: tuple, kwargs: dict) -> LazyTensor:
+    """``a @ x.t()`` is recorded as ``linear(a, x)``: the matmul reads ``x`` itself, the value the
+    forward pass's matmul read too (autograd's ``mm(grad, weight.t().t())``), so the partitioner
+    gathers a sharded weight once for both passes, as it does for jax's autodiff."""
+    a, b = args
+    if type(b) is LazyTensor:
+        node, index = b._ref()
+        if node.op is aten.t.default and len(node.avals[0].shape) == 2:
+            out, _ = emit(aten.linear.default, (a, Value(node.src[0])), {})
+            return wrap((out, 0), out.avals[0])
+    node, structure = emit(func, args, kwargs)
+    return _wrap_outputs(node, structure)
+
+
 def _local_scalar_dense(func, args: tuple, kwargs: dict) -> Any:
     from .execute import to_cpu
 
@@ -476,6 +490,7 @@ SPECIALS: dict = {
     aten._copy_from_and_resize.default: _copy_from,
     aten._to_copy.default: _to_copy,
     aten._local_scalar_dense.default: _local_scalar_dense,
+    aten.mm.default: _mm,
     aten.set_.source_Tensor: _set_,
     aten.equal.default: _materialising,
     aten.is_nonzero.default: _materialising,

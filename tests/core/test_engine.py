@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import spmd_torch
+import spmd_torch.debug.graph
 from spmd_torch._lazy import counters
 from spmd_torch._lazy.tensor import live_pending
 from tests.helpers import assert_close, assert_compiles
@@ -310,3 +311,12 @@ def test_expanded_gradient_accumulates_without_touching_its_source():
     y = x.expand(2, 3)
     x.add_(1)  # reads through an expand view still see writes to the base
     assert_close(y, torch.full((2, 3), 2.0))
+
+
+def test_matmul_with_a_transposed_operand_reads_the_untransposed_value():
+    """``a @ w.t()`` records linear(a, w): backward's ``grad @ w.t().t()`` then reads the same
+    ``w.t()`` the forward did (one all-gather of a sharded weight, not two)."""
+    a, w = torch.randn(3, 4), torch.randn(5, 4)
+    out = a.to(dev) @ w.to(dev).t()
+    assert "aten.linear.default" in spmd_torch.debug.graph.pending_text([out])
+    assert_close(out, a @ w.t())

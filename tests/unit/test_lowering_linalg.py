@@ -41,6 +41,14 @@ CASES = [
     case(aten.mv.default, _t(3, 4), _t(4), id="mv"),
     case(aten.dot.default, _t(7), _t(7), id="dot"),
     case(aten.vdot.default, _t(7), _t(7), id="vdot"),
+    case(aten.linear.default, _t(3, 4), _t(5, 4), id="linear"),
+    case(aten.linear.default, _t(2, 3, 4), _t(5, 4), _t(5), id="linear-3d-bias"),
+    case(
+        aten.linear.default,
+        _t(8, 64, dtype=torch.bfloat16),
+        _t(4, 64, dtype=torch.bfloat16),
+        id="linear-bf16",
+    ),
     case(
         aten.vdot.default,
         _t(4, dtype=torch.complex64),

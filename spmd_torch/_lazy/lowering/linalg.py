@@ -50,6 +50,18 @@ def _mm(a, b):
     return _product(a, b).astype(a.dtype)
 
 
+@lowers(aten.linear.default)
+def _linear(x, w, bias=None):
+    """x @ w.T contracting w's dim 1 directly: no transpose between a weight and its matmul."""
+    dims = (((x.ndim - 1,), (1,)), ((), ()))
+    out = jax.lax.dot_general(
+        x, w, dims, precision=PRECISION, preferred_element_type=accumulation_dtype(x.dtype)
+    )
+    if bias is not None:
+        out = out + bias.astype(out.dtype)
+    return out.astype(x.dtype)
+
+
 @lowers(aten.vdot.default)
 def _vdot(a, b):
     """Conjugates the first operand (a no-op for real dtypes)."""
