@@ -305,7 +305,8 @@ def _gather(x, dim, index, sparse_grad=False):
 def _scatter(x, dim, index, src):
     """scatter.value brings a Python scalar as ``src``; a tensor src may be larger than index."""
     src = _crop(src, index.shape) if jnp.ndim(src) else src
-    return x.at[_scatter_index(index, dim)].set(src)
+    # PyTorch casts src to self's dtype; jax will refuse unsafe casts (int64 -> bool) itself.
+    return x.at[_scatter_index(index, dim)].set(jnp.asarray(src).astype(x.dtype))
 
 
 @lowers(aten.scatter_add.default)
