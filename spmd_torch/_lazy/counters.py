@@ -7,15 +7,18 @@ report reads the same and tests can count events instead of timing them.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections import defaultdict
 
 COUNTERS: dict[str, int] = defaultdict(int)
 METRICS: dict[str, list[float]] = defaultdict(list)
+_LOCK = threading.Lock()  # loader threads count their uploads too; appends need no lock
 
 
 def bump(name: str, amount: int = 1) -> None:
-    COUNTERS[name] += amount
+    with _LOCK:
+        COUNTERS[name] += amount
 
 
 def record(name: str, value: float) -> None:

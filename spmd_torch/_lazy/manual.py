@@ -100,9 +100,7 @@ def _regions(program: Program) -> dict:
 
     for k, node in enumerate(program.nodes):
         wiring = program.wiring(node)
-        local_sources = [
-            w[1] for w in wiring if w[0] == "n" and w[1] in parent and _local_op(program, w[1])
-        ]
+        local_sources = [w[1] for w in wiring if w[0] == "n" and _is_local(program, parent, w[1])]
         if node.op == MANUAL_ENTER:
             if local_sources:
                 raise ManualShardingError(
@@ -137,10 +135,6 @@ def _regions(program: Program) -> dict:
             region.mesh = mesh
             (region.entries if node.op == MANUAL_ENTER else region.exits).append(k)
     return region_of
-
-
-def _local_op(program: Program, k: int) -> bool:
-    return program.nodes[k].op != MANUAL_EXIT
 
 
 def _order(program: Program, region_of: dict) -> list:

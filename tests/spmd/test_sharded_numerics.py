@@ -72,12 +72,19 @@ def test_mlp_forward_and_grads_match_unsharded(mesh_name):
         assert_close(p.grad, q.grad)
 
 
-@pytest.mark.parametrize(
-    "spec", [("x", None, None, None), (None, "x", None, None)], ids=["batch", "heads"]
-)
-def test_attention_matches_unsharded(spec):
-    mesh = MESHES["1d"]()
-    q, k, v = (torch.randn(8, 8, 16, 4) for _ in range(3))
+ATTENTION_LAYOUTS = [
+    ("1d", ("x", None, None, None), 8),  # batch
+    ("1d", (None, "x", None, None), 8),  # heads
+    ("1d", ("x", None, None, None), 6),  # batch, uneven
+    ("2x4", ("data", "model", None, None), 8),  # batch x heads
+    ("4x2", ("data", "model", None, None), 5),  # batch x heads, uneven batch
+]
+
+
+@pytest.mark.parametrize(("mesh_name", "spec", "batch"), ATTENTION_LAYOUTS, ids=str)
+def test_attention_matches_unsharded(mesh_name, spec, batch):
+    mesh = MESHES[mesh_name]()
+    q, k, v = (torch.randn(batch, 8, 16, 4) for _ in range(3))
     out = F.scaled_dot_product_attention(
         *(_sharded(t, mesh, spec) for t in (q, k, v)), is_causal=True
     )
