@@ -273,7 +273,7 @@ def explain_last_miss() -> str:
     for name, old, new in zip(names, best, parts):
         if old != new:
             if name == "graph":
-                return _explain_graph_change(old[0], new[0])
+                return _explain_graph_change(old, new)
             if name.startswith("input") and len(old) == len(new):
                 diffs = [
                     f"input {i}: {o[:3]} -> {n[:3]}"
@@ -285,11 +285,19 @@ def explain_last_miss() -> str:
     return "unknown"
 
 
+_ROW_PARTS = ("op/args", "op/args", "op/args", "inputs", "sharding constraint")
+
+
 def _explain_graph_change(old: tuple, new: tuple) -> str:
-    for k, (a, b) in enumerate(zip(old, new)):
+    """The first node whose row differs, and which part of it (rows as in Program.structure)."""
+    old_rows, new_rows = old[0], new[0]  # (rows, outputs) each
+    for k, (a, b) in enumerate(zip(old_rows, new_rows)):
         if a != b:
-            return f"graph changed at node {k}: {a[0]}{a[1:3]} -> {b[0]}{b[1:3]}"
-    return f"graph changed ({len(old)} -> {len(new)} nodes)"
+            part = _ROW_PARTS[next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)]
+            return f"graph changed at node {k} ({part}): {a[0]}{a[1:3]} -> {b[0]}{b[1:3]}"
+    if len(old_rows) != len(new_rows):
+        return f"graph changed ({len(old_rows)} -> {len(new_rows)} nodes)"
+    return "graph outputs changed (which tensors are computed, or their order)"
 
 
 def stablehlo_text(program: Program, arrays: list) -> str:

@@ -48,8 +48,18 @@ def test_debug_level_names_the_changed_node(capsys):
             (torch.ones(n, device=dev) * 2).sum().item()
     lines = [line for line in capsys.readouterr().err.splitlines() if "compile key=" in line]
     assert "MISS" in lines[-1] and "test_config_and_debug.py" in lines[-1]
-    assert "graph changed at node 0: aten.ones.default(((4,),)" in lines[-1]
+    assert "graph changed at node 0 (op/args): aten.ones.default(((4,),)" in lines[-1]
     assert "-> aten.ones.default(((5,),)" in lines[-1]
+
+
+def test_debug_level_names_a_rewired_node(capsys):
+    a, b = torch.ones(3).to(dev), torch.zeros(3).to(dev)
+    spmd_torch.sync()
+    with config.override(PT_XLA_DEBUG_LEVEL=1):
+        (a - b).cpu()
+        (a - a).cpu()  # the same op, wired to other inputs
+    lines = [line for line in capsys.readouterr().err.splitlines() if "compile key=" in line]
+    assert "graph changed at node 0 (inputs): aten.sub.Tensor" in lines[-1]
 
 
 def test_debug_level_explains_an_input_shape_change(capsys):
