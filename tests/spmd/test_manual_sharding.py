@@ -65,6 +65,20 @@ def test_the_same_region_compiles_once(mesh):
     assert_close(out, (halves - halves.mean((1, 2), keepdim=True)).reshape(4, 3))
 
 
+def test_gradients_flow_through_a_manual_region(mesh):
+    x = torch.randn(4, 6)
+    xd = x.to(dev).requires_grad_()
+    local = _enter(xd, ("data", None), mesh)
+    out = _exit(local.exp() * local.sum(), ("data", None), (4, 6), mesh)
+    (out * torch.arange(24.0).reshape(4, 6).to(dev)).sum().backward()
+    xc = x.clone().requires_grad_()
+    halves = xc.reshape(2, 2, 6)
+    expected = halves.exp() * halves.sum((1, 2), keepdim=True)
+    (expected.reshape(4, 6) * torch.arange(24.0).reshape(4, 6)).sum().backward()
+    assert_close(out, expected.reshape(4, 6).detach())
+    assert_close(xd.grad, xc.grad)
+
+
 def test_a_shard_left_alive_stays_pending_and_cannot_be_read(mesh):
     local = _enter(torch.randn(4, 4).to(dev), ("data", None), mesh)
     out = _exit(local * 3, ("data", None), (4, 4), mesh)

@@ -116,9 +116,7 @@ def enable_manual_sharding(
     """
     mesh = _mesh_or_global(mesh, "enable_manual_sharding")
     tensor = unwrap_sharded_tensor(mark_sharding(t, mesh, partition_spec))
-    return wrap_as_sharded_tensor(
-        placement.enter_manual(tensor, named_sharding(mesh, partition_spec))
-    )
+    return wrap_as_sharded_tensor(_ToShards.apply(tensor, named_sharding(mesh, partition_spec)))
 
 
 def disable_manual_sharding(
@@ -145,7 +143,33 @@ def disable_manual_sharding(
     validate._check_spec_container(partition_spec)
     validate._check_spec_rank(tuple(full_shape), tuple(partition_spec))
     sharding = named_sharding(mesh, partition_spec)
-    return wrap_as_sharded_tensor(placement.exit_manual(tensor, sharding, tuple(full_shape)))
+    return wrap_as_sharded_tensor(_FromShards.apply(tensor, sharding, tuple(full_shape)))
+
+
+class _ToShards(torch.autograd.Function):
+    """Entering a manual region; gradients leave it the opposite way."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, sharding: NamedSharding) -> torch.Tensor:
+        ctx.sharding, ctx.full_shape = sharding, tuple(t.shape)
+        return placement.enter_manual(t, sharding)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:
+        return placement.exit_manual(grad, ctx.sharding, ctx.full_shape), None
+
+
+class _FromShards(torch.autograd.Function):
+    """Leaving a manual region; gradients come back in as each device's shard."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, sharding: NamedSharding, full_shape: tuple) -> torch.Tensor:
+        ctx.sharding = sharding
+        return placement.exit_manual(t, sharding, full_shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:
+        return placement.enter_manual(grad.contiguous(), ctx.sharding), None, None
 
 
 def _mesh_or_global(mesh: Mesh | None, api: str) -> Mesh:
