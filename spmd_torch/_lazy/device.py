@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import rng
-from .tensor import DEVICE
+from .tensor import DEVICE, _rebuild_on_device
 
 
 class _BackendModule:
@@ -117,6 +117,8 @@ def register() -> None:
     if torch._C._get_privateuse1_backend_name() != DEVICE.type:
         torch.utils.rename_privateuse1_backend(DEVICE.type)
     torch._register_device_module(DEVICE.type, _BackendModule())
+    # torch.save of an xla tensor pickles a CPU copy and this rebuild; weights_only loads allow it.
+    torch.serialization.add_safe_globals([_rebuild_on_device])
     torch._C._acc.register_python_privateuseone_hook(_Hooks())
     torch._C._acc.register_python_privateuseone_device_guard(_DeviceGuard())
     library = torch.library.Library("aten", "IMPL")

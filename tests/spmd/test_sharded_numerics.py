@@ -199,3 +199,19 @@ def test_marking_a_pending_view_constrains_that_value_only():
     assert [s.data.shape for s in placement.global_array(doubled).addressable_shards] == [(8,)] * 8
     assert_close(doubled, torch.arange(64.0) * 2)
     assert xs.get_xla_sharding_spec(base) == ""  # the base was not marked
+
+
+def test_sharded_uneven_state_dict_saves_and_loads_logical_values(tmp_path):
+    mesh = MESHES["1d"]()
+    torch.manual_seed(0)
+    cpu = nn.Linear(5, 10)
+    model = nn.Linear(5, 10)
+    model.load_state_dict(cpu.state_dict())
+    model.to(dev)
+    xs.mark_sharding(model.weight, mesh, ("x", None))  # 10 rows over 8 devices: stored padded
+    path = tmp_path / "model.pt"
+    torch.save(model.state_dict(), path)
+    loaded = torch.load(path)  # weights_only, the default
+    assert loaded["weight"].device == dev
+    assert_close(loaded["weight"], cpu.weight.detach())
+    assert_close(loaded["bias"], cpu.bias.detach())
