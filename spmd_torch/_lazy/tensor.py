@@ -146,6 +146,20 @@ class LazyTensor(torch.Tensor):
         if isinstance(new, LazyTensor):
             self._alias_of(new)
 
+    def __tensor_flatten__(self) -> tuple[list, tuple]:
+        """Marks this a traceable wrapper subclass, which makes ``Module.to('xla')`` swap each
+        parameter in place: tied parameters stay tied and keep their identity, as on CUDA,
+        instead of each module getting a new, untied Parameter. No inner tensors: the value is
+        the storage."""
+        return [], (self._storage, self._view)
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, context: tuple, outer_size, outer_stride):
+        raise NotImplementedError(
+            "xla tensors cannot be rebuilt from parts (torch.compile tracing through them is not "
+            "supported); spmd_torch compiles the whole step at the barrier instead"
+        )
+
     def tolist(self) -> list:
         from .execute import to_cpu
 

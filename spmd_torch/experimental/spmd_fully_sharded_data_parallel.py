@@ -108,25 +108,10 @@ def _check_mesh(mesh: xs.Mesh | None, extra_data_axis: str | None) -> xs.Mesh:
 
 
 def _to_xla(module: nn.Module) -> nn.Module:
-    """``module`` with every parameter and buffer on the xla device, tied parameters still tied.
-
-    ``nn.Module.to`` gives each module a new Parameter for an xla tensor (a Python subclass, so
-    torch cannot swap the data in place); a parameter two modules share (a tied embedding and
-    head) would become two independent ones, each trained with half of its gradient. So every
-    place that held one parameter is pointed at the first place's new parameter.
-    """
+    """``module`` with every parameter and buffer on the xla device (tied ones stay tied)."""
     tensors = [*module.parameters(), *module.buffers()]
-    if all(t.device.type == "xla" for t in tensors):
-        return module
-    places: dict[int, list[tuple[nn.Module, str]]] = {}
-    for owner in module.modules():
-        for name, param in owner._parameters.items():
-            if param is not None:
-                places.setdefault(id(param), []).append((owner, name))
-    module.to(spmd_torch.device())
-    for (first, first_name), *others in places.values():
-        for owner, name in others:
-            owner._parameters[name] = first._parameters[first_name]
+    if any(t.device.type != "xla" for t in tensors):
+        module.to(spmd_torch.device())
     return module
 
 

@@ -320,3 +320,24 @@ def test_matmul_with_a_transposed_operand_reads_the_untransposed_value():
     out = a.to(dev) @ w.to(dev).t()
     assert "aten.linear.default" in spmd_torch.debug.graph.pending_text([out])
     assert_close(out, a @ w.t())
+
+
+def test_module_to_keeps_tied_parameters_tied_and_parameters_the_same_objects():
+    emb, head = torch.nn.Embedding(4, 3), torch.nn.Linear(3, 4, bias=False)
+    head.weight = emb.weight  # a language model's tied head
+    model = torch.nn.Sequential(emb, head)
+    weight = emb.weight
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)  # made before the move, as on CUDA
+    expected = weight.detach().clone()
+    model.to(dev)
+    assert model[0].weight is model[1].weight is weight
+    assert weight.device == dev
+    tokens = torch.tensor([0, 2])
+    model(tokens.to(dev)).sum().backward()
+    optimizer.step()
+    spmd_torch.sync()
+    reference = expected.clone().requires_grad_()
+    torch.nn.functional.linear(
+        torch.nn.functional.embedding(tokens, reference), reference
+    ).sum().backward()
+    assert_close(weight, expected - 0.5 * reference.grad)
