@@ -192,11 +192,23 @@ def _aval_text(aval: Aval) -> str:
     return f"{name}[{','.join(map(str, aval.shape))}]"
 
 
+def _layout_text(sharding, rank: int) -> str:
+    """``{fsdp,_}``: the mesh axes each dimension is split over; nothing when not split."""
+    spec = getattr(sharding, "spec", None)
+    if not spec or sharding.is_fully_replicated:
+        return ""
+    entries = list(spec) + [None] * (rank - len(spec))
+    names = ["_" if e is None else e if isinstance(e, str) else "+".join(e) for e in entries]
+    return "{" + ",".join(names) + "}"
+
+
 def to_text(program: Program) -> str:
-    """One line per node: ``%3:f32[4,8] = aten.addmm.default(%0, %1, %2)  # file.py:12``."""
+    """One line per node: ``%3:f32[4,8]{fsdp,_} = aten.addmm.default(%0, %1, %2)  # file.py:12``
+    (a layout in braces where the value is sharded or constrained)."""
     lines = []
     for k, (node, i) in enumerate(program.leaves):
-        lines.append(f"%in{k}:{_aval_text(node.avals[i])} = input")
+        layout = _layout_text(node.arrays[i].sharding, len(node.avals[i].shape))
+        lines.append(f"%in{k}:{_aval_text(node.avals[i])}{layout} = input")
     for k, node in enumerate(program.scalars):
         lines.append(f"%s{k} = scalar")
 
@@ -209,7 +221,10 @@ def to_text(program: Program) -> str:
         return f"%{pos[0]}" + (f".{pos[1]}" if pos[1] else "")
 
     for k, node in enumerate(program.nodes):
-        avals = ", ".join(_aval_text(a) for a in node.avals)
+        shardings = node.shardings or (None,) * len(node.avals)
+        avals = ", ".join(
+            _aval_text(a) + _layout_text(s, len(a.shape)) for a, s in zip(node.avals, shardings)
+        )
         refs = [name(ref) for ref in node.src]
         static = [repr(a) for a in substitute(node.args, refs)]
         static += [f"{key}={v!r}" for key, v in substitute(node.kwargs, refs).items()]

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import spmd_torch
+import spmd_torch.debug.graph
 import spmd_torch.distributed.spmd as xs
 from spmd_torch._lazy import compile as compiler
 from spmd_torch._lazy import placement
@@ -215,3 +216,13 @@ def test_sharded_uneven_state_dict_saves_and_loads_logical_values(tmp_path):
     assert loaded["weight"].device == dev
     assert_close(loaded["weight"], cpu.weight.detach())
     assert_close(loaded["bias"], cpu.bias.detach())
+
+
+def test_pending_graph_text_shows_layouts():
+    mesh = MESHES["2x4"]()
+    w = _sharded(torch.randn(8, 4), mesh, ("data", "model"))
+    y = w * 2
+    xs.mark_sharding(y, mesh, (("data", "model"), None))
+    text = spmd_torch.debug.graph.pending_text([y])
+    assert "%in0:f32[8,4]{data,model} = input" in text
+    assert "f32[8,4]{data+model,_} = aten.mul.Tensor" in text
