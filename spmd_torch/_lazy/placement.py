@@ -161,17 +161,9 @@ def global_array(t: LazyTensor) -> jax.Array:
     return array
 
 
-def upload(cpu, sharding: NamedSharding) -> LazyTensor:
-    """A CPU tensor placed directly with ``sharding``: each device receives only its shard."""
-    from .transfer import to_device_array
-
-    sharding = canonical(sharding)
-    return adopt(to_device_array(cpu, sharding), tuple(cpu.shape), cpu.dtype, sharding)
-
-
 def adopt(array: jax.Array, shape: tuple, dtype, sharding=None) -> LazyTensor:
-    """A tensor of logical ``shape`` holding an uploaded array (a loader's prefetch thread may
-    run ``transfer.to_device_array``; this part touches engine state, so call it on the main one)."""
+    """A tensor of logical ``shape`` holding an array ``transfer.to_device_array`` uploaded (a
+    loader's prefetch thread may upload; this part touches engine state: main thread only)."""
     from .tensor import wrap_data
 
     t = wrap_data(array, Aval(tuple(shape), dtype))
