@@ -90,18 +90,31 @@ def run(refs: list, donate: bool, out_shardings: tuple | None = None) -> list:
 
 
 def materialize(tensors: list[LazyTensor]) -> list[jax.Array]:
-    """The arrays of ``tensors``, running only the part of the graph they need (no donation)."""
-    return materialize_refs([t._ref() for t in tensors])
+    """The arrays of ``tensors``, running only the part of the graph they need (no donation);
+    each gets its tensor's layout, as at the barrier, so reading mid-step changes no layout."""
+    refs = [t._ref() for t in tensors]
+    layouts = None
+    if placement.spmd_enabled():
+        layouts = {
+            (id(ref[0]), ref[1]): placement.output_sharding(t._storage, ref[0].avals[ref[1]])
+            for t, ref in zip(tensors, refs)
+            if t._view is None
+        }
+    return materialize_refs(refs, layouts)
 
 
-def materialize_refs(refs: list) -> list[jax.Array]:
-    """The arrays of graph references, computing only what they need (no donation)."""
+def materialize_refs(refs: list, layouts: dict | None = None) -> list[jax.Array]:
+    """The arrays of graph references, computing only what they need (no donation);
+    ``layouts`` maps (id(node), index) to the sharding an output must have."""
     if len(PENDING) > _COMPACT_PENDING_AT:  # programs that read values but never call sync()
         PENDING[:] = [weakref.ref(s) for s in live_pending() if not s.ref[0].is_leaf(s.ref[1])]
     missing = [ref for ref in refs if not ref[0].is_leaf(ref[1])]
     if missing:
         unique = list({(id(n), i): (n, i) for n, i in missing}.values())
-        for (node, index), array in zip(unique, run(unique, donate=False)):
+        shardings = None
+        if layouts:
+            shardings = tuple(layouts.get((id(n), i)) for n, i in unique)
+        for (node, index), array in zip(unique, run(unique, False, shardings)):
             if node.arrays is None:
                 node.arrays = [None] * len(node.avals)
             node.arrays[index] = array

@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .graph import MANUAL_ENTER, MANUAL_EXIT, Aval, Node
-from .tensor import LazyTensor, Storage, wrap
+from .tensor import LazyTensor, Storage, wrap, wrap_data
 
 _replicated: NamedSharding | None = None  # over every SPMD device; None outside SPMD mode
 
@@ -164,8 +164,6 @@ def global_array(t: LazyTensor) -> jax.Array:
 def adopt(array: jax.Array, shape: tuple, dtype, sharding=None) -> LazyTensor:
     """A tensor of logical ``shape`` holding an array ``transfer.to_device_array`` uploaded (a
     loader's prefetch thread may upload; this part touches engine state: main thread only)."""
-    from .tensor import wrap_data
-
     t = wrap_data(array, Aval(tuple(shape), dtype))
     if sharding is None:
         remember(t._storage, array)

@@ -226,3 +226,26 @@ def test_pending_graph_text_shows_layouts():
     text = spmd_torch.debug.graph.pending_text([y])
     assert "%in0:f32[8,4]{data,model} = input" in text
     assert "f32[8,4]{data+model,_} = aten.mul.Tensor" in text
+
+
+def test_reading_a_loss_mid_step_changes_no_layout_and_compiles_nothing_new():
+    mesh = MESHES["1d"]()
+    model = nn.Linear(16, 10).to(dev)  # 10 rows: an uneven, padded layout
+    xs.mark_sharding(model.weight, mesh, ("x", None))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = _sharded(torch.randn(8, 16), mesh, ("x", None))
+    marked = xs.get_xla_sharding_spec(model.weight)
+
+    def step():
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        model.weight.cpu()  # a partial run computes the updated weight before the barrier
+        spmd_torch.sync()
+
+    for _ in range(3):
+        step()
+    with assert_compiles(0):
+        step()
+    assert xs.get_xla_sharding_spec(model.weight) == marked
+    assert placement.global_array(model.weight).shape == (16, 16)
