@@ -13,7 +13,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,8 +42,9 @@ class Executable:
     n_nodes: int
 
 
-@dataclass
-class CacheKey:
+class CacheKey(NamedTuple):
+    """What makes two programs the same executable; the debug line diffs these parts."""
+
     structure: tuple
     inputs: tuple
     donated: tuple
@@ -52,14 +53,7 @@ class CacheKey:
     flags: tuple
 
     def parts(self) -> tuple:
-        return (
-            self.structure,
-            self.inputs,
-            self.donated,
-            self.n_scalars,
-            self.out_shardings,
-            self.flags,
-        )
+        return tuple(self)
 
 
 def cache_key(
@@ -70,14 +64,8 @@ def cache_key(
         (a.shape, a.dtype, placement.key_of(a.sharding), node.avals[i].shape)
         for a, (node, i) in zip(arrays, program.leaves)
     )
-    return CacheKey(
-        program.structure(),
-        inputs,
-        donated,
-        len(program.scalars),
-        out_shardings,
-        config.cache_key(),
-    )
+    scalars, flags = len(program.scalars), config.cache_key()
+    return CacheKey(program.structure(), inputs, donated, scalars, out_shardings, flags)
 
 
 def build_function(
