@@ -10,6 +10,7 @@ import jax
 import torch
 
 import spmd_torch
+import spmd_torch.distributed.spmd as xs
 import spmd_torch.runtime as xr
 from spmd_torch._lazy import placement
 from tests.helpers import assert_close
@@ -46,3 +47,16 @@ def test_xla_use_spmd_variable_turns_spmd_on_at_import():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(jax.device_count())
+
+
+def test_random_ops_draw_the_same_numbers_whatever_the_layout():
+    placement.disable_spmd()
+    spmd_torch.manual_seed(0)
+    single_device = torch.nn.functional.dropout(torch.ones(16, 8).to(dev), 0.5).cpu()
+    xr.use_spmd()
+    spmd_torch.manual_seed(0)
+    x = torch.ones(16, 8).to(dev)
+    xs.mark_sharding(x, xs.get_1d_mesh("x"), ("x", None))
+    sharded = torch.nn.functional.dropout(x, 0.5).cpu()
+    assert torch.equal(single_device, sharded)
+    assert 0.3 < (sharded == 0).float().mean().item() < 0.7
