@@ -24,7 +24,7 @@ from .transfer import to_device_array
 
 aten = torch.ops.aten
 
-_HANDLERS: dict = {}
+_HANDLERS: dict = {}  # id(overload) -> handler
 # PyTorch's decompositions into aten ops; the torch._refs ones end in prims, which we don't lower.
 _DECOMPOSITIONS = {
     op: fn
@@ -34,9 +34,9 @@ _DECOMPOSITIONS = {
 
 
 def dispatch(func, args: tuple, kwargs: dict) -> Any:
-    handler = _HANDLERS.get(func)
+    handler = _HANDLERS.get(id(func))  # OpOverload.__hash__ is Python code; overloads live forever
     if handler is None:
-        handler = _HANDLERS[func] = _resolve(func)
+        handler = _HANDLERS[id(func)] = _resolve(func)
     try:
         return handler(func, args, kwargs)
     except Exception as error:
