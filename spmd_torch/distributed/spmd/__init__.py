@@ -11,40 +11,8 @@ that is all the engine sees.
 
 from __future__ import annotations
 
-from ._tiling import ShardingType
-from .mesh import HybridMesh, Mesh, get_1d_mesh, get_global_mesh, set_global_mesh
+from . import xla_sharding
 from .visualize import visualize_sharding, visualize_tensor_sharding
-from .xla_sharded_tensor import XLAShard, XLAShardedTensor
-from .xla_sharding import (
-    ShardingSpec,
-    clear_sharding,
-    disable_manual_sharding,
-    enable_manual_sharding,
-    get_xla_sharding_spec,
-    mark_sharding,
-    unwrap_sharded_tensor,
-    wrap_as_sharded_tensor,
-    wrap_if_sharded,
-)
+from .xla_sharding import *  # noqa: F403  (as in PyTorch/XLA, it also re-exports the mesh types)
 
-__all__ = [
-    "HybridMesh",
-    "Mesh",
-    "ShardingSpec",
-    "ShardingType",
-    "XLAShard",
-    "XLAShardedTensor",
-    "clear_sharding",
-    "disable_manual_sharding",
-    "enable_manual_sharding",
-    "get_1d_mesh",
-    "get_global_mesh",
-    "get_xla_sharding_spec",
-    "mark_sharding",
-    "set_global_mesh",
-    "unwrap_sharded_tensor",
-    "visualize_sharding",
-    "visualize_tensor_sharding",
-    "wrap_as_sharded_tensor",
-    "wrap_if_sharded",
-]
+__all__ = [*xla_sharding.__all__, "visualize_sharding", "visualize_tensor_sharding"]
