@@ -400,6 +400,21 @@ class Trainer:
     # (bytes of one device's shards, bytes of the whole params), read after the timed steps so a
     # sharding lost during training shows; only W4 sets it.
     param_bytes: Callable[[], tuple[int, int] | None] = lambda: None
+    # XLA's memory analysis of the steady-state step: bytes one device needs while it runs
+    # (arguments + temporaries + outputs not aliased to arguments). Known on CPU too; W4 only.
+    program_bytes: Callable[[], int | None] = lambda: None
+
+
+def _program_bytes(compiled: Any) -> int | None:
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return None
+    return (
+        stats.argument_size_in_bytes
+        + stats.temp_size_in_bytes
+        + stats.output_size_in_bytes
+        - stats.alias_size_in_bytes
+    )
 
 
 def _now() -> float:
@@ -456,6 +471,7 @@ def _run_trainer(tr: Trainer, warmup: int, steps: int, check: bool) -> dict[str,
         "peak_bytes": tr.peak_bytes(),
         "param_bytes_per_device": per_device,
         "param_bytes_total": total,
+        "program_bytes_per_device": tr.program_bytes(),
         "loss_first": tr.loss_value(losses[0]),
         "loss_last": tr.loss_value(losses[-1]),
         "warmup": warmup,
@@ -664,6 +680,11 @@ def _jax_trainer(
         compiles=compiles,
         peak_bytes=lambda: _jax_peak(devices),
         param_bytes=(lambda: None) if mesh is None else lambda: _jax_param_bytes(state["params"]),
+        program_bytes=(lambda: None)
+        if mesh is None
+        else lambda: _program_bytes(
+            train_step.lower(state["params"], state["opt"], *batch).compile()
+        ),
     )
 
 
@@ -838,6 +859,14 @@ def _spmd_fsdp_shard(n: int) -> Callable[[nn.Module, list[torch.Tensor]], None]:
     return shard
 
 
+def _spmd_program_bytes() -> int | None:
+    """The memory analysis of the last program compiled: W4's steady-state step."""
+    from spmd_torch._lazy import compile as compiler
+
+    executables = list(compiler._CACHE.values())
+    return _program_bytes(executables[-1].compiled) if executables else None
+
+
 def _spmd_param_bytes(model: nn.Module) -> tuple[int, int]:
     """Bytes of device 0's shards of the parameters' device arrays, and the params' total."""
     from spmd_torch._lazy.placement import global_array
@@ -858,6 +887,7 @@ def w4_spmd(warmup: int, steps: int, check: bool, gpu: bool) -> dict[str, Any]:
         tr,
         peak_bytes=lambda: _jax_peak(jax.devices()[:n]),
         param_bytes=lambda: _spmd_param_bytes(model),
+        program_bytes=_spmd_program_bytes,
     )
     return {**_run_trainer(tr, warmup, steps, check), **_fsdp_info(n)}
 
@@ -1132,8 +1162,10 @@ def _report_param_bytes(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         print(
             f"  param bytes per device, {impl}: {_fmt_mib(per_device)} vs total/"
             f"{r['mesh_devices']} {_fmt_mib(ideal)} ({per_device / ideal:.3f}x; total "
-            f"{_fmt_mib(total)})"
+            f"{_fmt_mib(total)}); compiled step needs "
+            f"{_fmt_mib(r.get('program_bytes_per_device'))} per device"
         )
+        out[impl]["program_bytes_per_device"] = r.get("program_bytes_per_device")
     return out
 
 
