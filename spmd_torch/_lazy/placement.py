@@ -100,7 +100,7 @@ def remember(storage: Storage, array: jax.Array) -> None:
 def key_of(sharding):
     """``sharding`` as compile keys see it: replicated over every device is one layout, whichever
     mesh object it names (uploads use ours, program outputs the user's)."""
-    if sharding.is_fully_replicated and sharding.num_devices > 1 and _replicated is not None:
+    if _replicated is not None and sharding.num_devices > 1 and sharding.is_fully_replicated:
         return _replicated
     return sharding
 
