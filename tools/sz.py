@@ -10,7 +10,7 @@ import pathlib
 import sys
 
 ENGINE = pathlib.Path(__file__).resolve().parents[1] / "spmd_torch" / "_lazy"
-BUDGET = 2000
+BUDGET = 2100  # 2000 until the SPMD stages (placement.py, manual.py) joined the engine
 
 
 def engine_lines() -> dict[str, int]:

@@ -98,9 +98,10 @@ def build_function(
         for node in program.nodes
     ]
     outputs = [program.locate(ref) for ref in program.outputs]
+    order, regions = range(len(steps)), {}
     manual_plan = manual.plan(program)
-    order = range(len(steps)) if manual_plan is None else manual_plan.order
-    regions = {} if manual_plan is None else _region_calls(program, steps, manual_plan)
+    if manual_plan is not None:
+        order, regions = manual_plan[0], _region_calls(program, steps, manual_plan[1])
 
     def run(donated_inputs, kept_inputs, packed_scalars):
         groups = (kept_inputs, donated_inputs)
@@ -146,10 +147,10 @@ def build_function(
     return run
 
 
-def _region_calls(program: Program, steps: list, manual_plan) -> dict:
+def _region_calls(program: Program, steps: list, regions: list) -> dict:
     """id(region) -> (shard_map'ed function of the region's inputs, input locations, exits)."""
     calls = {}
-    for region in {id(r): r for r in manual_plan.region_of.values()}.values():
+    for region in regions:
         inputs = manual.external_inputs(program, region)
         slot_of = {location: i for i, location in enumerate(inputs)}
 

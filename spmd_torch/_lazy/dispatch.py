@@ -20,7 +20,7 @@ from .graph import Aval, Value
 from .lowering import LOWERINGS
 from .record import DeviceMismatchError, NoStaticShape, emit, emit_value
 from .tensor import DEVICE, LazyTensor, wrap, wrap_data
-from .transfer import to_device_array
+from .transfer import HostData, host_copy, to_device_array
 
 aten = torch.ops.aten
 
@@ -295,9 +295,14 @@ def _copy_(func, args: tuple, kwargs: dict) -> LazyTensor:
     else:
         cpu = src.detach().to(dst.dtype).expand(dst.shape).contiguous()
         sharding = dst._storage.sharding if dst._view is None else None  # keep a marked layout
-        array = to_device_array(cpu, sharding)
-        if dst._view is None:
-            placement.remember(dst._storage, array)
+        if sharding is None and placement.spmd_enabled():  # wait: a mark may come next
+            array = HostData(host_copy(cpu))
+            if dst._view is None:
+                dst._storage.sharding = placement.default_sharding()
+        else:
+            array = to_device_array(cpu, sharding)
+            if dst._view is None:
+                placement.remember(dst._storage, array)
         value = Value(wrap_data(array, Aval(tuple(dst.shape), dst.dtype))._ref())
     dst._write(value.ref)
     return dst

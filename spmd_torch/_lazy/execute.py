@@ -118,7 +118,7 @@ def materialize_refs(refs: list, layouts: dict | None = None) -> list[jax.Array]
             if node.arrays is None:
                 node.arrays = [None] * len(node.avals)
             node.arrays[index] = array
-    return [node.arrays[index] for node, index in refs]
+    return [placement.resolve(node, index) for node, index in refs]
 
 
 def to_cpu(t: LazyTensor) -> torch.Tensor:
@@ -141,7 +141,7 @@ def pending_text(tensors: list[LazyTensor] | None = None) -> str:
 def pending_hlo(tensors: list[LazyTensor] | None = None) -> str:
     """The pending graph of ``tensors`` lowered to StableHLO text (nothing runs)."""
     program = linearize(_pending_refs(tensors))
-    return compiler.stablehlo_text(program, [node.arrays[i] for node, i in program.leaves])
+    return compiler.stablehlo_text(program, [placement.resolve(n, i) for n, i in program.leaves])
 
 
 def _pending_refs(tensors) -> list:

@@ -30,15 +30,10 @@ class Region:
     exits: list[int] = field(default_factory=list)
 
 
-@dataclass
-class Plan:
-    order: list  # node positions and Regions, each after everything it reads
-    region_of: dict  # node position -> Region, for nodes inside a region
-
-
-def plan(program: Program) -> Plan | None:
-    """How to run ``program`` around its manual regions; None when it has none."""
-    if not any(node.op in (MANUAL_ENTER, MANUAL_EXIT) for node in program.nodes):
+def plan(program: Program) -> tuple[list, list[Region]] | None:
+    """How to run ``program`` around its manual regions: (the order, each node position or Region
+    after everything it reads; the regions); None when it has none."""
+    if not _has_manual(program):
         return None
     region_of = _regions(program)
     for ref in program.outputs:
@@ -49,14 +44,14 @@ def plan(program: Program) -> Plan | None:
                 f"a {node.op} result of shape {node.avals[pos[1]].shape} is a per-device shard "
                 "(manual sharding): pass it through disable_manual_sharding before reading it"
             )
-    return Plan(_order(program, region_of), region_of)
+    return _order(program, region_of), list({id(r): r for r in region_of.values()}.values())
 
 
 def local_nodes(refs: list) -> set[int]:
     """ids of the nodes among ``refs``' graph whose values are per-device shards: the barrier
     leaves those pending (only full values leave a program)."""
     program = linearize(refs)
-    if not any(node.op in (MANUAL_ENTER, MANUAL_EXIT) for node in program.nodes):
+    if not _has_manual(program):
         return set()
     region_of = _regions(program)
     return {id(program.nodes[k]) for k in region_of if _is_local(program, region_of, k)}
@@ -82,6 +77,10 @@ def external_inputs(program: Program, region: Region) -> list:
             if not inside and location not in inputs:
                 inputs.append(location)
     return inputs
+
+
+def _has_manual(program: Program) -> bool:
+    return any(node.op in (MANUAL_ENTER, MANUAL_EXIT) for node in program.nodes)
 
 
 def _is_local(program: Program, region_of: dict, k: int) -> bool:

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from . import rng, transfer
 from .graph import MANUAL_ENTER, MANUAL_EXIT, Aval, Node
 from .tensor import LazyTensor, Storage, wrap, wrap_data
 
@@ -37,8 +38,11 @@ def enable_spmd(devices: Sequence[jax.Device]) -> None:
 
 
 def disable_spmd() -> None:
+    """Back to one device; the device PRNG key (global state) comes back with it."""
     global _replicated
+    words = rng.get_words()
     _replicated = None
+    rng.set_words(*words)
 
 
 def spmd_enabled() -> bool:
@@ -51,13 +55,28 @@ def default_sharding() -> NamedSharding | None:
 
 
 def onto_spmd_devices(leaves: list, arrays: list) -> list:
-    """Program inputs with every single-device array replicated onto the SPMD devices, once."""
+    """Program inputs with host-held data uploaded and every single-device array replicated
+    onto the SPMD devices, once."""
     n = _replicated.num_devices
     for k, array in enumerate(arrays):
-        if array.sharding.num_devices != n:
+        if type(array) is transfer.HostData or array.sharding.num_devices != n:
             node, index = leaves[k]
-            arrays[k] = node.arrays[index] = jax.device_put(array, _replicated)
+            arrays[k] = node.arrays[index] = _replicate(array)
     return arrays
+
+
+def resolve(node: Node, index: int) -> jax.Array:
+    """A leaf's device array: host-held data is uploaded (replicated) first."""
+    array = node.arrays[index]
+    if type(array) is transfer.HostData:
+        array = node.arrays[index] = _replicate(array)
+    return array
+
+
+def _replicate(array) -> jax.Array:
+    if type(array) is transfer.HostData:
+        return transfer.upload(array.host, _replicated)
+    return jax.device_put(array, _replicated)
 
 
 def padded_shape(shape: tuple, sharding) -> tuple:
@@ -231,6 +250,8 @@ def _own_storage(t: LazyTensor, api: str) -> Storage:
 
 def _place(array: jax.Array, aval: Aval, sharding: NamedSharding) -> jax.Array:
     """``array`` laid out with ``sharding``; through the host when the layout needs padding."""
+    if type(array) is transfer.HostData:  # never uploaded: each device receives its shard only
+        return transfer.upload(array.host, sharding)
     target = padded_shape(aval.shape, sharding)
     if target == array.shape:
         return jax.device_put(array, sharding)

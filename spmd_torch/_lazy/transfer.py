@@ -14,17 +14,37 @@ from .lowering.dtypes import to_jax_dtype
 def to_device_array(t: torch.Tensor, sharding=None) -> jax.Array:
     """Upload a CPU tensor as the device dtype (bf16 switches applied), padded if ``sharding``
     is uneven; by default where placement says new data lands."""
+    return upload(host_copy(t), sharding)
+
+
+def host_copy(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's values in the device dtype, in memory we own (JAX's CPU backend may alias
+    host memory, which the tensor may mutate)."""
+    return _to_numpy(t.detach()).astype(to_jax_dtype(t.dtype), copy=True)
+
+
+def upload(host: np.ndarray, sharding=None) -> jax.Array:
+    """A host array on the device, laid out with ``sharding`` (padded if uneven)."""
     with counters.timed("TransferToDeviceTime"):
-        host = _to_numpy(t.detach())
-        device_dtype = to_jax_dtype(t.dtype)
-        # A copy we own: JAX's CPU backend may alias host memory, which the tensor may mutate.
-        host = host.astype(device_dtype, copy=True)
         sharding = sharding or placement.default_sharding()
         if sharding is not None:
             host = placement.host_padded(host, sharding)
         array = jax.device_put(host, sharding)
     counters.bump("TransferToDevice")
     return array
+
+
+class HostData:
+    """Data moved to the device in SPMD mode, still on the host: the first program uploads it
+    replicated, or ``mark_sharding`` uploads it straight into its layout (no full copy per device)."""
+
+    __slots__ = ("host",)
+
+    def __init__(self, host: np.ndarray):
+        self.host = host
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return self.host
 
 
 def to_torch(array: jax.Array, dtype: torch.dtype, shape: tuple | None = None) -> torch.Tensor:

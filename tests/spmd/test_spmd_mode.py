@@ -60,3 +60,29 @@ def test_random_ops_draw_the_same_numbers_whatever_the_layout():
     sharded = torch.nn.functional.dropout(x, 0.5).cpu()
     assert torch.equal(single_device, sharded)
     assert 0.3 < (sharded == 0).float().mean().item() < 0.7
+
+
+def test_to_then_mark_sharding_sends_each_device_only_its_shard(monkeypatch):
+    placed = []
+    device_put = jax.device_put
+
+    def spy(x, sharding=None, *args, **kwargs):
+        placed.append((getattr(x, "shape", None), sharding))
+        return device_put(x, sharding, *args, **kwargs)
+
+    monkeypatch.setattr(jax, "device_put", spy)
+    cpu = torch.randn(64, 32)
+    t = cpu.to(dev)  # in SPMD mode the upload waits: a mark may come next
+    xs.mark_sharding(t, xs.get_1d_mesh("x"), ("x", None))
+    assert [tuple(sharding.spec) for shape, sharding in placed if shape == (64, 32)] == [("x",)]
+    array = placement.global_array(t)
+    assert [s.data.shape for s in array.addressable_shards] == [(8, 32)] * 8
+    assert_close(t, cpu)
+
+
+def test_unmarked_data_is_uploaded_replicated_by_its_first_program():
+    cpu = torch.randn(4, 3)
+    t = cpu.to(dev)
+    assert_close(t * 2, cpu * 2)
+    assert placement.global_array(t).sharding.is_fully_replicated
+    assert placement.global_array(t).sharding.num_devices == jax.device_count()
