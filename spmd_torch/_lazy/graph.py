@@ -207,7 +207,8 @@ def to_text(program: Program) -> str:
     (a layout in braces where the value is sharded or constrained)."""
     lines = []
     for k, (node, i) in enumerate(program.leaves):
-        layout = _layout_text(node.arrays[i].sharding, len(node.avals[i].shape))
+        sharding = getattr(node.arrays[i], "sharding", None)  # None: still on the host
+        layout = _layout_text(sharding, len(node.avals[i].shape))
         lines.append(f"%in{k}:{_aval_text(node.avals[i])}{layout} = input")
     for k, node in enumerate(program.scalars):
         lines.append(f"%s{k} = scalar")

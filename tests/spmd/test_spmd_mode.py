@@ -10,6 +10,7 @@ import jax
 import torch
 
 import spmd_torch
+import spmd_torch.debug.graph
 import spmd_torch.distributed.spmd as xs
 import spmd_torch.runtime as xr
 from spmd_torch._lazy import placement
@@ -86,3 +87,9 @@ def test_unmarked_data_is_uploaded_replicated_by_its_first_program():
     assert_close(t * 2, cpu * 2)
     assert placement.global_array(t).sharding.is_fully_replicated
     assert placement.global_array(t).sharding.num_devices == jax.device_count()
+
+
+def test_data_still_on_the_host_can_be_inspected():
+    x = torch.ones(4).to(dev)  # not uploaded yet: no program has needed it
+    assert "%in0:f32[4] = input" in spmd_torch.debug.graph.pending_text([x * 2])
+    assert xs.get_xla_sharding_spec(x) == ""
