@@ -17,7 +17,7 @@ import torch
 
 from . import compile as compiler
 from . import config, counters, manual, placement
-from .graph import DATA, Node, linearize, to_text
+from .graph import DATA, Node, Program, linearize, to_text
 from .record import user_frame
 from .tensor import PENDING, LazyTensor, live_pending
 from .transfer import to_torch
@@ -42,12 +42,15 @@ def sync(wait: bool = False) -> None:
                     placement.remember(storage, array)
             continue
         owners.setdefault((id(node), index), (storage.ref, []))[1].append(storage)
-    if manual.USED:  # per-device shards stay pending until disable_manual_sharding
-        local = manual.local_nodes([ref for ref, _ in owners.values()])
-        owners = {key: entry for key, entry in owners.items() if id(entry[0][0]) not in local}
     if not owners:
         return
-    refs = [ref for ref, _ in owners.values()]
+    program = linearize([ref for ref, _ in owners.values()])
+    local = manual.local_nodes(program) if manual.USED else None
+    if local:  # per-device shards stay pending until disable_manual_sharding
+        owners = {key: entry for key, entry in owners.items() if id(entry[0][0]) not in local}
+        if not owners:
+            return
+        program = linearize([ref for ref, _ in owners.values()])
     spmd = placement.spmd_enabled()
     shardings = None
     if spmd:  # each output keeps the layout its storage had (see placement.py)
@@ -55,7 +58,7 @@ def sync(wait: bool = False) -> None:
             placement.output_sharding(holders[0], ref[0].avals[ref[1]])
             for ref, holders in owners.values()
         )
-    arrays = run(refs, donate=True, out_shardings=shardings)
+    arrays = run(program, donate=True, out_shardings=shardings)
     for (ref, holders), array in zip(owners.values(), arrays):
         data = Node.data(array, ref[0].avals[ref[1]])
         for storage in holders:
@@ -66,12 +69,11 @@ def sync(wait: bool = False) -> None:
         jax.block_until_ready(arrays)
 
 
-def run(refs: list, donate: bool, out_shardings: tuple | None = None) -> list:
-    """Compute graph references; donates inputs no live tensor holds any more when ``donate``.
+def run(program: Program, donate: bool, out_shardings: tuple | None = None) -> list:
+    """Compute a linearised graph; donates inputs no live tensor holds any more when ``donate``.
 
     ``out_shardings`` constrains each output's layout (None entries: the partitioner decides).
     """
-    program = linearize(refs)
     arrays = [node.arrays[i] for node, i in program.leaves]
     if placement.spmd_enabled():
         arrays = placement.onto_spmd_devices(program.leaves, arrays)
@@ -114,7 +116,7 @@ def materialize_refs(refs: list, layouts: dict | None = None) -> list[jax.Array]
         shardings = None
         if layouts:
             shardings = tuple(layouts.get((id(n), i)) for n, i in unique)
-        for (node, index), array in zip(unique, run(unique, False, shardings)):
+        for (node, index), array in zip(unique, run(linearize(unique), False, shardings)):
             if node.arrays is None:
                 node.arrays = [None] * len(node.avals)
             node.arrays[index] = array

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from jax.sharding import PartitionSpec
 
-from .graph import MANUAL_ENTER, MANUAL_EXIT, Program, linearize
+from .graph import MANUAL_ENTER, MANUAL_EXIT, Program
 
 USED = False  # set once a program enters manual sharding; until then the barrier skips the check
 
@@ -47,10 +47,9 @@ def plan(program: Program) -> tuple[list, list[Region]] | None:
     return _order(program, region_of), list({id(r): r for r in region_of.values()}.values())
 
 
-def local_nodes(refs: list) -> set[int]:
-    """ids of the nodes among ``refs``' graph whose values are per-device shards: the barrier
-    leaves those pending (only full values leave a program)."""
-    program = linearize(refs)
+def local_nodes(program: Program) -> set[int]:
+    """ids of ``program``'s nodes whose values are per-device shards: the barrier leaves those
+    pending (only full values leave a program)."""
     if not _has_manual(program):
         return set()
     region_of = _regions(program)

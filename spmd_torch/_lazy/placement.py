@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from . import rng, transfer
-from .graph import MANUAL_ENTER, MANUAL_EXIT, Aval, Node
+from .graph import MANUAL_ENTER, MANUAL_EXIT, Aval, Node, linearize
 from .tensor import LazyTensor, Storage, wrap, wrap_data
 
 _replicated: NamedSharding | None = None  # over every SPMD device; None outside SPMD mode
@@ -205,7 +205,7 @@ def exit_manual(t: LazyTensor, sharding: NamedSharding, full_shape: tuple) -> La
     from . import manual
 
     ref = t._ref()
-    if id(ref[0]) not in manual.local_nodes([ref]):
+    if id(ref[0]) not in manual.local_nodes(linearize([ref])):
         raise manual.ManualShardingError(
             f"disable_manual_sharding on a tensor of shape {tuple(t.shape)} that is not a "
             "per-device shard: call enable_manual_sharding on it first"
