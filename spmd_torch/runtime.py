@@ -15,12 +15,10 @@ import re
 import jax
 import torch
 
-from ._lazy import placement
+from ._lazy import engine, placement
 
 _PLATFORM_NAMES = {"cpu": "CPU", "tpu": "TPU", "gpu": "CUDA", "cuda": "CUDA", "rocm": "ROCM"}
 _XLA_DEVICE = re.compile(r"xla(?::(\d+))?$")
-
-_spmd_requested = False  # set by use_spmd(); read by is_spmd()
 
 
 def device_type() -> str:
@@ -195,25 +193,40 @@ def use_spmd(auto: bool = False) -> None:
         >>> xr.is_spmd()
         True
     """
-    global _spmd_requested
     if auto:
         raise NotImplementedError(
             "use_spmd(auto=True): automatic sharding is not supported; annotate tensors with "
             "mark_sharding instead"
         )
-    _spmd_requested = True
     placement.enable_spmd(jax.devices())
 
 
 def is_spmd() -> bool:
-    """Whether SPMD was requested, by :func:`use_spmd` or the ``XLA_USE_SPMD`` variable.
+    """Whether SPMD is on, by :func:`use_spmd` (or ``mark_sharding``) or the ``XLA_USE_SPMD``
+    variable.
 
     Example:
         >>> xr.is_spmd()
         False
     """
     flag = os.environ.get("XLA_USE_SPMD", "").strip().lower() in ("1", "true", "yes", "on")
-    return _spmd_requested or flag
+    return placement.spmd_enabled() or flag
+
+
+def reset() -> None:
+    """Start the calling thread's engine over; no PyTorch/XLA counterpart (tests, notebooks).
+
+    Pending computations are dropped (tensors whose values were computed keep them), SPMD mode
+    ends, manual-region bookkeeping is forgotten and the device RNG goes back to its default
+    seed. Compiled programs stay cached. Data already laid out on the mesh stays there.
+
+    Example:
+        >>> xr.use_spmd()
+        >>> xr.reset()
+        >>> xr.is_spmd()
+        False
+    """
+    engine.current().reset()
 
 
 def initialize_cache(path: str, readonly: bool = False) -> None:

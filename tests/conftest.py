@@ -1,6 +1,8 @@
-"""Test-wide setup: 8 virtual CPU devices before JAX initialises, and a per-test hang guard."""
+"""Test-wide setup: 8 virtual CPU devices before JAX initialises, a per-test hang guard, and a
+guard that fails a test leaking engine state (SPMD mode, pending tensors) into the next."""
 
 import faulthandler
+import gc
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -11,6 +13,9 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 
 import pytest  # noqa: E402
 
+import spmd_torch.debug.graph as graph  # noqa: E402
+import spmd_torch.runtime as xr  # noqa: E402
+
 _HANG_SECONDS = 300
 
 
@@ -20,3 +25,32 @@ def _hang_guard():
     faulthandler.dump_traceback_later(_HANG_SECONDS, exit=True)
     yield
     faulthandler.cancel_dump_traceback_later()
+
+
+def engine_leaks(spmd_expected: bool = False) -> list[str]:
+    """What the engine still holds that a finished test should have let go of."""
+    leaks = []
+    if xr.is_spmd() and not spmd_expected and "XLA_USE_SPMD" not in os.environ:
+        leaks.append("SPMD mode is still on (call spmd_torch.runtime.reset())")
+    if graph.pending_count():
+        gc.collect()  # cycles (autograd graphs) may hold tensors the test no longer reaches
+    pending = graph.pending_count()
+    if pending:
+        text = graph.pending_text().splitlines()
+        if any("= full_to_shard(" in line for line in text):
+            leaks.append("a manual region was entered (enable_manual_sharding) and never left")
+        shown = "\n    ".join(text[:8] + (["..."] if len(text) > 8 else []))
+        leaks.append(
+            f"{pending} tensors still hold pending values; sync() or drop them:\n    {shown}"
+        )
+    return leaks
+
+
+@pytest.fixture(autouse=True)
+def _no_engine_leaks(request):
+    """Fail a test that leaves engine state behind; reset the engine either way."""
+    yield
+    leaks = engine_leaks(spmd_expected="spmd_mode" in request.fixturenames)
+    xr.reset()
+    if leaks:
+        pytest.fail(f"{request.node.nodeid} leaked engine state:\n- " + "\n- ".join(leaks))

@@ -1,4 +1,5 @@
-"""The lazy engine, in data-flow order: tensor -> dispatch -> graph -> lowering -> compile -> execute."""
+"""The lazy engine: tensor -> dispatch -> graph -> lowering -> compile -> execute. Its modules'
+layering (who may import whom) is the table in docs/architecture.md, which a test enforces."""
 
 import jax
 import torch

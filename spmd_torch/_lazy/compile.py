@@ -13,6 +13,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -20,10 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src.lax.lax import _convert_element_type  # weak-typed casts have no public API
 
-from . import config, counters, manual, placement, rng
-from .graph import MANUAL_ENTER, MANUAL_EXIT, RNG_SPLIT, Program, substitute
+from . import config, counters, manual, placement
+from .engine import current
+from .graph import Program, substitute
+from .layout import crop, padded
 from .lowering import LOWERINGS
 from .lowering.dtypes import to_jax_dtype
+from .lowering.random import wrap_key
 
 
 def _scalars_aval(n: int) -> jax.ShapeDtypeStruct:
@@ -39,7 +43,6 @@ class LoweringError(RuntimeError):
 class Executable:
     compiled: Any
     key: str  # short hex digest, for debug lines
-    n_nodes: int
 
 
 class CacheKey(NamedTuple):
@@ -51,9 +54,6 @@ class CacheKey(NamedTuple):
     n_scalars: int
     out_shardings: tuple | None
     flags: tuple
-
-    def parts(self) -> tuple:
-        return tuple(self)
 
 
 def cache_key(
@@ -68,12 +68,23 @@ def cache_key(
     return CacheKey(program.structure(), inputs, donated, scalars, out_shardings, flags)
 
 
+# --- the program as a JAX function ---------------------------------------------------------------
+
+
+class _Step(NamedTuple):
+    """One call of the interpreter: a lowered node, or a whole manual region."""
+
+    call: Callable  # the values at ``wiring`` -> one value per entry of ``outputs``
+    wiring: tuple  # locations of its inputs (Program.locate)
+    outputs: tuple  # the locations its results answer for
+
+
 def build_function(
     program: Program, donated: tuple, stored_shapes: list, out_shardings: tuple | None = None
 ) -> Callable:
     """The program as a function of (donated inputs, kept inputs, scalars) -> outputs.
 
-    Inputs stored padded (``stored_shapes`` differ from the leaves' shapes) are sliced to their
+    Inputs stored padded (``stored_shapes`` differ from the leaves' shapes) are cropped to their
     logical shape first; outputs given a sharding are constrained to it, padded when uneven.
     """
     slots = []  # input position -> (is donated, index within its group)
@@ -81,64 +92,25 @@ def build_function(
     for is_donated in donated:
         slots.append((is_donated, counts[is_donated]))
         counts[is_donated] += 1
-    trims = {
-        k: node.avals[i].shape
-        for k, (stored, (node, i)) in enumerate(zip(stored_shapes, program.leaves))
-        if tuple(stored) != node.avals[i].shape
-    }
-    steps = [
-        (
-            node.op,
-            node.args,
-            node.kwargs,
-            program.wiring(node),
-            tuple((a.shape, to_jax_dtype(a.dtype)) for a in node.avals),
-            node.shardings,
-        )
-        for node in program.nodes
-    ]
+    logical = [node.avals[i].shape for node, i in program.leaves]
+    steps = _steps(program)
     outputs = [program.locate(ref) for ref in program.outputs]
-    order, regions = range(len(steps)), {}
-    manual_plan = manual.plan(program)
-    if manual_plan is not None:
-        order, regions = manual_plan[0], _region_calls(program, steps, manual_plan[1])
 
     def run(donated_inputs, kept_inputs, packed_scalars):
         groups = (kept_inputs, donated_inputs)
-        results: list = [None] * len(steps)
         # Weakly typed, as Python scalars are: ``x_f32 * lr`` stays float32.
         scalars = [
             _convert_element_type(packed_scalars[k], np.dtype(np.float64), weak_type=True)
             for k in range(packed_scalars.shape[0])
         ]
 
-        def value(location):
-            kind = location[0]
-            if kind == "n":
-                return results[location[1]][location[2]]
-            if kind == "in":
-                is_donated, k = slots[location[1]]
-                x = groups[is_donated][k]
-                logical = trims.get(location[1])
-                return x if logical is None else jax.lax.slice(x, (0,) * x.ndim, logical)
-            return scalars[location[1]]
+        def read(location):
+            if location[0] == "s":
+                return scalars[location[1]]
+            is_donated, k = slots[location[1]]
+            return crop(groups[is_donated][k], logical[location[1]])
 
-        for k in order:
-            if type(k) is not int:  # a manual region: one shard_map, its exits come out
-                call, inputs, exits = regions[id(k)]
-                for position, out in zip(exits, call(*[value(w) for w in inputs])):
-                    results[position] = [out]
-                continue
-            op, args, kwargs, wiring, avals, shardings = steps[k]
-            sources = [value(w) for w in wiring]
-            with jax.named_scope(str(op)):
-                outs = _lower_step(op, args, kwargs, sources, avals)
-            if shardings is not None:  # GSPMD propagates from these constraints
-                outs = [
-                    o if s is None else jax.lax.with_sharding_constraint(o, s)
-                    for o, s in zip(outs, shardings)
-                ]
-            results[k] = outs
+        value = _interpret(steps, read)
         values = [value(o) for o in outputs]
         if out_shardings is None:
             return values
@@ -147,58 +119,66 @@ def build_function(
     return run
 
 
-def _region_calls(program: Program, steps: list, regions: list) -> dict:
-    """id(region) -> (shard_map'ed function of the region's inputs, input locations, exits)."""
-    calls = {}
-    for region in regions:
-        inputs = manual.external_inputs(program, region)
-        slot_of = {location: i for i, location in enumerate(inputs)}
+def _interpret(steps: list[_Step], read: Callable) -> Callable:
+    """Run ``steps`` in order; returns the value at any location (``read`` answers the ones no
+    step computed: program inputs, or a region's inputs)."""
+    results: dict = {}
 
-        def local(*values, region=region, slot_of=slot_of):
-            results: dict = {}
+    def value(location):
+        found = results.get(location)
+        return read(location) if found is None else found
 
-            def value(location):
-                if location[0] == "n" and location[1] in results:
-                    return results[location[1]][location[2]]
-                return values[slot_of[location]]
-
-            for k in region.nodes:
-                op, args, kwargs, wiring, avals, _ = steps[k]
-                sources = [value(w) for w in wiring]
-                if op in (MANUAL_ENTER, MANUAL_EXIT):  # the shard_map boundary does the work
-                    results[k] = sources
-                    continue
-                with jax.named_scope(str(op)):
-                    results[k] = _lower_step(op, args, kwargs, sources, avals)
-            return [results[k][0] for k in region.exits]
-
-        out_specs = [program.nodes[k].args[0].spec for k in region.exits]
-        call = jax.shard_map(
-            local,
-            mesh=region.mesh,
-            in_specs=manual.in_specs(program, region, inputs),
-            out_specs=out_specs,
-            check_vma=False,
-        )
-        calls[id(region)] = (call, inputs, region.exits)
-    return calls
+    for step in steps:
+        results.update(zip(step.outputs, step.call(*[value(w) for w in step.wiring])))
+    return value
 
 
-def _laid_out(value: jax.Array, sharding) -> jax.Array:
-    """``value`` constrained to ``sharding``, zero-padded first when the sharding is uneven."""
-    target = placement.padded_shape(value.shape, sharding)
-    if target != value.shape:
-        value = jnp.pad(value, [(0, t - n) for t, n in zip(target, value.shape)])
-    return jax.lax.with_sharding_constraint(value, sharding)
+def _steps(program: Program) -> list[_Step]:
+    """The nodes in order, each manual region (if any) contracted to one ``shard_map`` step."""
+    plan = manual.plan(program)
+    if plan is None:
+        return [_node_step(program, k) for k in range(len(program.nodes))]
+    order, _ = plan
+    return [_node_step(program, k) if type(k) is int else _region_step(program, k) for k in order]
 
 
-def _lower_step(op, args, kwargs, sources: list, avals: tuple) -> list:
-    if op == RNG_SPLIT:
-        return list(rng.split(sources[0]))
+def _node_step(program: Program, k: int) -> _Step:
+    node = program.nodes[k]
+    avals = tuple((a.shape, to_jax_dtype(a.dtype)) for a in node.avals)
+    call = partial(_lower, node.op, node.args, node.kwargs, avals)
+    return _Step(call, program.wiring(node), tuple(("n", k, i) for i in range(len(avals))))
+
+
+def _region_step(program: Program, region: manual.Region) -> _Step:
+    """A manual region as one ``jax.shard_map``: its nodes interpreted on each device's shards.
+    An exit is the map's output: its out spec reassembles the shards the exit reads."""
+    inputs = tuple(manual.external_inputs(program, region))
+    slot_of = {location: i for i, location in enumerate(inputs)}
+    exits = set(region.exits)
+    steps = [_node_step(program, k) for k in region.nodes if k not in exits]
+    shards = [program.wiring(program.nodes[k])[0] for k in region.exits]
+
+    def local(*values):
+        value = _interpret(steps, lambda location: values[slot_of[location]])
+        return [value(location) for location in shards]
+
+    call = jax.shard_map(
+        local,
+        mesh=region.mesh,
+        in_specs=manual.in_specs(program, region, list(inputs)),
+        out_specs=manual.out_specs(program, region),
+        check_vma=False,
+    )
+    return _Step(call, inputs, tuple(("n", k, 0) for k in region.exits))
+
+
+def _lower(op, args, kwargs, avals: tuple, *sources) -> list:
+    """One node through its registered lowering, checked and cast against the meta kernel's avals."""
     lowering = LOWERINGS[op]
     if lowering.random:
-        sources = [rng.wrap(sources[0])] + sources[1:]
-    out = lowering.fn(*substitute(args, sources), **substitute(kwargs, sources))
+        sources = (wrap_key(sources[0]),) + sources[1:]
+    with jax.named_scope(str(op)):
+        out = lowering.fn(*substitute(args, sources), **substitute(kwargs, sources))
     outs = [o for o in out if o is not None] if isinstance(out, (tuple, list)) else [out]
     if len(outs) != len(avals):
         raise LoweringError(f"lowering of {op} returned {len(outs)} outputs, expected {len(avals)}")
@@ -211,8 +191,12 @@ def _lower_step(op, args, kwargs, sources: list, avals: tuple) -> list:
     return fixed
 
 
-_CACHE: dict[tuple, Executable] = {}
-_HISTORY: list[tuple] = []  # recent key parts, to explain recompilations
+def _laid_out(value: jax.Array, sharding) -> jax.Array:
+    """``value`` constrained to ``sharding``, zero-padded first when the sharding is uneven."""
+    return jax.lax.with_sharding_constraint(padded(value, sharding), sharding)
+
+
+# --- the cache -----------------------------------------------------------------------------------
 
 
 def lookup_or_compile(
@@ -220,13 +204,14 @@ def lookup_or_compile(
 ) -> tuple[Executable, bool]:
     """The executable for ``program`` on these inputs; compiles on a miss. Returns (exe, was_hit)."""
     key = cache_key(program, arrays, donated, out_shardings)
-    parts = key.parts()
-    executable = _CACHE.get(parts)
+    cache = current().cache
+    executable = cache.executables.get(key)
     if executable is not None:
         counters.bump("CachedCompile")
         return executable, True
     counters.bump("UncachedCompile")
-    digest = hashlib.sha1(repr(parts[0]).encode()).hexdigest()[:8]
+    cache.ops.update((id(node.op), node.op) for node in program.nodes)
+    digest = hashlib.sha1(repr(_named(key.structure[0], cache.ops)).encode()).hexdigest()[:8]
     start = time.perf_counter_ns()
     function = build_function(program, donated, [a.shape for a in arrays], out_shardings)
     abstract_inputs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in arrays]
@@ -238,16 +223,22 @@ def lookup_or_compile(
         warnings.filterwarnings("ignore", "Some donated buffers were not usable")
         compiled = jitted.lower(given, kept, _scalars_aval(len(program.scalars))).compile()
     counters.record("CompileTime", time.perf_counter_ns() - start)
-    executable = _CACHE[parts] = Executable(compiled, digest, len(program.nodes))
-    _HISTORY.append(parts)
-    del _HISTORY[:-16]
+    executable = cache.executables[key] = Executable(compiled, digest)
+    cache.history.append(key)
+    del cache.history[:-16]
     return executable, False
+
+
+def _named(rows: tuple, ops: dict) -> list:
+    """Structure rows with each op id replaced by the op (ids differ between processes)."""
+    return [(ops[row[0]],) + row[1:] for row in rows]
 
 
 def explain_last_miss() -> str:
     """Why the last compiled key missed: the first part differing from the most similar key."""
-    parts = _HISTORY[-1]
-    previous = _HISTORY[:-1]
+    cache = current().cache
+    key = cache.history[-1]
+    previous = cache.history[:-1]
     if not previous:
         return "first compilation"
     names = (
@@ -258,11 +249,11 @@ def explain_last_miss() -> str:
         "output shardings",
         "flags",
     )
-    best = max(previous, key=lambda p: sum(a == b for a, b in zip(p, parts)))
-    for name, old, new in zip(names, best, parts):
+    best = max(previous, key=lambda p: sum(a == b for a, b in zip(p, key)))
+    for name, old, new in zip(names, best, key):
         if old != new:
             if name == "graph":
-                return _explain_graph_change(old, new)
+                return _explain_graph_change(old, new, cache.ops)
             if name.startswith("input") and len(old) == len(new):
                 diffs = [
                     f"input {i}: {o[:3]} -> {n[:3]}"
@@ -274,16 +265,16 @@ def explain_last_miss() -> str:
     return "unknown"
 
 
-_ROW_PARTS = ("op/args", "op/args", "op/args", "inputs", "sharding constraint")
+_ROW_PARTS = ("op/args", "op/args", "op/args", "inputs")
 
 
-def _explain_graph_change(old: tuple, new: tuple) -> str:
+def _explain_graph_change(old: tuple, new: tuple, ops: dict) -> str:
     """The first node whose row differs, and which part of it (rows as in Program.structure)."""
     old_rows, new_rows = old[0], new[0]  # (rows, outputs) each
     for k, (a, b) in enumerate(zip(old_rows, new_rows)):
         if a != b:
             part = _ROW_PARTS[next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)]
-            return f"graph changed at node {k} ({part}): {a[0]}{a[1:3]} -> {b[0]}{b[1:3]}"
+            return f"graph changed at node {k} ({part}): {ops[a[0]]}{a[1:3]} -> {ops[b[0]]}{b[1:3]}"
     if len(old_rows) != len(new_rows):
         return f"graph changed ({len(old_rows)} -> {len(new_rows)} nodes)"
     return "graph outputs changed (which tensors are computed, or their order)"
@@ -297,5 +288,4 @@ def stablehlo_text(program: Program, arrays: list) -> str:
 
 
 def clear_cache() -> None:
-    _CACHE.clear()
-    _HISTORY.clear()
+    current().cache.clear()

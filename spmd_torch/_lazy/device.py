@@ -8,9 +8,12 @@ argument; a kernel per factory sends them to the same dispatcher as every other 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from . import rng
+from .dispatch import dispatch
+from .execute import rng_words
 from .tensor import DEVICE, _rebuild_on_device
 
 
@@ -46,11 +49,12 @@ class _BackendModule:
     @staticmethod
     def get_rng_state(device=None) -> torch.Tensor:
         """The device PRNG key as a CPU uint8 tensor (what torch.random.fork_rng saves)."""
-        return rng.get_state()
+        words = np.array(rng_words(), dtype=np.uint32)
+        return torch.from_numpy(words.view(np.uint8).copy())
 
     @staticmethod
     def set_rng_state(state: torch.Tensor, device=None) -> None:
-        rng.set_state(state)
+        rng.set_words(*(int(w) for w in state.numpy().view(np.uint32)))
 
 
 class _Hooks(torch._C._acc.PrivateUse1Hooks):
@@ -100,8 +104,6 @@ _BACKEND_OPS = [
 
 def _factory_kernel(op):
     def kernel(*args, **kwargs):
-        from .dispatch import dispatch
-
         return dispatch(op, args, kwargs)
 
     return kernel

@@ -16,10 +16,11 @@ import torch
 from torch._decomp import decomposition_table
 
 from . import counters, placement, rng, views
+from .execute import to_cpu
 from .graph import Aval, Value
 from .lowering import LOWERINGS
 from .record import DeviceMismatchError, NoStaticShape, emit, emit_value
-from .tensor import DEVICE, LazyTensor, wrap, wrap_data
+from .tensor import DEVICE, LazyTensor, connect, wrap, wrap_data
 from .transfer import HostData, host_copy, to_device_array
 
 aten = torch.ops.aten
@@ -110,8 +111,8 @@ def _wrap_outputs(node, structure) -> Any:
         return wrap((node, 0), node.avals[0])
     container, is_tensor = structure
     outputs, k = [], 0
-    for tensor in is_tensor:
-        if tensor:
+    for is_a_tensor in is_tensor:
+        if is_a_tensor:
             outputs.append(wrap((node, k), node.avals[k]))
             k += 1
         else:
@@ -287,8 +288,6 @@ def _copy_(func, args: tuple, kwargs: dict) -> LazyTensor:
     """``dst.copy_(src)``: the way data enters the device (``.to('xla')``) and writes through views."""
     dst, src = args[0], args[1]
     if not isinstance(dst, LazyTensor):  # device -> CPU copy into an existing CPU tensor
-        from .execute import to_cpu
-
         return dst.copy_(to_cpu(src))
     if isinstance(src, LazyTensor):
         value = emit_value(aten.copy.default, dst, src)
@@ -388,8 +387,6 @@ def _to_copy(func, args: tuple, kwargs: dict) -> Any:
     """``.to(device/dtype)``: leaving the device materialises; staying records a conversion."""
     device = kwargs.get("device")
     if device is not None and torch.device(device).type != DEVICE.type:
-        from .execute import to_cpu
-
         out = to_cpu(args[0])
         dtype = kwargs.get("dtype")
         return out.to(dtype) if dtype is not None else out
@@ -412,8 +409,6 @@ def _mm(func, args: tuple, kwargs: dict) -> LazyTensor:
 
 
 def _local_scalar_dense(func, args: tuple, kwargs: dict) -> Any:
-    from .execute import to_cpu
-
     return to_cpu(args[0]).item()
 
 
@@ -427,8 +422,6 @@ _WARNED: set = set()
 
 def _cpu_fallback(func, args: tuple, kwargs: dict, count: bool = True) -> Any:
     """Run an op with no lowering eagerly on CPU: inputs materialised, result uploaded."""
-    from .execute import to_cpu
-
     name = func._schema.name.split("::")[1]
     if count:
         counters.bump(f"aten::{name}")
@@ -438,11 +431,9 @@ def _cpu_fallback(func, args: tuple, kwargs: dict, count: bool = True) -> Any:
                 f"{func} has no xla lowering; it runs on the CPU (slow: a device round trip)",
                 stacklevel=3,
             )
-    lazy = []
 
     def to_host(x):
         if isinstance(x, LazyTensor):
-            lazy.append(x)
             return to_cpu(x)
         if isinstance(x, torch.device) and x.type == DEVICE.type:
             return torch.device("cpu")
@@ -503,5 +494,7 @@ SPECIALS: dict = {
     aten.masked_select.default: _cpu_fallback,
     aten._unique2.default: _cpu_fallback,
 }
+
+connect(dispatch)
 
 __all__ = ["dispatch", "DeviceMismatchError"]

@@ -16,21 +16,21 @@ import numpy as np
 import torch
 
 from . import compile as compiler
-from . import config, counters, manual, placement
+from . import config, counters, manual, placement, rng
+from .engine import current
 from .graph import DATA, Node, Program, linearize, to_text
 from .record import user_frame
-from .tensor import PENDING, LazyTensor, live_pending
+from .tensor import LazyTensor, live_pending
 from .transfer import to_torch
 
 _COMPACT_PENDING_AT = 100_000
-_in_flight: list = []  # weak refs to the last program's outputs, for wait_device_ops()
 
 
 def sync(wait: bool = False) -> None:
     """Compile (or reuse) and dispatch one program computing every live pending tensor."""
     counters.bump("MarkStep")
     storages = live_pending()  # in write order: the same program gives the same graph
-    PENDING.clear()
+    current().pending.clear()
     owners: dict = {}  # (id(node), index) -> (ref, [storages])
     for storage in storages:
         node, index = storage.ref
@@ -45,7 +45,7 @@ def sync(wait: bool = False) -> None:
     if not owners:
         return
     program = linearize([ref for ref, _ in owners.values()])
-    local = manual.local_nodes(program) if manual.USED else None
+    local = manual.local_nodes(program)
     if local:  # per-device shards stay pending until disable_manual_sharding
         owners = {key: entry for key, entry in owners.items() if id(entry[0][0]) not in local}
         if not owners:
@@ -87,7 +87,7 @@ def run(program: Program, donate: bool, out_shardings: tuple | None = None) -> l
     start = time.perf_counter_ns()
     outputs = executable.compiled(given, kept, scalars)
     counters.record("ExecuteTime", time.perf_counter_ns() - start)
-    _in_flight[:] = [weakref.ref(a) for a in outputs]
+    current().in_flight = [weakref.ref(a) for a in outputs]
     return outputs
 
 
@@ -105,11 +105,18 @@ def materialize(tensors: list[LazyTensor]) -> list[jax.Array]:
     return materialize_refs(refs, layouts)
 
 
+def global_array(t: LazyTensor) -> jax.Array:
+    """``t``'s device array, computed if pending; padded at the end when its sharding is uneven."""
+    (array,) = materialize([t])
+    return array
+
+
 def materialize_refs(refs: list, layouts: dict | None = None) -> list[jax.Array]:
     """The arrays of graph references, computing only what they need (no donation);
     ``layouts`` maps (id(node), index) to the sharding an output must have."""
-    if len(PENDING) > _COMPACT_PENDING_AT:  # programs that read values but never call sync()
-        PENDING[:] = [weakref.ref(s) for s in live_pending() if not s.ref[0].is_leaf(s.ref[1])]
+    engine = current()
+    if len(engine.pending) > _COMPACT_PENDING_AT:  # programs that read values, never sync()
+        engine.pending = [weakref.ref(s) for s in live_pending() if not s.ref[0].is_leaf(s.ref[1])]
     missing = [ref for ref in refs if not ref[0].is_leaf(ref[1])]
     if missing:
         unique = list({(id(n), i): (n, i) for n, i in missing}.values())
@@ -129,9 +136,24 @@ def to_cpu(t: LazyTensor) -> torch.Tensor:
     return to_torch(array, t.dtype, tuple(t.shape))
 
 
+def rng_words() -> tuple[int, int]:
+    """The device PRNG key as two 32-bit words; computes pending random ops' key if needed."""
+    (array,) = materialize_refs([rng.state().ref])
+    high, low = (int(word) for word in np.asarray(array))
+    return high, low
+
+
 def wait_device_ops() -> None:
     """Block until every dispatched program has finished."""
-    jax.block_until_ready([a for a in (weak() for weak in _in_flight) if a is not None])
+    outputs = (weak() for weak in current().in_flight)
+    jax.block_until_ready([a for a in outputs if a is not None])
+
+
+def pending_count() -> int:
+    """How many live storages of tensors have a value the next barrier computes (the engine's
+    own PRNG key is not a tensor: it is left out)."""
+    key = current().rng
+    return sum(1 for s in live_pending() if s is not key and not s.ref[0].is_leaf(s.ref[1]))
 
 
 def pending_text(tensors: list[LazyTensor] | None = None) -> str:

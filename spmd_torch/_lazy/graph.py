@@ -1,6 +1,6 @@
 """The IR: one small node type for the whole pending graph, linearised without recursion.
 
-A ``Node`` is one call of an aten overload (or one of the engine's own ops below). Tensor arguments
+A ``Node`` is one call of an aten overload or of an engine op (lowering/registry.py). Tensor arguments
 live in ``src`` as ``(node, output_index)`` references and appear in ``args``/``kwargs`` as ``Arg``
 placeholders, so the same structure serves the compile-cache key and the lowering. Leaves are nodes
 whose arrays are known: device data, or results computed by an earlier partial run.
@@ -15,9 +15,6 @@ import torch
 
 DATA = "data"  # a leaf holding device arrays
 SCALAR = "scalar"  # a Python float lifted to a program input, so changing it never recompiles
-RNG_SPLIT = "rng_split"  # threads the device PRNG key: key -> (next key, subkey)
-MANUAL_ENTER = "full_to_shard"  # args (sharding,): a full value -> each device's shard
-MANUAL_EXIT = "shard_to_full"  # args (sharding,): per-device shards -> the full value
 
 
 class Arg(NamedTuple):
@@ -50,7 +47,6 @@ class Node:
         "arrays",
         "holders",
         "where",
-        "shardings",
         "__weakref__",
     )
 
@@ -63,8 +59,6 @@ class Node:
         self.arrays: list | None = None  # per-output jax arrays once known
         self.holders = 0  # live storages whose value is this node (donation bookkeeping)
         self.where: str | None = None  # user file:line, captured only when debugging
-        # Per-output jax.sharding.Sharding constraints (mark_sharding on a pending value), or None.
-        self.shardings: tuple | None = None
 
     @classmethod
     def data(cls, array: Any, aval: Aval) -> Node:
@@ -106,12 +100,15 @@ class Program:
     index: dict  # id(node) -> position among nodes; leaves: (id(node), i) -> input position
 
     def structure(self) -> tuple:
-        """The hashable structure of the program: ops, static args and wiring, not data."""
-        # Recorded args are hashable already (the walk made every list a tuple): no freezing here.
+        """The hashable structure of the program: ops, static args and wiring, not data.
+
+        Ops enter by ``id``: an OpOverload hashes in Python, and ops live as long as the process.
+        Recorded args are hashable already (the walk made every list a tuple): no freezing here.
+        """
         rows = []
         for node in self.nodes:
             kwargs = tuple(node.kwargs.items()) if node.kwargs else ()
-            rows.append((node.op, node.args, kwargs, self.wiring(node), node.shardings))
+            rows.append((id(node.op), node.args, kwargs, self.wiring(node)))
         outs = tuple(self.locate(ref) for ref in self.outputs)
         return (tuple(rows), outs)
 
@@ -202,9 +199,18 @@ def _layout_text(sharding, rank: int) -> str:
     return "{" + ",".join(names) + "}"
 
 
+def _arg_text(arg: Any, rank: int) -> str:
+    """A static argument as written; a sharding as its layout over ``rank`` dimensions,
+    ``{fsdp,_}`` (``{}``: replicated)."""
+    if hasattr(arg, "spec") and hasattr(arg, "mesh"):
+        return _layout_text(arg, rank) or "{}"
+    return repr(arg)
+
+
 def to_text(program: Program) -> str:
-    """One line per node: ``%3:f32[4,8]{fsdp,_} = aten.addmm.default(%0, %1, %2)  # file.py:12``
-    (a layout in braces where the value is sharded or constrained)."""
+    """One line per node: ``%3:f32[4,8] = aten.addmm.default(%0, %1, %2)  # file.py:12``;
+    inputs show their layout in braces where sharded (``%in0:f32[8,4]{fsdp,_} = input``), and a
+    constrained value reads ``%4:f32[8,4] = sharding_constraint(%3, {fsdp,_})``."""
     lines = []
     for k, (node, i) in enumerate(program.leaves):
         sharding = getattr(node.arrays[i], "sharding", None)  # None: still on the host
@@ -222,13 +228,12 @@ def to_text(program: Program) -> str:
         return f"%{pos[0]}" + (f".{pos[1]}" if pos[1] else "")
 
     for k, node in enumerate(program.nodes):
-        shardings = node.shardings or (None,) * len(node.avals)
-        avals = ", ".join(
-            _aval_text(a) + _layout_text(s, len(a.shape)) for a, s in zip(node.avals, shardings)
-        )
+        avals = ", ".join(_aval_text(a) for a in node.avals)
         refs = [name(ref) for ref in node.src]
-        static = [repr(a) for a in substitute(node.args, refs)]
-        static += [f"{key}={v!r}" for key, v in substitute(node.kwargs, refs).items()]
+        rank = len(node.avals[0].shape)
+        static = [_arg_text(a, rank) for a in substitute(node.args, refs)]
+        kwargs = substitute(node.kwargs, refs).items()
+        static += [f"{key}={_arg_text(v, rank)}" for key, v in kwargs]
         args = ", ".join(s.replace("'", "") for s in static)
         where = f"  # {node.where}" if node.where else ""
         lines.append(f"%{k}:{avals} = {node.op}({args}){where}")

@@ -1,7 +1,7 @@
 """Manually partitioned regions: nodes between ``enable_manual_sharding`` and its ``disable``.
 
-``MANUAL_ENTER`` turns a full value into each device's shard; every node computed from a shard is
-per-device ("local") until ``MANUAL_EXIT`` reassembles a full value. Connected local nodes form
+``ENTER_MANUAL`` turns a full value into each device's shard; every node computed from a shard is
+per-device ("local") until ``EXIT_MANUAL`` reassembles a full value. Connected local nodes form
 a region, lowered as one ``jax.shard_map`` over the mesh: shards come in with the entry specs,
 any other value a region reads comes in whole (replicated), and the exits leave with theirs.
 """
@@ -11,15 +11,54 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
-from .graph import MANUAL_ENTER, MANUAL_EXIT, Program
-
-USED = False  # set once a program enters manual sharding; until then the barrier skips the check
+from .engine import current
+from .graph import Arg, Aval, Node, Program, linearize
+from .layout import canonical, padded_shape
+from .lowering.sharding import ENTER_MANUAL, EXIT_MANUAL
+from .tensor import LazyTensor, wrap
 
 
 class ManualShardingError(ValueError):
     """A manual region used in a way no single shard_map can express."""
+
+
+def enter(t: LazyTensor, sharding: NamedSharding) -> LazyTensor:
+    """``t``'s per-device shard under ``sharding``: ops on it run on each device on its own."""
+    current().manual_used = True
+    aval = Aval(_shard_shape(tuple(t.shape), sharding, "enable_manual_sharding"), t.dtype)
+    return wrap((Node(ENTER_MANUAL, (t._ref(),), (Arg(0), sharding), {}, (aval,)), 0), aval)
+
+
+def leave(t: LazyTensor, sharding: NamedSharding, full_shape: tuple) -> LazyTensor:
+    """The full tensor of ``full_shape`` whose shards are each device's ``t``, laid out so."""
+    ref = t._ref()
+    if id(ref[0]) not in local_nodes(linearize([ref])):
+        raise ManualShardingError(
+            f"disable_manual_sharding on a tensor of shape {tuple(t.shape)} that is not a "
+            "per-device shard: call enable_manual_sharding on it first"
+        )
+    local = _shard_shape(full_shape, sharding, "disable_manual_sharding")
+    if tuple(t.shape) != local:
+        raise ValueError(
+            f"disable_manual_sharding: a shard of full shape {full_shape} under "
+            f"{sharding.spec} is {local}, but the tensor has shape {tuple(t.shape)}"
+        )
+    aval = Aval(tuple(full_shape), t.dtype)
+    out = wrap((Node(EXIT_MANUAL, (ref,), (Arg(0), sharding), {}, (aval,)), 0), aval)
+    out._storage.sharding = canonical(sharding)
+    return out
+
+
+def _shard_shape(shape: tuple, sharding: NamedSharding, api: str) -> tuple:
+    """Each device's block of ``shape``; manual shards must be even (no padding to hide)."""
+    if padded_shape(shape, sharding) != shape:
+        raise ValueError(
+            f"{api}: shape {shape} does not divide evenly under {sharding.spec} over mesh "
+            f"{dict(sharding.mesh.shape)}; manual sharding needs even shards"
+        )
+    return sharding.shard_shape(shape)
 
 
 @dataclass
@@ -50,7 +89,7 @@ def plan(program: Program) -> tuple[list, list[Region]] | None:
 def local_nodes(program: Program) -> set[int]:
     """ids of ``program``'s nodes whose values are per-device shards: the barrier leaves those
     pending (only full values leave a program)."""
-    if not _has_manual(program):
+    if not current().manual_used or not _has_manual(program):
         return set()
     region_of = _regions(program)
     return {id(program.nodes[k]) for k in region_of if _is_local(program, region_of, k)}
@@ -62,8 +101,17 @@ def in_specs(program: Program, region: Region, inputs: list) -> tuple:
     specs = []
     for location in inputs:
         k = entry_sources.get(location)
-        specs.append(program.nodes[k].args[0].spec if k is not None else PartitionSpec())
+        specs.append(_sharding(program, k).spec if k is not None else PartitionSpec())
     return tuple(specs)
+
+
+def out_specs(program: Program, region: Region) -> list:
+    return [_sharding(program, k).spec for k in region.exits]
+
+
+def _sharding(program: Program, k: int) -> NamedSharding:
+    """The sharding a region bound (node ``k``) splits or reassembles by: its static argument."""
+    return program.nodes[k].args[1]
 
 
 def external_inputs(program: Program, region: Region) -> list:
@@ -79,11 +127,14 @@ def external_inputs(program: Program, region: Region) -> list:
 
 
 def _has_manual(program: Program) -> bool:
-    return any(node.op in (MANUAL_ENTER, MANUAL_EXIT) for node in program.nodes)
+    return any(node.op in _BOUNDS for node in program.nodes)
+
+
+_BOUNDS = (ENTER_MANUAL, EXIT_MANUAL)
 
 
 def _is_local(program: Program, region_of: dict, k: int) -> bool:
-    return k in region_of and program.nodes[k].op != MANUAL_EXIT
+    return k in region_of and program.nodes[k].op is not EXIT_MANUAL
 
 
 def _regions(program: Program) -> dict:
@@ -99,7 +150,7 @@ def _regions(program: Program) -> dict:
     for k, node in enumerate(program.nodes):
         wiring = program.wiring(node)
         local_sources = [w[1] for w in wiring if w[0] == "n" and _is_local(program, parent, w[1])]
-        if node.op == MANUAL_ENTER:
+        if node.op is ENTER_MANUAL:
             if local_sources:
                 raise ManualShardingError(
                     "enable_manual_sharding on a tensor that is already a per-device shard "
@@ -107,7 +158,7 @@ def _regions(program: Program) -> dict:
                 )
             parent[k] = k
             continue
-        if node.op == MANUAL_EXIT and not local_sources:
+        if node.op is EXIT_MANUAL and not local_sources:
             raise ManualShardingError(
                 f"disable_manual_sharding on a tensor of shape {node.avals[0].shape} that is not "
                 "a per-device shard: call enable_manual_sharding on it first"
@@ -124,14 +175,14 @@ def _regions(program: Program) -> dict:
         region.nodes.append(k)
         region_of[k] = region
         node = program.nodes[k]
-        if node.op in (MANUAL_ENTER, MANUAL_EXIT):
-            mesh = node.args[0].mesh
+        if node.op in _BOUNDS:
+            mesh = _sharding(program, k).mesh
             if region.mesh is not None and mesh != region.mesh:
                 raise ManualShardingError(
                     f"one manual region spans two meshes: {region.mesh} and {mesh}"
                 )
             region.mesh = mesh
-            (region.entries if node.op == MANUAL_ENTER else region.exits).append(k)
+            (region.entries if node.op is ENTER_MANUAL else region.exits).append(k)
     return region_of
 
 

@@ -17,6 +17,7 @@ from . import config, counters
 from .graph import SCALAR, Arg, Aval, Node, Ref, Value
 from .lowering.dtypes import to_jax_dtype
 from .tensor import DEVICE, LazyTensor, wrap_data
+from .transfer import to_device_array
 
 _META_DEVICE = torch.device("meta")
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -118,8 +119,6 @@ def _upload_scalar_tensor(t: torch.Tensor) -> LazyTensor:
             "Expected all tensors to be on the same device, but found at least two devices, "
             f"{DEVICE} and {t.device}! (a {tuple(t.shape)} {t.dtype} tensor on {t.device})"
         )
-    from .transfer import to_device_array
-
     return wrap_data(to_device_array(t), Aval((), t.dtype))
 
 

@@ -8,16 +8,14 @@ become functional updates of the storage's value (see views.py).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 
+from .engine import current
 from .graph import Aval, Node, Ref
 
 DEVICE = torch.device("xla", 0)
-
-# Weak references to storages given a pending value, in write order: the barrier computes the live
-# ones. A plain list (no weakref callbacks) keeps the per-op cost low; the barrier clears it.
-PENDING: list = []
 
 
 class Storage:
@@ -42,7 +40,7 @@ class Storage:
         if self.views is not None:
             self._forget_view_caches()
         if node.arrays is None or node.arrays[ref[1]] is None:  # pending: inlined is_leaf
-            PENDING.append(weakref.ref(self))
+            current().pending.append(weakref.ref(self))
 
     def _forget_view_caches(self) -> None:
         """Stale view caches would keep the old graph (and its input arrays) alive."""
@@ -127,9 +125,7 @@ class LazyTensor(torch.Tensor):
         self._remember(ref)
 
     def __repr__(self, *, tensor_contents=None) -> str:
-        from .execute import to_cpu
-
-        text = repr(to_cpu(self))
+        text = repr(self.detach().cpu())
         suffix = f", device='{DEVICE}'"
         if text.endswith(")"):
             return text[:-1] + suffix + ")"
@@ -161,26 +157,27 @@ class LazyTensor(torch.Tensor):
         )
 
     def tolist(self) -> list:
-        from .execute import to_cpu
-
-        return to_cpu(self).tolist()
+        return self.detach().cpu().tolist()
 
     def __reduce_ex__(self, protocol):
-        from .execute import to_cpu
-
-        return (_rebuild_on_device, (to_cpu(self).detach(), self.requires_grad))
+        return (_rebuild_on_device, (self.detach().cpu(), self.requires_grad))
 
 
 _NO_KWARGS: dict = {}
 
 
-def _dispatch(func, args: tuple, kwargs: dict):
-    """Binds the dispatcher on first use (it imports this module), then is replaced by it."""
-    global _dispatch
-    from .dispatch import dispatch
+def _not_connected(func, args: tuple, kwargs: dict):
+    raise RuntimeError(f"{func} on an xla tensor before spmd_torch's dispatcher was imported")
 
-    _dispatch = dispatch
-    return dispatch(func, args, kwargs)
+
+_dispatch: Callable = _not_connected
+
+
+def connect(dispatcher: Callable) -> None:
+    """Send every aten call on an xla tensor to ``dispatcher``: dispatch.py, which sits above this
+    module (it records, reads values and falls back to the CPU), plugs itself in when imported."""
+    global _dispatch
+    _dispatch = dispatcher
 
 
 def _rebuild_on_device(cpu: torch.Tensor, requires_grad: bool) -> torch.Tensor:
@@ -195,7 +192,7 @@ def live_pending() -> list[Storage]:
     """
     seen: set = set()
     storages = []
-    for weak in reversed(PENDING):
+    for weak in reversed(current().pending):
         storage = weak()
         if storage is not None and id(storage) not in seen:
             seen.add(id(storage))

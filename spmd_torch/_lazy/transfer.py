@@ -7,7 +7,9 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from . import counters, placement
+from . import counters
+from .engine import current
+from .layout import crop, padded
 from .lowering.dtypes import to_jax_dtype
 
 
@@ -24,11 +26,12 @@ def host_copy(t: torch.Tensor) -> np.ndarray:
 
 
 def upload(host: np.ndarray, sharding=None) -> jax.Array:
-    """A host array on the device, laid out with ``sharding`` (padded if uneven)."""
+    """A host array on the device, laid out with ``sharding`` (padded if uneven); by default
+    where the engine's placement mode puts new data."""
     with counters.timed("TransferToDeviceTime"):
-        sharding = sharding or placement.default_sharding()
+        sharding = sharding or current().replicated
         if sharding is not None:
-            host = placement.host_padded(host, sharding)
+            host = padded(host, sharding)
         array = jax.device_put(host, sharding)
     counters.bump("TransferToDevice")
     return array
@@ -52,8 +55,8 @@ def to_torch(array: jax.Array, dtype: torch.dtype, shape: tuple | None = None) -
     ``shape`` is the logical shape of an array stored padded."""
     with counters.timed("TransferFromDeviceTime"):
         host = np.asarray(array)
-        if shape is not None and host.shape != shape:
-            host = host[tuple(slice(0, n) for n in shape)]
+        if shape is not None:
+            host = crop(host, shape)
         if dtype is torch.bfloat16:
             out = torch.from_numpy(host.astype(ml_dtypes.bfloat16).view(np.uint16).copy())
             out = out.view(torch.bfloat16)

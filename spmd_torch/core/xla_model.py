@@ -335,7 +335,7 @@ def get_rng_state(device: str | torch.device | None = None) -> int:
         >>> b = torch.rand(3, device=dev)  # equal to a
     """
     _check_device(device, "get_rng_state")
-    high, low = _rng.get_words()
+    high, low = _execute.rng_words()
     return (high << 32) | low
 
 

@@ -36,6 +36,17 @@ def pending_hlo(tensors: list[torch.Tensor] | None = None) -> str:
     return _execute.pending_hlo(None if tensors is None else list(tensors))
 
 
+def pending_count() -> int:
+    """How many live tensors (counting aliases once) hold a value the next sync computes.
+
+    Example:
+        >>> y = torch.ones(2, device=dev) * 3
+        >>> graph.pending_count()
+        1
+    """
+    return _execute.pending_count()
+
+
 def get_tensors_text(tensors: list[torch.Tensor]) -> str:
     """The graph computing ``tensors`` as text (``_XLAC._get_xla_tensors_text``).
 

@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding
 
 import spmd_torch
 from spmd_torch import runtime
-from spmd_torch._lazy import placement, transfer
+from spmd_torch._lazy import layout, placement, transfer
 from spmd_torch.distributed.spmd import ShardingSpec, validate
 
 __all__ = ["MpDeviceLoader", "ParallelLoader", "PerDeviceLoader"]
@@ -510,7 +510,7 @@ def _plan(input_sharding: Any) -> _Plan:
     if input_sharding is None:
         return _Plan()
     if isinstance(input_sharding, ShardingSpec):
-        return _Plan(input_sharding.partition_spec, placement.canonical(input_sharding.sharding))
+        return _Plan(input_sharding.partition_spec, layout.canonical(input_sharding.sharding))
     if isinstance(input_sharding, dict):
         per_key = {}
         for key, spec in input_sharding.items():
@@ -519,7 +519,7 @@ def _plan(input_sharding: Any) -> _Plan:
                     f"input_sharding[{key!r}] must be a spmd_torch.distributed.spmd.ShardingSpec, "
                     f"got {type(spec).__name__}: {spec!r}"
                 )
-            per_key[key] = (spec.partition_spec, placement.canonical(spec.sharding))
+            per_key[key] = (spec.partition_spec, layout.canonical(spec.sharding))
         return _Plan(per_key=per_key)
     raise ValueError(
         "input_sharding must be a spmd_torch.distributed.spmd.ShardingSpec, a dict of them keyed "

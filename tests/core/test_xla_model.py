@@ -12,28 +12,15 @@ import torch
 
 import spmd_torch
 import spmd_torch.core.xla_model as xm
+import spmd_torch.debug.graph as graph
 import spmd_torch.runtime as xr
-from spmd_torch._lazy import counters, placement
-from spmd_torch._lazy.tensor import live_pending
+from spmd_torch._lazy import counters
 
 DEV = torch.device("xla:0")
 
 
-def _pending() -> list:
-    return [s for s in live_pending() if not s.ref[0].is_leaf(s.ref[1])]
-
-
 def _delta(before: dict) -> dict:
     return {k: v - before.get(k, 0) for k, v in counters.COUNTERS.items() if v != before.get(k, 0)}
-
-
-@pytest.fixture(autouse=True)
-def _no_leftovers():
-    """Each test restores the device RNG and leaves no pending graph behind."""
-    state = xm.get_rng_state()
-    yield
-    xm.mark_step()
-    xm.set_rng_state(state)
 
 
 # runtime -------------------------------------------------------------------------------------
@@ -74,25 +61,24 @@ def test_xla_device_hw_rejects_a_second_device():
 
 
 def test_use_spmd_is_reported_by_is_spmd(monkeypatch):
-    monkeypatch.setattr(xr, "_spmd_requested", False)
-    monkeypatch.setattr(placement, "_replicated", None)  # SPMD placement ends with the test
     monkeypatch.delenv("XLA_USE_SPMD", raising=False)
     assert xr.is_spmd() is False
     xr.use_spmd()
     assert xr.is_spmd() is True
+    xr.reset()
+    assert xr.is_spmd() is False
 
 
 def test_is_spmd_reads_the_environment_variable(monkeypatch):
-    monkeypatch.setattr(xr, "_spmd_requested", False)
     monkeypatch.setenv("XLA_USE_SPMD", "1")
     assert xr.is_spmd() is True
 
 
 def test_use_spmd_auto_is_refused(monkeypatch):
-    monkeypatch.setattr(xr, "_spmd_requested", False)
+    monkeypatch.delenv("XLA_USE_SPMD", raising=False)
     with pytest.raises(NotImplementedError, match="auto=True"):
         xr.use_spmd(auto=True)
-    assert xr._spmd_requested is False
+    assert xr.is_spmd() is False
 
 
 @pytest.fixture
@@ -181,10 +167,10 @@ def test_is_xla_tensor():
 
 def test_mark_step_computes_every_pending_tensor():
     x = torch.ones(4, device=DEV) + 2
-    assert len(_pending()) >= 1
+    assert graph.pending_count() >= 1
     before = dict(counters.COUNTERS)
     xm.mark_step(wait=True)
-    assert _pending() == []
+    assert graph.pending_count() == 0
     assert _delta(before)["MarkStep"] == 1
     assert torch.equal(x.cpu(), torch.full((4,), 3.0))
 
@@ -200,7 +186,8 @@ def test_unlazy_computes_only_the_given_tensors():
     x = torch.ones(2, device=DEV) * 4
     y = torch.ones(2, device=DEV) * 5
     xm.unlazy([x])
-    assert y._storage in _pending() and x._storage not in _pending()
+    assert graph.pending_count() == 1  # y's
+    assert "aten.mul.Tensor(%0, 5)" in graph.pending_text()
     assert torch.equal(x.cpu(), torch.full((2,), 4.0))
 
 
@@ -213,14 +200,15 @@ def _sgd_step_setup():
 def test_optimizer_step_with_barrier_leaves_no_pending_graph():
     p, opt = _sgd_step_setup()
     xm.optimizer_step(opt, barrier=True)
-    assert _pending() == []
+    assert graph.pending_count() == 0
     assert torch.equal(p.detach().cpu(), torch.zeros(3))
 
 
 def test_optimizer_step_without_barrier_leaves_the_update_pending():
     p, opt = _sgd_step_setup()
     xm.optimizer_step(opt)
-    assert p._storage in _pending()
+    assert graph.pending_count() >= 1
+    assert "aten.add.Tensor" in graph.pending_text([p])
     assert torch.equal(p.detach().cpu(), torch.zeros(3))
 
 

@@ -8,8 +8,9 @@ import torch
 
 import spmd_torch
 import spmd_torch.distributed.spmd as xs
-from spmd_torch._lazy import placement
+from spmd_torch._lazy.execute import global_array
 from spmd_torch._lazy.manual import ManualShardingError
+from tests.conftest import engine_leaks
 from tests.helpers import assert_close, assert_compiles
 
 dev = spmd_torch.device()
@@ -83,7 +84,7 @@ def test_a_shard_left_alive_stays_pending_and_cannot_be_read(mesh):
     local = _enter(torch.randn(4, 4).to(dev), ("data", None), mesh)
     out = _exit(local * 3, ("data", None), (4, 4), mesh)
     spmd_torch.sync()  # the live shard is not a program output
-    assert placement.global_array(out).shape == (4, 4)
+    assert global_array(out).shape == (4, 4)
     with pytest.raises(ManualShardingError, match=r"shape \(2, 4\) is a per-device shard"):
         local.cpu()
 
@@ -97,3 +98,12 @@ def test_bad_manual_sharding_is_refused_with_the_shapes(mesh):
     full = torch.randn(4, 4).to(dev)
     with pytest.raises(ManualShardingError, match=r"shape \(2, 4\) that is not a per-device"):
         _exit(full[:2], ("data", None), (4, 4), mesh)
+
+
+def test_leak_guard_names_a_region_left_open(mesh):
+    local = _enter(torch.randn(4, 8).to(dev), ("data", "model"), mesh) * 2
+    leaks = engine_leaks(spmd_expected=True)
+    assert leaks[0] == "a manual region was entered (enable_manual_sharding) and never left"
+    assert "= full_to_shard(%in0, {data,model})" in leaks[1]
+    del local
+    assert engine_leaks(spmd_expected=True) == []

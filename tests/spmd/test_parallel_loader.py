@@ -15,6 +15,8 @@ import spmd_torch
 import spmd_torch.distributed.parallel_loader as pl
 import spmd_torch.distributed.spmd as xs
 from spmd_torch._lazy import placement, transfer
+from spmd_torch._lazy.execute import global_array
+from spmd_torch._lazy.layout import canonical
 from spmd_torch.debug import metrics
 from tests.helpers import assert_close, assert_compiles
 
@@ -60,8 +62,8 @@ def assert_placed(t: torch.Tensor, cpu: torch.Tensor, spec: xs.ShardingSpec, row
     """``t`` carries ``spec``'s sharding; each of the 8 shards holds ``rows`` rows of ``cpu``."""
     sharding = placement.sharding_of(t)
     assert sharding.is_equivalent_to(spec.sharding, t.dim())
-    assert sharding == placement.canonical(spec.sharding)
-    shards = placement.global_array(t).addressable_shards
+    assert sharding == canonical(spec.sharding)
+    shards = global_array(t).addressable_shards
     assert len(shards) == 8
     padded = torch.zeros(rows * 8, *cpu.shape[1:], dtype=cpu.dtype)
     padded[: cpu.shape[0]] = cpu
@@ -126,7 +128,7 @@ def test_sharded_input_uploads_shards_directly():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(transfer, "to_device_array", spy)
         list(loader)
-    assert seen == [placement.canonical(spec.sharding)] * 4
+    assert seen == [canonical(spec.sharding)] * 4
 
 
 def test_one_spec_leaves_tensors_of_another_rank_unsharded():
@@ -137,7 +139,7 @@ def test_one_spec_leaves_tensors_of_another_rank_unsharded():
         Batches([(x, labels)]), spmd_torch.device(), input_sharding=data_spec()
     )
     ((gx, glabels),) = list(loader)
-    assert placement.sharding_of(gx) == placement.canonical(data_spec().sharding)
+    assert placement.sharding_of(gx) == canonical(data_spec().sharding)
     assert placement.sharding_of(glabels) == placement.default_sharding()
     assert_close((gx, glabels), (x, labels), rtol=0, atol=0)
 

@@ -10,7 +10,7 @@ import torch
 
 import spmd_torch
 import spmd_torch.distributed.spmd as xs
-from spmd_torch._lazy import placement
+from spmd_torch._lazy.execute import global_array
 from spmd_torch.distributed.spmd._tiling import tiling_of
 from tests.helpers import assert_close
 
@@ -172,7 +172,7 @@ def _check_shards(xt, cpu):
     """Every device holds exactly the block its indices name, with the global tensor's values."""
     shards = xt.local_shards
     assert len(shards) == jax.device_count()
-    array = placement.global_array(xt.global_tensor)
+    array = global_array(xt.global_tensor)
     held_by = {d.id: k for k, d in enumerate(jax.devices())}
     for k, (shard, jax_shard) in enumerate(
         zip(shards, sorted(array.addressable_shards, key=lambda s: held_by[s.device.id]))

@@ -13,37 +13,37 @@ import spmd_torch
 import spmd_torch.debug.graph
 import spmd_torch.distributed.spmd as xs
 import spmd_torch.runtime as xr
-from spmd_torch._lazy import placement
+from spmd_torch._lazy.execute import global_array
 from tests.helpers import assert_close
 
 dev = spmd_torch.device()
 
 
 def test_uploads_are_replicated_over_every_device():
-    array = placement.global_array(torch.arange(6.0).to(dev))
+    array = global_array(torch.arange(6.0).to(dev))
     assert array.sharding.is_fully_replicated
     assert {shard.device for shard in array.addressable_shards} == set(jax.devices())
 
 
 def test_data_from_before_spmd_joins_the_mesh_on_first_use():
-    placement.disable_spmd()
+    xr.reset()
     early = torch.arange(6.0).to(dev)
-    assert placement.global_array(early).sharding.num_devices == 1
+    assert global_array(early).sharding.num_devices == 1
     xr.use_spmd()
     late = torch.ones(6).to(dev)
     total = early + late
     spmd_torch.sync()
-    assert placement.global_array(total).sharding.num_devices == 8
-    assert placement.global_array(early).sharding.num_devices == 8  # moved once, kept there
+    assert global_array(total).sharding.num_devices == 8
+    assert global_array(early).sharding.num_devices == 8  # moved once, kept there
     assert_close(total, torch.arange(6.0) + 1)
 
 
 def test_xla_use_spmd_variable_turns_spmd_on_at_import():
     env = dict(os.environ, XLA_USE_SPMD="1", JAX_PLATFORMS="cpu")
     code = (
-        "import torch, spmd_torch; from spmd_torch._lazy import placement; "
+        "import torch, spmd_torch; from spmd_torch._lazy.execute import global_array; "
         "x = torch.ones(2).to(spmd_torch.device()); "
-        "print(placement.global_array(x).sharding.num_devices)"
+        "print(global_array(x).sharding.num_devices)"
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
@@ -51,7 +51,7 @@ def test_xla_use_spmd_variable_turns_spmd_on_at_import():
 
 
 def test_random_ops_draw_the_same_numbers_whatever_the_layout():
-    placement.disable_spmd()
+    xr.reset()
     spmd_torch.manual_seed(0)
     single_device = torch.nn.functional.dropout(torch.ones(16, 8).to(dev), 0.5).cpu()
     xr.use_spmd()
@@ -76,7 +76,7 @@ def test_to_then_mark_sharding_sends_each_device_only_its_shard(monkeypatch):
     t = cpu.to(dev)  # in SPMD mode the upload waits: a mark may come next
     xs.mark_sharding(t, xs.get_1d_mesh("x"), ("x", None))
     assert [tuple(sharding.spec) for shape, sharding in placed if shape == (64, 32)] == [("x",)]
-    array = placement.global_array(t)
+    array = global_array(t)
     assert [s.data.shape for s in array.addressable_shards] == [(8, 32)] * 8
     assert_close(t, cpu)
 
@@ -85,8 +85,8 @@ def test_unmarked_data_is_uploaded_replicated_by_its_first_program():
     cpu = torch.randn(4, 3)
     t = cpu.to(dev)
     assert_close(t * 2, cpu * 2)
-    assert placement.global_array(t).sharding.is_fully_replicated
-    assert placement.global_array(t).sharding.num_devices == jax.device_count()
+    assert global_array(t).sharding.is_fully_replicated
+    assert global_array(t).sharding.num_devices == jax.device_count()
 
 
 def test_data_still_on_the_host_can_be_inspected():

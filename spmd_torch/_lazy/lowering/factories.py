@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
-from . import register_table
 from ._helpers import category, default_float, scalar_dtype
 from .dtypes import to_jax_dtype
+from .registry import register_table
 
 aten = torch.ops.aten
 

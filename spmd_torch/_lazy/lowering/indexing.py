@@ -15,8 +15,9 @@ import numpy as np
 import torch
 from jax import lax
 
-from . import lowers
+from ..layout import crop
 from .dtypes import promote, to_jax_dtype
+from .registry import lowers
 
 aten = torch.ops.aten
 
@@ -32,11 +33,6 @@ def _at(ndim: int, dim: int, index: object) -> tuple:
 def _indices(indices: list) -> tuple:
     """aten's list of optional index tensors as a NumPy-style index (None = the whole axis)."""
     return tuple(slice(None) if i is None else i for i in indices)
-
-
-def _crop(x: jnp.ndarray, shape: tuple) -> jnp.ndarray:
-    """The leading ``shape`` corner of ``x``: gather/scatter take an index smaller than self/src."""
-    return x[tuple(slice(0, n) for n in shape)]
 
 
 def _scalar_as_vector(fn):
@@ -297,14 +293,14 @@ def _gather(x, dim, index, sparse_grad=False):
     if x.ndim == 0 or index.size == 0:
         return jnp.take(x.reshape(-1), index)
     shape = [n if d != dim % x.ndim else x.shape[d] for d, n in enumerate(index.shape)]
-    return jnp.take_along_axis(_crop(x, shape), index, axis=dim)
+    return jnp.take_along_axis(crop(x, shape), index, axis=dim)
 
 
 @lowers(aten.scatter.src, aten.scatter.value)
 @_scalar_as_vector
 def _scatter(x, dim, index, src):
     """scatter.value brings a Python scalar as ``src``; a tensor src may be larger than index."""
-    src = _crop(src, index.shape) if jnp.ndim(src) else src
+    src = crop(src, index.shape) if jnp.ndim(src) else src
     # PyTorch casts src to self's dtype; jax will refuse unsafe casts (int64 -> bool) itself.
     return x.at[_scatter_index(index, dim)].set(jnp.asarray(src).astype(x.dtype))
 
@@ -312,7 +308,7 @@ def _scatter(x, dim, index, src):
 @lowers(aten.scatter_add.default)
 @_scalar_as_vector
 def _scatter_add(x, dim, index, src):
-    return x.at[_scatter_index(index, dim)].add(_crop(src, index.shape))
+    return x.at[_scatter_index(index, dim)].add(crop(src, index.shape))
 
 
 @lowers(aten.scatter_reduce.two)
@@ -320,7 +316,7 @@ def _scatter_add(x, dim, index, src):
 def _scatter_reduce(x, dim, index, src, reduce, include_self=True):
     """include_self=False first resets the targets to the reduction's identity; mean counts self
     as one element iff included (untouched positions divide by 1)."""
-    idx, src = _scatter_index(index, dim), _crop(src, index.shape)
+    idx, src = _scatter_index(index, dim), crop(src, index.shape)
     if not include_self:
         x = x.at[idx].set(_reduce_identity(reduce, x.dtype))
     out = getattr(x.at[idx], _AT_METHOD[reduce])(src)

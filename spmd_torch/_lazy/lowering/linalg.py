@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from . import lowers
+from .registry import lowers
 
 aten = torch.ops.aten
 

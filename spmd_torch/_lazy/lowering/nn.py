@@ -19,9 +19,9 @@ import numpy as np
 import torch
 from jax import lax
 
-from . import lowers
 from .dtypes import to_jax_dtype
 from .linalg import PRECISION, accumulation_dtype
+from .registry import lowers, register_table
 
 aten = torch.ops.aten
 
@@ -317,17 +317,23 @@ def _col2im(self, output_size, kernel_size, dilation, padding, stride):
 # --- softmax -------------------------------------------------------------------------------------
 
 
-@lowers(aten._softmax.default)
-def _softmax(self, dim, half_to_float):
-    """half_to_float keeps the float32 result instead of rounding it back to bf16/fp16."""
-    out = jax.nn.softmax(_upcast(self), axis=dim)
-    return out if half_to_float else out.astype(self.dtype)
+def _softmax_in_opmath(fn):
+    """``fn`` over ``dim`` in float32 for bf16/fp16 inputs; ``half_to_float`` keeps the float32
+    result instead of rounding it back."""
+
+    def lowering(self, dim, half_to_float):
+        out = fn(_upcast(self), axis=dim)
+        return out if half_to_float else out.astype(self.dtype)
+
+    return lowering
 
 
-@lowers(aten._log_softmax.default)
-def _log_softmax(self, dim, half_to_float):
-    out = jax.nn.log_softmax(_upcast(self), axis=dim)
-    return out if half_to_float else out.astype(self.dtype)
+register_table(
+    {
+        aten._softmax.default: _softmax_in_opmath(jax.nn.softmax),
+        aten._log_softmax.default: _softmax_in_opmath(jax.nn.log_softmax),
+    }
+)
 
 
 @lowers(aten._safe_softmax.default)

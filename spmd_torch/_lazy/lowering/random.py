@@ -13,10 +13,29 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from . import lowers
 from .dtypes import to_jax_dtype
+from .registry import EngineOp, lowers
 
 aten = torch.ops.aten
+KEY_IMPL = "threefry2x32"
+RNG_SPLIT = EngineOp("rng_split")  # threads the device PRNG key: key -> (next key, subkey)
+
+
+def key_data(seed: int) -> jax.Array:
+    """The raw key (two uint32 words) that seed ``seed`` starts from."""
+    return jax.random.key_data(jax.random.key(np.uint32(seed & 0xFFFFFFFF), impl=KEY_IMPL))
+
+
+def wrap_key(raw_key: jax.Array) -> jax.Array:
+    """The typed key random lowerings take, from the raw words the graph threads."""
+    return jax.random.wrap_key_data(raw_key, impl=KEY_IMPL)
+
+
+@lowers(RNG_SPLIT)
+def _rng_split(raw_key):
+    """(next state, subkey) as raw key data: the state stays data, so programs never change."""
+    nxt, sub = jax.random.split(wrap_key(raw_key))
+    return jax.random.key_data(nxt), jax.random.key_data(sub)
 
 
 def _float_dtype(dtype: torch.dtype | None) -> np.dtype:

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
-from . import lowers, register_table
 from ._helpers import category, float_dtype, opmath
 from .dtypes import to_jax_dtype
+from .registry import lowers, register_table
 
 aten = torch.ops.aten
 

@@ -21,7 +21,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from spmd_torch import runtime
-from spmd_torch._lazy import placement
+from spmd_torch._lazy import execute
 from spmd_torch._lazy.transfer import to_torch
 
 from . import validate
@@ -192,7 +192,7 @@ del _name
 def _local_shards(tensor: torch.Tensor) -> list[XLAShard]:
     """The shards of ``tensor``'s device array, cut back to its logical (unpadded) shape."""
     validate._check_xla_tensor(tensor, "local_shards")
-    array = placement.global_array(tensor)
+    array = execute.global_array(tensor)
     shape = tuple(tensor.shape)
     tiling = tiling_of(array.sharding, len(shape))
     index = device_index()
@@ -201,16 +201,16 @@ def _local_shards(tensor: torch.Tensor) -> list[XLAShard]:
     shards = []
     for shard in sorted(array.addressable_shards, key=lambda s: index[s.device.id]):
         device = index[shard.device.id]
-        host = to_torch(shard.data, tensor.dtype)
         if replicated:
             indices = Ellipsis
-            data = host[tuple(slice(0, n) for n in shape)]
+            data = to_torch(shard.data, tensor.dtype, shape)
             replica_id = device if tiling.type is ShardingType.REPLICATED else 0
         else:
             indices = tuple(
                 _clipped(s, n, padded) for s, n, padded in zip(shard.index, shape, array.shape)
             )
-            data = host[tuple(slice(0, s.stop - s.start) for s in indices)]
+            logical = tuple(s.stop - s.start for s in indices)  # the shard without padding
+            data = to_torch(shard.data, tensor.dtype, logical)
             replica_id = tiling.replica_id(device)
         shards.append(XLAShard(data.contiguous(), indices, f"{kind}:{device}", replica_id))
     return shards

@@ -14,7 +14,7 @@ import torch
 from jax.sharding import NamedSharding
 
 from spmd_torch import runtime
-from spmd_torch._lazy import placement
+from spmd_torch._lazy import manual, placement
 
 from . import validate
 from ._tiling import ShardingType, Tiling, tiling_of
@@ -152,11 +152,11 @@ class _ToShards(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t: torch.Tensor, sharding: NamedSharding) -> torch.Tensor:
         ctx.sharding, ctx.full_shape = sharding, tuple(t.shape)
-        return placement.enter_manual(t, sharding)
+        return manual.enter(t, sharding)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple:
-        return placement.exit_manual(grad, ctx.sharding, ctx.full_shape), None
+        return manual.leave(grad, ctx.sharding, ctx.full_shape), None
 
 
 class _FromShards(torch.autograd.Function):
@@ -165,11 +165,11 @@ class _FromShards(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t: torch.Tensor, sharding: NamedSharding, full_shape: tuple) -> torch.Tensor:
         ctx.sharding = sharding
-        return placement.exit_manual(t, sharding, full_shape)
+        return manual.leave(t, sharding, full_shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple:
-        return placement.enter_manual(grad.contiguous(), ctx.sharding), None, None
+        return manual.enter(grad.contiguous(), ctx.sharding), None, None
 
 
 def _mesh_or_global(mesh: Mesh | None, api: str) -> Mesh:

@@ -1,0 +1,59 @@
+"""Layouts without state: an uneven sharding's padded shape, padding to it and cropping back.
+
+JAX arrays cannot be sharded unevenly, so a dimension that does not divide among its mesh axes is
+stored padded at its end, as PyTorch/XLA does; the graph keeps the logical shape. ``pad_to`` and
+``crop`` work on NumPy arrays (uploads, downloads) and on JAX values (inside programs) alike.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+
+def padded_shape(shape: tuple, sharding) -> tuple:
+    """``shape`` rounded up so each dimension divides evenly among its mesh axes."""
+    spec = getattr(sharding, "spec", None)
+    if not spec:
+        return tuple(shape)
+    sizes = sharding.mesh.shape
+    out = []
+    for dim, n in enumerate(shape):
+        entry = spec[dim] if dim < len(spec) else None
+        names = () if entry is None else (entry,) if isinstance(entry, str) else entry
+        ways = math.prod(sizes[name] for name in names)
+        out.append(-(-n // ways) * ways)
+    return tuple(out)
+
+
+def pad_to(x, shape: tuple):
+    """``x`` zero-padded at the end of each dimension to ``shape`` (itself when already there)."""
+    if tuple(x.shape) == tuple(shape):
+        return x
+    widths = [(0, t - n) for t, n in zip(shape, x.shape)]
+    return np.pad(x, widths) if isinstance(x, np.ndarray) else jnp.pad(x, widths)
+
+
+def padded(x, sharding):
+    """``x`` padded to ``sharding``'s even shape."""
+    return pad_to(x, padded_shape(x.shape, sharding))
+
+
+def crop(x, shape: tuple):
+    """The leading ``shape`` corner of ``x``: an array stored padded, back at its logical shape."""
+    if tuple(x.shape) == tuple(shape):
+        return x
+    return x[tuple(slice(0, n) for n in shape)]
+
+
+def canonical(sharding: NamedSharding) -> NamedSharding:
+    """The form program outputs report (no trailing ``None``), so step N+1 keys equal step N's."""
+    entries = list(sharding.spec)
+    while entries and entries[-1] is None:
+        entries.pop()
+    if len(entries) == len(sharding.spec):
+        return sharding
+    return NamedSharding(sharding.mesh, PartitionSpec(*entries), memory_kind=sharding.memory_kind)

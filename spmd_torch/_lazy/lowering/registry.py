@@ -1,0 +1,60 @@
+"""THE registry of lowerings: one small JAX function per aten overload or engine op.
+
+A lowering receives the op's arguments as the aten schema lists them, with every tensor replaced by
+a ``jax.Array`` (tensor lists by lists of arrays) and every other argument as it was passed
+(Python numbers -- float Scalars of pointwise ops may arrive as weakly typed JAX scalars so that they
+stay inputs of the compiled program -- ``torch.dtype``, lists of ints, ...). It returns an array, or a
+tuple of arrays in the order of the schema's returns. The engine casts each result to the dtype
+PyTorch's meta kernel promised, so a lowering computes in the right precision and need not cast its
+result. Random lowerings (``random=True``) receive a ``jax.random`` key as their first argument.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+class EngineOp:
+    """An op of the engine's own (the PRNG split, sharding constraints, manual-region bounds):
+    recorded as a node and lowered through this registry like any aten overload."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class Lowering:
+    fn: Callable
+    random: bool = False
+
+
+LOWERINGS: dict[torch._ops.OpOverload | EngineOp, Lowering] = {}
+
+
+def lowers(*overloads: torch._ops.OpOverload | EngineOp, random: bool = False) -> Callable:
+    """Register the decorated function as the lowering of ``overloads``; registering one twice raises."""
+
+    def register(fn: Callable) -> Callable:
+        for overload in overloads:
+            if overload in LOWERINGS:
+                raise ValueError(f"{overload} already has a lowering: {LOWERINGS[overload].fn}")
+            LOWERINGS[overload] = Lowering(fn, random)
+        return fn
+
+    return register
+
+
+def register_table(table: dict, adapt: Callable = lambda f: f) -> None:
+    """Register a table of one-line lowerings {overload or tuple of overloads: fn}."""
+    for overloads, fn in table.items():
+        if not isinstance(overloads, tuple):
+            overloads = (overloads,)
+        lowers(*overloads)(adapt(fn))
