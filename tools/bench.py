@@ -403,6 +403,9 @@ class Trainer:
     # XLA's memory analysis of the steady-state step: bytes one device needs while it runs
     # (arguments + temporaries + outputs not aliased to arguments). Known on CPU too; W4 only.
     program_bytes: Callable[[], int | None] = lambda: None
+    # Host seconds each step's barrier took (spmd_torch: linearise, cache key, dispatch); the
+    # timed steps' median is reported as the barrier's host time.
+    barrier_times: list[float] | None = None
 
 
 def _program_bytes(compiled: Any) -> int | None:
@@ -442,11 +445,13 @@ def _run_trainer(tr: Trainer, warmup: int, steps: int, check: bool) -> dict[str,
     compiles_warm = tr.compiles()
 
     times = []
+    barriers_before = len(tr.barrier_times or ())
     for _ in range(steps):
         t0 = _now()
         losses.append(tr.step())
         tr.wait()
         times.append(_now() - t0)
+    barriers = (tr.barrier_times or [])[barriers_before:]
 
     t0 = _now()
     for _ in range(steps):
@@ -472,6 +477,7 @@ def _run_trainer(tr: Trainer, warmup: int, steps: int, check: bool) -> dict[str,
         "param_bytes_per_device": per_device,
         "param_bytes_total": total,
         "program_bytes_per_device": tr.program_bytes(),
+        "barrier_ms": statistics.median(barriers) * 1e3 if barriers else None,
         "loss_first": tr.loss_value(losses[0]),
         "loss_last": tr.loss_value(losses[-1]),
         "warmup": warmup,
@@ -810,6 +816,7 @@ def _spmd_trainer(
     opt = opt_fn(model)
     spmd_torch.sync()
     xm.wait_device_ops()
+    barrier_times: list[float] = []
 
     def step() -> torch.Tensor:
         loss = loss_fn(model, *batch)
@@ -817,7 +824,9 @@ def _spmd_trainer(
         opt.step()
         opt.zero_grad()
         loss = loss.detach()  # before sync, so it is an output of the step's one graph
+        t0 = _now()
         spmd_torch.sync()
+        barrier_times.append(_now() - t0)
         return loss
 
     return Trainer(
@@ -827,6 +836,7 @@ def _spmd_trainer(
         compiles=_spmd_compiles,
         cached_compiles=_spmd_cached_compiles,
         peak_bytes=_jax_peak,
+        barrier_times=barrier_times,
     )
 
 
@@ -861,15 +871,15 @@ def _spmd_fsdp_shard(n: int) -> Callable[[nn.Module, list[torch.Tensor]], None]:
 
 def _spmd_program_bytes() -> int | None:
     """The memory analysis of the last program compiled: W4's steady-state step."""
-    from spmd_torch._lazy import compile as compiler
+    from spmd_torch._lazy import engine
 
-    executables = list(compiler._CACHE.values())
+    executables = list(engine.current().cache.executables.values())
     return _program_bytes(executables[-1].compiled) if executables else None
 
 
 def _spmd_param_bytes(model: nn.Module) -> tuple[int, int]:
     """Bytes of device 0's shards of the parameters' device arrays, and the params' total."""
-    from spmd_torch._lazy.placement import global_array
+    from spmd_torch._lazy.execute import global_array
 
     per_device = sum(global_array(p).addressable_shards[0].data.nbytes for p in model.parameters())
     return per_device, sum(p.numel() * p.element_size() for p in model.parameters())
@@ -1137,6 +1147,11 @@ def _report_training(
         f"spmd_torch/{o} {_fmt(ratios[f'spmd_over_{o}'], '.2f', 'x')}" for o in others
     )
     print(f"  steps/s ratio (>1: spmd_torch faster): {shown}")
+    barrier = results.get("spmd_torch", {}).get("barrier_ms")
+    if barrier is not None:
+        print(
+            f"  spmd_torch barrier host time (sync(): linearise, key, dispatch): {barrier:.2f} ms"
+        )
     return ratios
 
 
