@@ -80,12 +80,12 @@ class _Step(NamedTuple):
 
 
 def build_function(
-    program: Program, donated: tuple, stored_shapes: list, out_shardings: tuple | None = None
+    program: Program, donated: tuple, out_shardings: tuple | None = None
 ) -> Callable:
     """The program as a function of (donated inputs, kept inputs, scalars) -> outputs.
 
-    Inputs stored padded (``stored_shapes`` differ from the leaves' shapes) are cropped to their
-    logical shape first; outputs given a sharding are constrained to it, padded when uneven.
+    Inputs stored padded (an uneven sharding) are cropped to their logical shape first; outputs
+    given a sharding are constrained to it, padded when uneven.
     """
     slots = []  # input position -> (is donated, index within its group)
     counts = [0, 0]
@@ -213,7 +213,7 @@ def lookup_or_compile(
     cache.ops.update((id(node.op), node.op) for node in program.nodes)
     digest = hashlib.sha1(repr(_named(key.structure[0], cache.ops)).encode()).hexdigest()[:8]
     start = time.perf_counter_ns()
-    function = build_function(program, donated, [a.shape for a in arrays], out_shardings)
+    function = build_function(program, donated, out_shardings)
     abstract_inputs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in arrays]
     kept = [a for a, d in zip(abstract_inputs, donated) if not d]
     given = [a for a, d in zip(abstract_inputs, donated) if d]
@@ -282,7 +282,7 @@ def _explain_graph_change(old: tuple, new: tuple, ops: dict) -> str:
 
 def stablehlo_text(program: Program, arrays: list) -> str:
     """The program lowered to StableHLO, nothing compiled or run."""
-    function = build_function(program, (False,) * len(arrays), [a.shape for a in arrays])
+    function = build_function(program, (False,) * len(arrays))
     abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in arrays]
     return jax.jit(function).lower([], abstract, _scalars_aval(len(program.scalars))).as_text()
 

@@ -5,10 +5,9 @@ mode) makes uploads land replicated over all devices and moves any array still o
 them the first time a program uses it (PyTorch/XLA's one-time replication when SPMD starts).
 
 A tensor's sharding belongs to its storage: ``mark`` places data or constrains a pending value
-(a ``CONSTRAIN`` node),
-and the barrier constrains every later value written to that storage the same way, so in-place
-updates (parameters, optimizer state) keep their layout and a training loop compiles once. An
-output the partitioner sharded on its own keeps that sharding the same way from then on.
+(a ``CONSTRAIN`` node), and the barrier constrains every later value written to that storage the
+same way, so in-place updates (parameters, optimizer state) keep their layout and a training loop
+compiles once. An output the partitioner sharded on its own keeps that sharding from then on.
 
 Uneven shardings (a dimension not divisible by its mesh axes) are stored padded at the end of each
 dimension, as PyTorch/XLA does, because JAX arrays cannot be uneven: the graph keeps the logical
