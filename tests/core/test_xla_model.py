@@ -189,6 +189,7 @@ def test_unlazy_computes_only_the_given_tensors():
     assert graph.pending_count() == 1  # y's
     assert "aten.mul.Tensor(%0, 5)" in graph.pending_text()
     assert torch.equal(x.cpu(), torch.full((2,), 4.0))
+    assert torch.equal(y.cpu(), torch.full((2,), 5.0))
 
 
 def _sgd_step_setup():

@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import spmd_torch
-from tests.helpers import assert_compiles
+from tests.helpers import assert_close, assert_compiles, tolerance
 
 dev = spmd_torch.device()
 
@@ -101,11 +101,12 @@ def test_training_matches_eager_step_by_step(model_cls, optimizer):
     # Step 1 has no optimizer state yet; every later step is the same graph.
     with assert_compiles(2):
         actual, trained = _train(model, OPTIMIZERS[optimizer], _batches(model_cls, steps), dev)
-    torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), rtol=1e-4, atol=1e-5)
-    for (name, p_cpu), p_dev in zip(
-        trained_cpu.state_dict().items(), trained.state_dict().values()
-    ):
-        torch.testing.assert_close(p_dev.cpu(), p_cpu, rtol=1e-3, atol=1e-4, msg=name)
+    assert_close(torch.tensor(actual), torch.tensor(expected))
+    assert_close(
+        dict(trained.state_dict()),
+        dict(trained_cpu.state_dict()),
+        **tolerance(torch.float32, name="training"),
+    )
 
 
 def test_gradient_accumulation_and_zero_grad_keep_grads():
@@ -117,7 +118,10 @@ def test_gradient_accumulation_and_zero_grad_keep_grads():
         m.zero_grad(set_to_none=False)
         for half in (slice(0, 4), slice(4, 8)):
             F.cross_entropy(m(x[half].to(device)), y[half].to(device)).backward()
-    for p_cpu, p_dev in zip(reference.parameters(), model.parameters()):
-        torch.testing.assert_close(p_dev.grad.cpu(), p_cpu.grad, rtol=1e-4, atol=1e-6)
+    assert_close(
+        {name: p.grad for name, p in model.named_parameters()},
+        {name: p.grad for name, p in reference.named_parameters()},
+        **tolerance(torch.float32, "grad", "training"),
+    )
     model.zero_grad(set_to_none=False)
     assert all(float(p.grad.abs().sum()) == 0.0 for p in model.parameters())

@@ -17,7 +17,7 @@ import spmd_torch.distributed.spmd as xs
 from spmd_torch.experimental.spmd_fully_sharded_data_parallel import (
     SpmdFullyShardedDataParallel as FSDPv2,
 )
-from tests.helpers import assert_compiles
+from tests.helpers import assert_close, assert_compiles, tolerance
 
 dev = spmd_torch.device()
 DEVICES = ",".join(map(str, range(8)))
@@ -137,9 +137,9 @@ def test_training_with_adamw_matches_eager_step_by_step(mesh):
     # Step 1 has no optimizer state yet; steps 2-4 are one more graph.
     with assert_compiles(2):
         actual = _train(model, dev, 4, adamw, mesh)
-    torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), rtol=1e-4, atol=1e-5)
+    assert_close(torch.tensor(actual), torch.tensor(expected))
     for (name, p_cpu), p_dev in zip(reference.named_parameters(), model.module.parameters()):
-        torch.testing.assert_close(p_dev.cpu(), p_cpu, rtol=1e-3, atol=1e-4, msg=name)
+        assert_close({name: p_dev}, {name: p_cpu}, **tolerance(torch.float32, name="training"))
 
 
 def test_parameters_keep_their_sharding_after_optimizer_step(mesh):

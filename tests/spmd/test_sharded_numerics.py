@@ -12,8 +12,8 @@ import spmd_torch
 import spmd_torch.debug.graph
 import spmd_torch.distributed.spmd as xs
 from spmd_torch._lazy import compile as compiler
-from spmd_torch._lazy.execute import global_array
 from spmd_torch._lazy import engine
+from spmd_torch._lazy.execute import global_array
 from tests.helpers import assert_close, assert_compiles, assert_counter_delta
 
 dev = spmd_torch.device()

@@ -1,8 +1,9 @@
 """Run a lowering on JAX copies of torch arguments, for all the lowering unit tests.
 
-The comparison is tests.helpers.assert_close: same structure and shapes, the exact dtype (the
-lowering's own, mapped back with to_torch_dtype, unless ``cast``), values within the dtype's
-tolerance or the one a test asks for.
+The expected value is tests.helpers.reference (a bf16/fp16 one computed in float64 and rounded
+once); the comparison is tests.helpers.assert_close: same structure and shapes, the exact dtype
+(the lowering's own, mapped back with to_torch_dtype, unless ``cast``), values within the table's
+tolerance for the dtype or the named override a test asks for.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch.utils._pytree as pytree
 
 from spmd_torch._lazy.lowering import LOWERINGS
 from spmd_torch._lazy.lowering.dtypes import to_torch_dtype
-from tests.helpers import assert_close
+from tests.helpers import assert_close, reference, tolerance
 
 _GEN = torch.Generator().manual_seed(0)
 
@@ -108,13 +109,14 @@ def lowered(op, *args: object, jit: bool = True, **kwargs: object) -> object:
     return to_torch((jax.jit(program) if jit else program)(*inputs))
 
 
-TORCH_TOL = {"rtol": None, "atol": None}
-"""torch.testing's own per-dtype tolerances: assert_close hands the Nones on to torch."""
+def named(name: str) -> Callable[[torch.dtype], dict]:
+    """The tolerance table's override ``name`` (tests.helpers.TOLERANCE_OVERRIDES), per dtype."""
+    tolerance(torch.float32, name=name)  # an unknown name fails at collection
+    return lambda dtype: tolerance(dtype, name=name)
 
 
-def tight(dtype: torch.dtype) -> dict:
-    """The nn and linalg tolerance: 1e-5 for float32, torch.testing's default for other dtypes."""
-    return {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else TORCH_TOL
+tight = named("single_op")
+"""The nn and linalg tolerance: one aten op on its own."""
 
 
 def _cast_like(got: object, expected: object) -> object:
@@ -148,11 +150,12 @@ def assert_same(got: object, expected: object, tol: Tolerance = None, *, cast: b
 def check(
     op, *args: object, cast: bool = False, tol: Tolerance = None, jit: bool = True, **kwargs: object
 ):
-    """The lowering of ``op`` matches ``op`` run eagerly on CPU (see assert_same and lowered)."""
-    expected = op(*map(_plain, args), **{k: _plain(v) for k, v in kwargs.items()})
+    """The lowering of ``op`` matches ``op`` run eagerly on CPU, a bf16/fp16 result computed in
+    float64 and rounded once (see tests.helpers.reference, assert_same and lowered)."""
+    expected = reference(op, *map(_plain, args), **{k: _plain(v) for k, v in kwargs.items()})
     assert_same(lowered(op, *args, jit=jit, **kwargs), expected, tol, cast=cast)
 
 
-def case(op, *args: object, id: str, tol: dict | None = None, **kwargs: object):
+def case(op, *args: object, id: str, tol: Tolerance = None, **kwargs: object):
     """A pytest param (op, args, kwargs, tol) with its own id."""
     return pytest.param(op, args, kwargs, tol, id=id)

@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from tests.helpers import assert_close
-from tests.unit._lowering_harness import Traced, cases, check, lowered, op_name, sample
+from tests.unit._lowering_harness import Traced, cases, check, lowered, named, op_name, sample
 
 aten = torch.ops.aten
 f32, bf16, f64 = torch.float32, torch.bfloat16, torch.float64
 i32, i64, u8 = torch.int32, torch.int64, torch.uint8
 
 _NAN, _INF = float("nan"), float("inf")
-_EXACT = {"rtol": 0, "atol": 0}
+_EXACT = named("exact")
 _SIGNS = torch.tensor([1, -1, 1, -1, -1, 1], dtype=i32)
 _SPECIALS = [_NAN, _INF, -_INF, -0.0, 0.0, 0.5, -0.5, 1.5, 2.5, -2.5]
 
@@ -222,7 +222,6 @@ def test_binary_promotes_like_torch(op, a, b):
         (aten.remainder.Scalar, (sample(5, dtype=i32, low=-9, high=9), -3), {}),
         (aten.remainder.Scalar_Tensor, (7, sample(5, dtype=i64, low=1, high=4)), {}),
         (aten.fmod.Scalar, (sample(5, low=-9, high=9), -2.5), {}),
-        (aten.eq.Scalar, (torch.tensor([0.1, 0.2], dtype=bf16), 0.1), {}),
         (aten.lt.Scalar, (sample(5, dtype=i32), 0.5), {}),
         (aten.pow.Tensor_Scalar, (sample(5, dtype=i64, low=-9, high=9), 3), {}),
         (aten.pow.Tensor_Scalar, (sample(5, low=-3, high=3), 2), {}),
@@ -242,6 +241,13 @@ def test_binary_promotes_like_torch(op, a, b):
 def test_scalar_operand_matches_torch(op, args, kwargs):
     """A Python scalar promotes across categories only: int tensor * 0.5 is float32."""
     check(op, *args, **kwargs)
+
+
+def test_scalar_compares_in_the_tensors_dtype():
+    """ATen casts the scalar to bf16 first: 0.1 becomes 0.10009765625, which equals the tensor's
+    0.1 (a float64 reference would compare with 0.1 itself, so the expected value is spelled)."""
+    got = lowered(aten.eq.Scalar, torch.tensor([0.1, 0.2], dtype=bf16), 0.1)
+    assert_close(got, torch.tensor([True, False]))
 
 
 _NUM = torch.tensor([-7, 7, -7, 7, -8, 8, 0, 0, 5, -5])
@@ -272,7 +278,7 @@ def test_floor_division_is_exact_and_keeps_the_sign_of_zero():
     )
     got = lowered(aten.div.Tensor_mode, a, b, rounding_mode="floor")
     expected = aten.div.Tensor_mode(a, b, rounding_mode="floor")
-    assert_close(got, expected, **_EXACT)
+    assert_close(got, expected, **_EXACT(f64))
     assert torch.equal(got.signbit(), expected.signbit())
 
 
@@ -375,7 +381,6 @@ def test_integer_pow_broadcasts_scalar_base():
         ),
         (aten.addcdiv.default, (sample(9), sample(9), sample(9, low=0.5)), {"value": -2}),
         (aten.nan_to_num.default, (_with_specials(sample(3)),), {}),
-        (aten.nan_to_num.default, (_with_specials(sample(3, dtype=bf16)),), {}),
         (aten.nan_to_num.default, (_with_specials(sample(3)), 1.0, 2.0, -3.0), {}),
         (aten.where.self, (sample(9, dtype=torch.bool), sample(9, dtype=i32), sample(9)), {}),
         (
@@ -413,6 +418,17 @@ def test_integer_pow_broadcasts_scalar_base():
 )
 def test_pointwise_with_arguments_matches_torch(op, args, kwargs):
     check(op, *args, **kwargs)
+
+
+def test_nan_to_num_defaults_to_the_dtypes_range():
+    """NaN becomes 0 and +-inf bf16's largest finite values (spelled out: a float64 reference
+    would use float64's, which round to inf in bf16)."""
+    x = torch.tensor([1.5, -3.0, *_SPECIALS], dtype=bf16)
+    big = torch.finfo(bf16).max
+    expected = [1.5, -3.0, 0.0, big, -big, -0.0, 0.0, 0.5, -0.5, 1.5, 2.5, -2.5]
+    assert_close(
+        lowered(aten.nan_to_num.default, x), torch.tensor(expected, dtype=bf16), **_EXACT(bf16)
+    )
 
 
 _SHIFTED = torch.tensor([-7, 7, -7, 7, -7, 7, 1, -1])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from spmd_torch._lazy.lowering import LOWERINGS
-from tests.unit._lowering_harness import TORCH_TOL, check
+from tests.unit._lowering_harness import check, named
 
 aten = torch.ops.aten
 _gen = torch.Generator().manual_seed(0)
@@ -355,7 +355,7 @@ CASES = VIEW_CASES + SCATTER_BACK_CASES + INDEX_CASES + _scatter_reduce_cases() 
 
 @pytest.mark.parametrize(("op", "args", "kwargs", "jit"), CASES)
 def test_lowering_matches_eager_torch(op, args, kwargs, jit):
-    check(op, *args, cast=True, tol=TORCH_TOL, jit=jit, **kwargs)
+    check(op, *args, cast=True, tol=named("data_movement"), jit=jit, **kwargs)
 
 
 def test_nonzero_is_not_lowered():

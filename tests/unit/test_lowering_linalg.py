@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from spmd_torch._lazy.lowering import LOWERINGS
-from tests.unit._lowering_harness import Traced, assert_same, case, check, lowered, tight
+from tests.unit._lowering_harness import Traced, assert_same, case, check, lowered, named, tight
 
 aten = torch.ops.aten
 _gen = torch.Generator().manual_seed(0)
@@ -22,7 +22,6 @@ def _t(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.randint(-9, 10, shape, generator=_gen, dtype=dtype)
 
 
-_F32 = {"rtol": 1e-5, "atol": 1e-5}
 _nan_bias = torch.full((3, 5), math.nan)
 
 CASES = [
@@ -91,7 +90,7 @@ CASES = [
         _t(5, 3),
         2.0,
         None,
-        tol={"rtol": 1e-4, "atol": 1e-4},
+        tol=named("cdist_mm"),
         id="cdist-p2-mm-path-over-25-rows",
     ),
     case(aten._cdist_forward.default, _t(4, 3), _t(5, 3), 2.0, 2, id="cdist-p2-mode-never-mm"),
@@ -101,7 +100,7 @@ CASES = [
         _t(5, 3),
         2.0,
         1,
-        tol={"rtol": 1e-4, "atol": 1e-4},
+        tol=named("cdist_mm"),
         id="cdist-p2-mode-mm",
     ),
 ]
@@ -131,14 +130,14 @@ def _cdist_backward_case(p: float, id: str):
     ],
 )
 def test_cdist_backward_matches_eager(op, args, kwargs, tol):
-    check(op, *args, cast=True, tol=_F32, **kwargs)
+    check(op, *args, cast=True, tol=tight, **kwargs)
 
 
 def test_addmm_traced_scalars_keep_beta0_semantics():
     """beta/alpha may arrive as traced scalars; beta == 0 must still drop a NaN input."""
     bias, a, b = _nan_bias, _t(3, 4), _t(4, 5)
     got = lowered(aten.addmm.default, bias, a, b, beta=Traced(0.0), alpha=Traced(2.0))
-    assert_same(got, aten.addmm(bias, a, b, beta=0, alpha=2), _F32, cast=True)
+    assert_same(got, aten.addmm(bias, a, b, beta=0, alpha=2), tight, cast=True)
 
 
 def test_mm_float32_uses_full_precision():
@@ -172,7 +171,7 @@ def test_linalg_svd_matches_eager(shape, full_matrices):
     assert [t.shape for t in got] == [U.shape, S.shape, Vh.shape]
     k = S.shape[-1]
     expected = (S, torch.diag_embed(S), U[..., :k] @ Vh[..., :k, :])
-    assert_same(_svd_parts(A, full_matrices), expected, _F32)
+    assert_same(_svd_parts(A, full_matrices), expected, tight)
 
 
 def test_linalg_svd_without_uv_returns_empty_factors():
@@ -180,4 +179,4 @@ def test_linalg_svd_without_uv_returns_empty_factors():
     U, S, Vh = aten._linalg_svd.default(A, compute_uv=False)
     got = lowered(aten._linalg_svd.default, A, compute_uv=False)
     assert [t.shape for t in got] == [U.shape, S.shape, Vh.shape] == [(0,), (2, 3), (0,)]
-    assert_same(got[1], S, _F32)
+    assert_same(got[1], S, tight)
