@@ -7,6 +7,14 @@ Workloads:
   W4  FSDP: the W3 GPT at batch 16, AdamW, every 2-D param and the batch sharded on dim 0 over
       an 8-device mesh with axis 'fsdp' (8 virtual CPU devices; --gpu: min(8, GPUs)), the rest
       replicated. Implementations jax and spmd_torch only; also reports param bytes per device.
+  W2mp  W2's MLP data parallel over 8 devices (8 virtual CPU devices; --gpu: every local GPU), two
+      ways: ``mp``, a per-device multiprocessing script (``spmd_torch.launch``, batch 32 per
+      replica, ``xm.optimizer_step`` all-reducing the gradients) against ``spmd_torch``, one SPMD
+      program (global batch 32 x devices sharded over a 1-D 'data' mesh). Batches are uploaded
+      once before the loop with .to(device), as in W2 (no MpDeviceLoader). Steps/s is the median
+      of timed windows of pipelined steps; then one window of blocked steps with probes patched
+      in breaks the host time per step down (mp: tracing of each replica, turn hand-offs, the
+      merged run's assembly and call). Compiles count UncachedCompile.
 
 Each (workload, implementation) pair runs in its own subprocess (``--only W3:jax``), so compile
 caches, thread pools and device peak memory never leak from one run into the next. The parent
@@ -20,6 +28,7 @@ Usage:
   python3 tools/bench.py --check                  # 3 steps each from one init: loss differences
   python3 tools/bench.py --gpu                    # spmd_torch and JAX on CUDA (and eager if it can)
   python3 tools/bench.py --workloads W4 --impls jax
+  python3 tools/bench.py --workloads W2mp --rounds 3  # mp and SPMD, alternated 3 times
   python3 tools/bench.py --only W2:jax            # one run in this process (what the parent runs)
 """
 
@@ -45,19 +54,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-WORKLOADS = ("W1", "W2", "W3", "W4")
-IMPLS = ("eager", "jax", "spmd_torch")
-# Workloads that lack an implementation: W4 is about sharding, which eager PyTorch has no say in.
-WORKLOAD_IMPLS = {"W4": ("jax", "spmd_torch")}
+WORKLOADS = ("W1", "W2", "W3", "W4", "W2mp")
+IMPLS = ("eager", "jax", "spmd_torch", "mp")
+# The implementations of each workload (default: eager, jax, spmd_torch). W4 is about sharding,
+# which eager PyTorch has no say in; W2mp sets spmd_torch's two ways of data parallelism apart.
+WORKLOAD_IMPLS = {"W4": ("jax", "spmd_torch"), "W2mp": ("mp", "spmd_torch")}
+_DEFAULT_IMPLS = ("eager", "jax", "spmd_torch")
 _IMPL_ALIASES = {
     "eager": "eager",
     "torch": "eager",
     "jax": "jax",
     "spmd": "spmd_torch",
     "spmd_torch": "spmd_torch",
+    "mp": "mp",
 }
+# Workloads whose CPU runs need FSDP.mesh_devices virtual devices.
+_MESH_WORKLOADS = ("W4", "W2mp")
 # (warm-up, timed) steps per workload; W1 counts repetitions of the whole 2000-op chain.
-DEFAULT_STEPS = {"W1": (2, 10), "W2": (5, 20), "W3": (3, 10), "W4": (3, 10)}
+DEFAULT_STEPS = {"W1": (2, 10), "W2": (5, 20), "W3": (3, 10), "W4": (3, 10), "W2mp": (5, 50)}
 CHECK_STEPS = 3
 # Losses of the three implementations must agree to this relative tolerance under --check.
 CHECK_RTOL = 1e-4
@@ -139,10 +153,10 @@ def _chain_data() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return x, y, w
 
 
-def _mlp_data() -> tuple[np.ndarray, np.ndarray]:
+def _mlp_data(batch: int = MLP_CFG.batch) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.RandomState(1)
-    x = rng.randn(MLP_CFG.batch, MLP_CFG.sizes[0]).astype(np.float32)
-    y = rng.randint(0, MLP_CFG.sizes[-1], size=(MLP_CFG.batch,)).astype(np.int64)
+    x = rng.randn(batch, MLP_CFG.sizes[0]).astype(np.float32)
+    y = rng.randint(0, MLP_CFG.sizes[-1], size=(batch,)).astype(np.int64)
     return x, y
 
 
@@ -902,6 +916,334 @@ def w4_spmd(warmup: int, steps: int, check: bool, gpu: bool) -> dict[str, Any]:
     return {**_run_trainer(tr, warmup, steps, check), **_fsdp_info(n)}
 
 
+# ------------------------------------------------------------------------------------------------
+# W2mp: W2's MLP data parallel, as a per-device multiprocessing script (launch, one replica per
+# device) and as one SPMD program (the batch sharded over a 1-D mesh). Both run the same math on
+# the same data from one init: the mean of the replicas' losses is the SPMD loss.
+
+W2MP_BATCH = 32  # rows per replica (per device in the SPMD program)
+W2MP_WINDOWS = 5  # timed windows; --steps is split between them
+W2MP_AXIS = "data"
+
+
+def _w2mp_devices() -> int:
+    """Replicas (mp) and mesh size (SPMD): every local device, as ``launch`` uses."""
+    import jax
+
+    return jax.local_device_count()
+
+
+def _w2mp_data(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """A global batch of W2MP_BATCH rows per device; for 8 devices, W2's batch of 256 itself."""
+    return _mlp_data(W2MP_BATCH * n)
+
+
+def _spmd_uncached() -> int:
+    import spmd_torch.debug.metrics as met
+
+    return int(met.counter_value("UncachedCompile") or 0)
+
+
+class _Probes:
+    """perf_counter_ns totals and call counts of wrapped engine functions: the host-time
+    breakdown. Patched in for one window only and taken out again, so the timed windows run the
+    engine as it is."""
+
+    def __init__(self) -> None:
+        self.ns: dict[str, int] = {}
+        self.calls: dict[str, int] = {}
+        self._undo: list[tuple[Any, str, Any]] = []
+        self._execute_seen = 0
+
+    def add(self, name: str, ns: int) -> None:
+        self.ns[name] = self.ns.get(name, 0) + ns
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def wrap(self, owner: Any, attr: str, name: str) -> None:
+        original = getattr(owner, attr)
+        add = self.add
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter_ns()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                add(name, time.perf_counter_ns() - start)
+
+        self._undo.append((owner, attr, original))
+        setattr(owner, attr, timed)
+
+    def wrap_turns(self, world_cls: Any) -> None:
+        """Times each turn hand-off: from the holder passing the turn to the next replica's
+        thread waking up with it (replicas.py World._pass_turn -> World._await_turn)."""
+        pass_turn, await_turn = world_cls._pass_turn, world_cls._await_turn
+        handed: dict[int, int] = {}
+        add = self.add
+
+        def timed_pass(world: Any) -> None:
+            before = world.turn
+            pass_turn(world)
+            if world.turn is not None and world.turn != before:
+                handed[world.turn] = time.perf_counter_ns()
+
+        def timed_await(world: Any, replica: Any) -> None:
+            await_turn(world, replica)
+            start = handed.pop(replica.ordinal, None)
+            if start is not None:
+                add("handoff", time.perf_counter_ns() - start)
+
+        self._undo += [(world_cls, "_pass_turn", pass_turn), (world_cls, "_await_turn", await_turn)]
+        world_cls._pass_turn, world_cls._await_turn = timed_pass, timed_await
+
+    def start(self, mp: bool) -> None:
+        import jax
+
+        from spmd_torch._lazy import compile as compiler
+        from spmd_torch._lazy import counters, execute, replicas
+
+        self._execute_seen = len(counters.METRICS["ExecuteTime"])
+        for attr in ("sync", "live_pending", "linearize", "_bind"):
+            self.wrap(execute, attr, attr)
+        self.wrap(compiler, "lookup_or_compile", "lookup")
+        if mp:
+            for attr in ("barrier", "_wait", "_run"):
+                self.wrap(replicas.World, attr, attr.lstrip("_"))
+            self.wrap(replicas, "_stacked", "stacked")
+            self.wrap(jax, "make_array_from_single_device_arrays", "make_array")
+            self.wrap(jax, "device_put", "device_put")
+            self.wrap_turns(replicas.World)
+        else:
+            self.wrap(execute, "run", "run")
+
+    def stop(self) -> None:
+        from spmd_torch._lazy import counters
+
+        for owner, attr, original in reversed(self._undo):
+            setattr(owner, attr, original)
+        self._undo.clear()
+        executed = counters.METRICS["ExecuteTime"][self._execute_seen :]
+        self.ns["execute"], self.calls["execute"] = sum(executed), len(executed)
+
+
+def _run_windows(
+    step: Callable[[], torch.Tensor],
+    wait: Callable[[], None],
+    warmup: int,
+    windows: int,
+    window: int,
+    probes: _Probes | None,
+    mp: bool,
+) -> dict[str, Any]:
+    """Warm-up, then `windows` timed windows of `window` pipelined steps (one wait at the end of
+    each), then one more window of blocked steps with `probes` patched in: waiting for the device
+    after each step keeps device work (on CPU, on the same cores) out of the host times. Every
+    replica of a launch runs it (they meet at each step's barrier; only replica 0 has probes and
+    its wait holds the turn), and replica 0's figures are the world's."""
+    t0 = _now()
+    losses = [step()]
+    wait()
+    first_step_s = _now() - t0
+    compiles_first = _spmd_uncached()
+    for _ in range(warmup - 1):
+        step()
+    wait()
+    compiles_warm = _spmd_uncached()
+    rates = []
+    for _ in range(windows):
+        t0 = _now()
+        for _ in range(window):
+            losses.append(step())
+        wait()
+        rates.append(window / (_now() - t0))
+    compiles_timed = _spmd_uncached()
+    first_probed = warmup + windows * window  # index of the first probed step
+    if probes is not None:
+        probes.start(mp)
+    host_s = wait_s = 0.0
+    for _ in range(window):
+        t0 = _now()
+        losses.append(step())
+        t1 = _now()
+        wait()
+        host_s, wait_s = host_s + t1 - t0, wait_s + _now() - t1
+    if probes is not None:
+        probes.stop()
+    return {
+        "first_step_s": first_step_s,
+        "steps_per_s": statistics.median(rates),
+        "window_steps_per_s": rates,
+        "compiles_first_step": compiles_first,
+        "compiles_in_timed": compiles_timed - compiles_warm,
+        "compiles_in_probe": _spmd_uncached() - compiles_timed,
+        "probe_steps": (first_probed, first_probed + window),
+        "probe_host_ms": host_s * 1e3 / window,  # in step(): all host work, serial
+        "probe_wait_ms": wait_s * 1e3 / window,  # then waiting for the device
+        "probe_ns": None if probes is None else probes.ns,
+        "probe_calls": None if probes is None else probes.calls,
+        "loss_first": losses[0].item(),
+        "loss_last": losses[-1].item(),
+    }
+
+
+def _w2mp_windows(steps: int) -> tuple[int, int]:
+    """(windows, steps per window) for `steps` timed steps."""
+    windows = min(W2MP_WINDOWS, max(steps, 1))
+    return windows, max(steps // windows, 1)
+
+
+def _w2mp_replica(
+    index: int,
+    data: tuple[np.ndarray, np.ndarray],
+    warmup: int,
+    steps: int,
+    check: bool,
+) -> dict[str, Any]:
+    """One replica of the mp script, as a PyTorch/XLA user writes it: the same init everywhere,
+    its own rows of the batch (uploaded once, before the loop, as W2 does: no loader), gradients
+    all-reduced by xm.optimizer_step, one barrier per step."""
+    import spmd_torch.core.xla_model as xm
+
+    dev = xm.xla_device()
+    torch.manual_seed(0)
+    model = MLP().to(dev)
+    opt = _new_sgd(model)
+    rows = slice(index * W2MP_BATCH, (index + 1) * W2MP_BATCH)
+    x, y = (torch.from_numpy(a[rows]).to(dev) for a in data)
+    xm.mark_step()
+    xm.wait_device_ops()
+    trace_ns: list[int] = []
+
+    def step() -> torch.Tensor:
+        start = time.perf_counter_ns()
+        loss = _mlp_loss(model, x, y)
+        loss.backward()
+        xm.optimizer_step(opt)
+        opt.zero_grad()
+        loss = loss.detach()
+        trace_ns.append(time.perf_counter_ns() - start)
+        xm.mark_step()
+        return loss
+
+    if check:
+        losses = [step() for _ in range(steps)]
+        return {"losses": [loss.item() for loss in losses]}
+    windows, window = _w2mp_windows(steps)
+    probes = _Probes() if index == 0 else None
+    result = _run_windows(step, xm.wait_device_ops, warmup, windows, window, probes, mp=True)
+    return {**result, "trace_ns": trace_ns}
+
+
+def _per_step(r: dict[str, Any]) -> Callable[[str], float]:
+    """ms per probed step of one probe's total."""
+    lo, hi = r["probe_steps"]
+    return lambda name: r["probe_ns"].get(name, 0) / (hi - lo) / 1e6
+
+
+def _mp_breakdown(r0: dict[str, Any], traces: list[list[int]]) -> dict[str, float]:
+    """Host ms per step of the probed window, by where it went. It is all serial (replicas take
+    turns; the last to arrive runs the merged program), so the parts add up to replica 0's time
+    in step(); `unaccounted` is what no probe covers (lock, answers, RNG swaps, loop)."""
+    ms = _per_step(r0)
+    lo, hi = r0["probe_steps"]
+    trace = sum(sum(t[lo:hi]) for t in traces) / (hi - lo) / 1e6
+    out = {
+        "host": r0["probe_host_ms"],
+        "device_wait": r0["probe_wait_ms"],
+        "trace_all": trace,
+        "trace_per_replica": trace / len(traces),
+        "sync_own": ms("sync") - ms("wait"),  # the replicas' barriers less their waiting
+        "live_pending": ms("live_pending"),
+        "linearize": ms("linearize"),
+        "barrier_key": ms("barrier") - ms("wait"),  # World.barrier: arrays, scalars, key
+        "bind": ms("_bind"),
+        "handoff": ms("handoff"),
+        "handoffs_per_step": r0["probe_calls"].get("handoff", 0) / (hi - lo),
+        "run": ms("run"),
+        "stacked": ms("stacked"),
+        "make_array": ms("make_array"),
+        "device_put": ms("device_put"),
+        "lookup": ms("lookup"),
+        "execute": ms("execute"),
+    }
+    out["run_other"] = out["run"] - out["stacked"] - out["device_put"] - out["lookup"]
+    out["run_other"] -= out["execute"]
+    out["unaccounted"] = out["host"] - trace - out["sync_own"] - out["run"] - out["handoff"]
+    return out
+
+
+def _spmd_breakdown(r: dict[str, Any]) -> dict[str, float]:
+    """Host ms per step of the probed window: tracing, then the barrier (sync) and its parts."""
+    ms = _per_step(r)
+    return {
+        "host": r["probe_host_ms"],
+        "device_wait": r["probe_wait_ms"],
+        "trace": r["probe_host_ms"] - ms("sync"),
+        "barrier": ms("sync"),
+        "live_pending": ms("live_pending"),
+        "linearize": ms("linearize"),
+        "run": ms("run"),
+        "lookup": ms("lookup"),
+        "execute": ms("execute"),
+        "bind": ms("_bind"),
+    }
+
+
+def w2mp_mp(warmup: int, steps: int, check: bool, gpu: bool) -> dict[str, Any]:
+    spmd_torch = _import_spmd()
+    n = _w2mp_devices()
+    before = _spmd_uncached()
+    results = spmd_torch.launch(_w2mp_replica, args=(_w2mp_data(n), warmup, steps, check))
+    replicas = [results[k] for k in range(n)]
+    if check:  # the global batch's loss: the mean of the replicas' equal-sized batches' losses
+        return {"losses": [float(np.mean(ls)) for ls in zip(*(r["losses"] for r in replicas))]}
+    r0 = replicas[0]
+    return {
+        **{k: v for k, v in r0.items() if not k.startswith("probe_") and k != "trace_ns"},
+        "compiles_total": _spmd_uncached() - before,
+        "host_ms": _mp_breakdown(r0, [r["trace_ns"] for r in replicas]),
+        "loss_first": float(np.mean([r["loss_first"] for r in replicas])),
+        "loss_last": float(np.mean([r["loss_last"] for r in replicas])),
+        "device": f"{n} replicas",
+        "mesh_devices": n,
+        "warmup": warmup,
+        "steps": steps,
+    }
+
+
+def _spmd_dp_shard(n: int) -> Callable[[nn.Module, list[torch.Tensor]], None]:
+    """W2mp's SPMD marks: the batch split on dim 0 over an n-device 1-D mesh; the parameters
+    left unmarked, so replicated (data parallel)."""
+    import spmd_torch.distributed.spmd as xs
+
+    mesh = xs.Mesh(np.arange(n), (n,), (W2MP_AXIS,))
+
+    def shard(model: nn.Module, batch: list[torch.Tensor]) -> None:
+        for t in batch:
+            xs.mark_sharding(t, mesh, (W2MP_AXIS,) + (None,) * (t.dim() - 1))
+
+    return shard
+
+
+def w2mp_spmd(warmup: int, steps: int, check: bool, gpu: bool) -> dict[str, Any]:
+    _import_spmd()
+    n = _w2mp_devices()
+    before = _spmd_uncached()
+    tr = _spmd_trainer(_new_mlp(), _new_sgd, _mlp_loss, _w2mp_data(n), shard=_spmd_dp_shard(n))
+    if check:
+        return _run_trainer(tr, warmup, steps, check)
+    windows, window = _w2mp_windows(steps)
+    r = _run_windows(tr.step, tr.wait, warmup, windows, window, _Probes(), mp=False)
+    return {
+        **{k: v for k, v in r.items() if not k.startswith("probe_")},
+        "compiles_total": _spmd_uncached() - before,
+        "host_ms": _spmd_breakdown(r),
+        "device": f"{n}-device mesh",
+        "mesh_devices": n,
+        "warmup": warmup,
+        "steps": steps,
+    }
+
+
 RUNNERS: dict[tuple[str, str], Callable[[int, int, bool, bool], dict[str, Any]]] = {
     ("W1", "eager"): w1_eager,
     ("W1", "jax"): w1_jax,
@@ -914,6 +1256,8 @@ RUNNERS: dict[tuple[str, str], Callable[[int, int, bool, bool], dict[str, Any]]]
     ("W3", "spmd_torch"): w3_spmd,
     ("W4", "jax"): w4_jax,
     ("W4", "spmd_torch"): w4_spmd,
+    ("W2mp", "mp"): w2mp_mp,
+    ("W2mp", "spmd_torch"): w2mp_spmd,
 }
 
 
@@ -923,13 +1267,13 @@ RUNNERS: dict[tuple[str, str], Callable[[int, int, bool, bool], dict[str, Any]]]
 
 def _configure_jax_env(gpu: bool, env: dict[str, str], workload: str = "") -> dict[str, str]:
     """Pins the JAX platform before jax is imported; drops a forced CPU device count (tests set 8),
-    which would split the CPU thread pool between virtual devices, except for W4 on CPU, whose
-    mesh needs FSDP.mesh_devices of them."""
+    which would split the CPU thread pool between virtual devices, except for W4 and W2mp on CPU,
+    whose meshes (and W2mp's replicas) need FSDP.mesh_devices of them."""
     env["JAX_PLATFORMS"] = "cuda" if gpu else "cpu"
     flags = re.sub(
         r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")
     ).strip()
-    if workload == "W4" and not gpu:
+    if workload in _MESH_WORKLOADS and not gpu:
         flags += f" --xla_force_host_platform_device_count={FSDP.mesh_devices}"
         flags = flags.strip()
     if flags:
@@ -955,9 +1299,14 @@ def _run_child(only: str, args: argparse.Namespace) -> int:
     return 0
 
 
+def _workload_name(name: str) -> str:
+    """The workload spelt as in WORKLOADS (names are case-insensitive: w2mp, W2MP); else `name`."""
+    return {w.upper(): w for w in WORKLOADS}.get(name.strip().upper(), name.strip())
+
+
 def _parse_only(only: str) -> tuple[str, str]:
     workload, sep, impl = only.partition(":")
-    workload = workload.upper()
+    workload = _workload_name(workload)
     if not sep or workload not in WORKLOADS or impl not in _IMPL_ALIASES:
         raise SystemExit(
             f"--only expects WORKLOAD:IMPL with WORKLOAD in {WORKLOADS} and IMPL in "
@@ -970,7 +1319,7 @@ def _parse_only(only: str) -> tuple[str, str]:
 
 
 def _impls_of(workload: str) -> tuple[str, ...]:
-    return WORKLOAD_IMPLS.get(workload, IMPLS)
+    return WORKLOAD_IMPLS.get(workload, _DEFAULT_IMPLS)
 
 
 def _steps_for(workload: str, args: argparse.Namespace) -> tuple[int, int]:
@@ -1184,6 +1533,89 @@ def _report_param_bytes(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _report_w2mp(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """W2mp: one row per way, the mp/SPMD steps/s ratio, and where each step's host time goes."""
+    headers = [
+        "impl",
+        "device",
+        "steps/s",
+        "windows",
+        "host ms/step",
+        "device wait ms",
+        "first step s",
+        "compiles (timed, probed)",
+        "loss first→last",
+    ]
+    rows = []
+    for impl, r in results.items():
+        if "error" in r:
+            rows.append([impl, "error"] + [""] * (len(headers) - 2))
+            continue
+        windows, host = r["window_steps_per_s"], r["host_ms"]
+        rows.append(
+            [
+                impl,
+                r["device"],
+                _fmt(r["steps_per_s"], ".2f"),
+                f"{min(windows):.2f}-{max(windows):.2f}",
+                _fmt(host["host"], ".1f"),
+                _fmt(host["device_wait"], ".1f"),
+                _fmt(r["first_step_s"], ".2f"),
+                f"{r['compiles_total']} ({r['compiles_in_timed']}, {r['compiles_in_probe']})",
+                f"{r['loss_first']:.4f}→{r['loss_last']:.4f}",
+            ]
+        )
+    n = next((r["mesh_devices"] for r in results.values() if "mesh_devices" in r), 0)
+    print(
+        f"\nW2mp W2's MLP data parallel over {n} devices: mp (launch, {n} replicas of batch "
+        f"{W2MP_BATCH}) vs one SPMD program (batch {W2MP_BATCH * n} sharded). steps/s: median of "
+        f"{W2MP_WINDOWS} windows of pipelined steps; host ms/step: one window of blocked steps"
+    )
+    print(_table(headers, rows))
+    _print_errors(results)
+    speed = {impl: r.get("steps_per_s") for impl, r in results.items()}
+    # Host ms/step without the compiled call (which blocks on the CPU backend, in plain JAX too):
+    # the steps/s ratio to expect where the device is fast and the host sets the pace.
+    bare = {
+        impl: r["host_ms"]["host"] - r["host_ms"]["execute"]
+        for impl, r in results.items()
+        if "host_ms" in r
+    }
+    ratios = {
+        "mp_over_spmd": _ratio(speed.get("mp"), speed.get("spmd_torch")),
+        "host_bound_mp_over_spmd": _ratio(bare.get("spmd_torch"), bare.get("mp")),
+    }
+    shown = _fmt(ratios["mp_over_spmd"], ".2f", "x")
+    print(f"  steps/s ratio mp/spmd_torch: {shown} (target 0.5x)")
+    if ratios["host_bound_mp_over_spmd"] is not None:
+        print(
+            f"  host-bound estimate: host ms/step less the compiled call, spmd_torch "
+            f"{bare['spmd_torch']:.1f} / mp {bare['mp']:.1f} = "
+            f"{ratios['host_bound_mp_over_spmd']:.2f}x"
+        )
+    h = results.get("mp", {}).get("host_ms")
+    if h:
+        print(
+            f"  mp host ms/step {h['host']:.1f}: tracing {h['trace_all']:.1f} ({n} x "
+            f"{h['trace_per_replica']:.2f}); barriers' own work {h['sync_own']:.1f} (live_pending "
+            f"{h['live_pending']:.1f}, linearize {h['linearize']:.1f}, key {h['barrier_key']:.1f}, "
+            f"bind {h['bind']:.1f}); turn hand-offs {h['handoff']:.1f} "
+            f"({h['handoffs_per_step']:.0f}); merged run {h['run']:.1f} (stacked "
+            f"{h['stacked']:.1f} incl. make_array {h['make_array']:.1f}, device_put "
+            f"{h['device_put']:.1f}, lookup {h['lookup']:.1f}, execute {h['execute']:.1f}, rest "
+            f"{h['run_other']:.1f}); unaccounted {h['unaccounted']:.1f}"
+        )
+    h = results.get("spmd_torch", {}).get("host_ms")
+    if h:
+        print(
+            f"  spmd_torch host ms/step {h['host']:.1f}: tracing {h['trace']:.1f}; barrier "
+            f"{h['barrier']:.1f} (live_pending {h['live_pending']:.1f}, linearize "
+            f"{h['linearize']:.1f}, run {h['run']:.1f}: lookup {h['lookup']:.1f}, execute "
+            f"{h['execute']:.1f}; bind {h['bind']:.1f})"
+        )
+    return ratios
+
+
 _TITLES = {
     "W2": "MLP 784-1024-1024-10, batch 256, SGD momentum",
     "W3": "GPT 4L d256 4H seq128 batch 8 vocab 1024, AdamW",
@@ -1231,8 +1663,13 @@ def _print_mesh_note(results: dict[str, dict[str, Any]]) -> None:
 
 
 def _run_parent(args: argparse.Namespace) -> int:
-    workloads = [w.strip().upper() for w in args.workloads.split(",") if w.strip()]
-    impls = [_IMPL_ALIASES.get(i.strip(), i.strip()) for i in args.impls.split(",") if i.strip()]
+    workloads = [_workload_name(w) for w in args.workloads.split(",") if w.strip()]
+    if args.impls is None:
+        impls = list(IMPLS)  # each workload runs all of its own
+    else:
+        impls = [
+            _IMPL_ALIASES.get(i.strip(), i.strip()) for i in args.impls.split(",") if i.strip()
+        ]
     bad = [w for w in workloads if w not in WORKLOADS] + [i for i in impls if i not in IMPLS]
     if bad:
         raise SystemExit(f"unknown workload or impl {bad}; workloads {WORKLOADS}, impls {IMPLS}")
@@ -1263,34 +1700,66 @@ def _run_parent(args: argparse.Namespace) -> int:
     failed = False  # a child that failed, or a --check mismatch
     for workload in workloads:
         skipped = [i for i in impls if i not in _impls_of(workload)]
-        if skipped:
+        if skipped and args.impls is not None:
             print(f"\n{workload}: no {', '.join(skipped)} implementation; skipped")
-        results = {impl: _spawn(workload, impl, args) for impl in impls if impl not in skipped}
-        if not results:
+        entries = []
+        for _ in range(args.rounds):  # rounds alternate the implementations: a, b, a, b...
+            results = {impl: _spawn(workload, impl, args) for impl in impls if impl not in skipped}
+            if not results:
+                break
+            entry, bad_round = _report_round(workload, results, args)
+            failed |= bad_round
+            if skipped and args.impls is not None:
+                entry["skipped"] = skipped
+            entries.append(entry)
+        if not entries:
             continue
-        for r in results.values():
-            if "error" in r:
-                failed = True
-                print(
-                    f"{workload}:{r['impl']} failed:\n{r.pop('stderr_tail', '')}", file=sys.stderr
-                )
-        entry: dict[str, Any] = {impl: r for impl, r in results.items()}
-        if skipped:
-            entry["skipped"] = skipped
-        if args.check:
-            entry["check"] = _report_check(workload, results)
-            failed |= not all(p["ok"] for p in entry["check"].values())
-        elif workload == "W1":
-            entry["ratios"] = _report_w1(results)
+        if len(entries) == 1:
+            summary["results"][workload] = entries[0]
         else:
-            entry["ratios"] = _report_training(workload, _TITLES[workload], results, args.gpu)
-        if workload == "W4" and not args.check:
-            entry["param_bytes"] = _report_param_bytes(results)
-            _print_mesh_note(results)
-        summary["results"][workload] = entry
+            summary["results"][workload] = {"rounds": entries}
+            if not args.check:
+                _report_rounds(workload, entries)
     print()
     print(SUMMARY_TAG + json.dumps(summary), flush=True)
     return 1 if failed else 0
+
+
+def _report_round(
+    workload: str, results: dict[str, dict[str, Any]], args: argparse.Namespace
+) -> tuple[dict[str, Any], bool]:
+    """Prints one round's results; returns its summary entry and whether anything failed."""
+    failed = False
+    for r in results.values():
+        if "error" in r:
+            failed = True
+            print(f"{workload}:{r['impl']} failed:\n{r.pop('stderr_tail', '')}", file=sys.stderr)
+    entry: dict[str, Any] = {impl: r for impl, r in results.items()}
+    if args.check:
+        entry["check"] = _report_check(workload, results)
+        failed |= not all(p["ok"] for p in entry["check"].values())
+    elif workload == "W1":
+        entry["ratios"] = _report_w1(results)
+    elif workload == "W2mp":
+        entry["ratios"] = _report_w2mp(results)
+    else:
+        entry["ratios"] = _report_training(workload, _TITLES[workload], results, args.gpu)
+    if workload == "W4" and not args.check:
+        entry["param_bytes"] = _report_param_bytes(results)
+        _print_mesh_note(results)
+    return entry, failed
+
+
+def _report_rounds(workload: str, entries: list[dict[str, Any]]) -> None:
+    """The median of each ratio over the rounds (each measured side by side in its round)."""
+    names = sorted({name for e in entries for name in e.get("ratios", {})})
+    print(f"\n{workload} over {len(entries)} rounds (median of the rounds' ratios):")
+    for name in names:
+        values = [e["ratios"].get(name) for e in entries]
+        values = [v for v in values if v is not None]
+        shown = ", ".join(f"{v:.2f}" for v in values)
+        median = _fmt(statistics.median(values) if values else None, ".2f", "x")
+        print(f"  {name}: {median} ({shown})")
 
 
 def _jax_version() -> str | None:
@@ -1308,7 +1777,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="e.g. W1,W3")
-    parser.add_argument("--impls", default=",".join(IMPLS), help="subset of eager,jax,spmd_torch")
+    parser.add_argument(
+        "--impls", help="subset of eager,jax,spmd_torch,mp (default: each workload's own)"
+    )
     parser.add_argument("--steps", type=int, help="timed steps (W1: timed repetitions)")
     parser.add_argument("--warmup", type=int, help="warm-up steps, the first included")
     parser.add_argument("--gpu", action="store_true", help="run JAX and spmd_torch on CUDA")
@@ -1321,6 +1792,12 @@ def main(argv: list[str] | None = None) -> int:
         "--matmul-precision",
         choices=("default", "high", "highest"),
         help="jax_default_matmul_precision for jax and spmd_torch runs",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run each workload's implementations this many times, alternating (a, b, a, b...)",
     )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per subprocess")
     parser.add_argument("--only", metavar="W:IMPL", help=argparse.SUPPRESS)
