@@ -81,15 +81,18 @@ def cache_key(
     donated: tuple,
     out_shardings: tuple | None = None,
     replicas: Mesh | None = None,
+    structure: tuple | None = None,
 ) -> CacheKey:
-    """Inputs enter as (stored shape, dtype, sharding, logical shape): uneven ones are padded."""
+    """Inputs enter as (stored shape, dtype, sharding, logical shape): uneven ones are padded.
+    ``structure``: the program's, when the caller computed it already."""
     inputs = tuple(
         (a.shape, a.dtype, placement.key_of(a.sharding), node.avals[i].shape)
         for a, (node, i) in zip(arrays, program.leaves)
     )
     scalars, flags = len(program.scalars), config.cache_key()
     devices = None if replicas is None else tuple(d.id for d in replicas.devices.flat)
-    return CacheKey(program.structure(), inputs, donated, scalars, out_shardings, devices, flags)
+    structure = program.structure() if structure is None else structure
+    return CacheKey(structure, inputs, donated, scalars, out_shardings, devices, flags)
 
 
 # --- the program as a JAX function ---------------------------------------------------------------
@@ -245,10 +248,11 @@ def lookup_or_compile(
     donated: tuple,
     out_shardings: tuple | None = None,
     replicas: Mesh | None = None,
+    structure: tuple | None = None,
 ) -> tuple[Executable, bool]:
     """The executable for ``program`` on these inputs (for every replica on the ``replicas`` mesh,
     when given); compiles on a miss. Returns (exe, was_hit)."""
-    key = cache_key(program, arrays, donated, out_shardings, replicas)
+    key = cache_key(program, arrays, donated, out_shardings, replicas, structure)
     cache = current().cache
     executable = cache.executables.get(key)
     if executable is not None:

@@ -324,7 +324,10 @@ class World:
         ]
         donated = tuple(all(w.donated[i] for w in waits) for i in range(len(arrays)))
         scalars = jax.device_put(np.stack([w.scalars for w in waits]), layout)
-        executable, hit = compiler.lookup_or_compile(first.program, arrays, donated, replicas=mesh)
+        structure = first.key[0] if first.key else None  # computed at the barrier already
+        executable, hit = compiler.lookup_or_compile(
+            first.program, arrays, donated, replicas=mesh, structure=structure
+        )
         if config.DEBUG_LEVEL.value:
             compiler.debug_line(first.program, executable, hit)
         with counters.timed("ExecuteTime"):
