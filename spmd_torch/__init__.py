@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from . import runtime as _runtime
@@ -9,6 +12,7 @@ from ._lazy import device as _device
 from ._lazy import execute as _execute
 from ._lazy import rng as _rng
 from ._lazy.tensor import DEVICE as _DEVICE
+from .distributed import xla_multiprocessing as _xmp
 
 _device.register()
 if _runtime.is_spmd():  # XLA_USE_SPMD=1 in the environment
@@ -39,6 +43,34 @@ def device_count() -> int:
 def sync(wait: bool = False) -> None:
     """The barrier: compile (once) and dispatch every pending computation; same as mark_step()."""
     _execute.sync(wait=wait)
+
+
+def launch(
+    fn: Callable,
+    args: tuple = (),
+    start_method: str = "spawn",
+    debug_single_process: bool = False,
+) -> Any:
+    """Run ``fn(index, *args)`` once per local device, each replica owning one device.
+
+    The per-device multiprocessing entry point of PyTorch/XLA (``torch_xla.launch``): see
+    :func:`spmd_torch.distributed.xla_multiprocessing.spawn`, which it calls with
+    ``nprocs=None`` (every local device), or ``nprocs=1`` with ``debug_single_process``.
+
+    Args:
+        fn: The function each replica runs; its first argument is the replica's global ordinal.
+        args: The other arguments of ``fn``.
+        start_method: Accepted for compatibility; replicas are threads of this process.
+        debug_single_process: Run a single replica (ordinal 0), for debugging.
+
+    Example:
+        >>> def _mp_fn(index, lr):
+        ...     model = Net().to(xm.xla_device())
+        ...     ...
+        >>> spmd_torch.launch(_mp_fn, args=(0.1,))
+    """
+    nprocs = 1 if debug_single_process else None
+    return _xmp.spawn(fn, args=args, nprocs=nprocs, start_method=start_method)
 
 
 def manual_seed(seed: int) -> None:

@@ -1,9 +1,11 @@
 """torch_xla.runtime on JAX: device kind, ordinals, device counts, the persistent compile cache.
 
-spmd_torch always runs in PyTorch/XLA's SPMD model: one program per process (one process per host)
-addresses one logical device, ``xla:0``, that wraps every device JAX sees. So, as in PyTorch/XLA
-with SPMD enabled, the *device* counts are those of the logical device (1 per process) and the
-*runtime device* counts are those of the real accelerators (``global_runtime_device_count()``).
+Outside ``launch``, spmd_torch runs in PyTorch/XLA's SPMD model: one program per process (one
+process per host) addresses one logical device, ``xla:0``, that wraps every device JAX sees. So, as
+in PyTorch/XLA with SPMD enabled, the *device* counts are those of the logical device (1 per
+process) and the *runtime device* counts are those of the real accelerators
+(``global_runtime_device_count()``). Inside a replica of ``launch``/``spawn`` the answers are those
+of PyTorch/XLA's multiprocessing: one process per device, the replica's ordinal its process index.
 """
 
 from __future__ import annotations
@@ -43,59 +45,66 @@ def device_type() -> str:
 
 
 def world_size() -> int:
-    """The number of processes taking part in the job (one per host).
+    """The number of processes taking part in the job: one per host, or, inside ``launch``, the
+    number of replicas.
 
     Returns:
-        ``jax.process_count()``: 1 on a single host.
+        ``jax.process_count()`` (1 on a single host), or the replica count.
 
     Example:
         >>> xr.world_size()
         1
     """
-    return jax.process_count()
+    return process_count()
 
 
 def global_ordinal() -> int:
-    """This process's ordinal among all processes, in ``[0, world_size())``.
+    """This process's ordinal among all processes, in ``[0, world_size())``; inside ``launch``,
+    the replica's.
 
     Returns:
-        ``jax.process_index()``.
+        ``jax.process_index()``, or the replica's ordinal.
 
     Example:
         >>> xr.global_ordinal()
         0
     """
-    return jax.process_index()
+    return process_index()
 
 
 def local_ordinal() -> int:
-    """This process's ordinal among the processes of its host: always 0 (one process per host).
+    """This process's ordinal among the processes of its host: 0 (one process per host), or,
+    inside ``launch``, the replica's ordinal.
 
     Example:
         >>> xr.local_ordinal()
         0
     """
-    return 0
+    replica = engine.current().replica
+    return 0 if replica is None else replica.ordinal
 
 
 def process_index() -> int:
-    """The index of this process (``jax.process_index()``).
+    """The index of this process (``jax.process_index()``); inside ``launch``, the replica's
+    ordinal (each replica stands for one process).
 
     Example:
         >>> xr.process_index()
         0
     """
-    return jax.process_index()
+    replica = engine.current().replica
+    return jax.process_index() if replica is None else replica.ordinal
 
 
 def process_count() -> int:
-    """The number of processes (``jax.process_count()``).
+    """The number of processes (``jax.process_count()``); inside ``launch``, the replica count.
 
     Example:
         >>> xr.process_count()
         1
     """
-    return jax.process_count()
+    replica = engine.current().replica
+    return jax.process_count() if replica is None else replica.world.size
 
 
 def host_index() -> int:
@@ -109,13 +118,14 @@ def host_index() -> int:
 
 
 def local_process_count() -> int:
-    """The number of processes on this host: always 1.
+    """The number of processes on this host: 1, or, inside ``launch``, the replica count.
 
     Example:
         >>> xr.local_process_count()
         1
     """
-    return 1
+    replica = engine.current().replica
+    return 1 if replica is None else replica.world.size
 
 
 def addressable_device_count() -> int:
@@ -150,7 +160,7 @@ def global_device_count() -> int:
         >>> xr.global_device_count()
         1
     """
-    return jax.process_count() * addressable_device_count()
+    return process_count() * addressable_device_count()
 
 
 def global_runtime_device_count() -> int:

@@ -20,19 +20,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src.lax.lax import _convert_element_type  # weak-typed casts have no public API
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import config, counters, manual, placement
 from .engine import current
 from .graph import Program, substitute
 from .layout import crop, padded
 from .lowering import LOWERINGS
+from .lowering.collectives import REPLICA_AXIS
 from .lowering.dtypes import to_jax_dtype
 from .lowering.random import wrap_key
 
 
-def _scalars_aval(n: int) -> jax.ShapeDtypeStruct:
-    """Lifted scalars travel packed in one float64 vector: one transfer, however many there are."""
-    return jax.ShapeDtypeStruct((n,), jnp.float64)
+def _scalars_aval(n: int, replicas: Mesh | None = None) -> jax.ShapeDtypeStruct:
+    """Lifted scalars travel packed in one float64 vector: one transfer, however many there are
+    (for replicas, one vector each, stacked)."""
+    if replicas is None:
+        return jax.ShapeDtypeStruct((n,), jnp.float64)
+    return jax.ShapeDtypeStruct((replicas.size, n), jnp.float64, sharding=stacked(replicas))
+
+
+def stacked(replicas: Mesh) -> NamedSharding:
+    """How the replicas' values travel: stacked along the replica axis, one block per device."""
+    return NamedSharding(replicas, PartitionSpec(REPLICA_AXIS))
 
 
 class LoweringError(RuntimeError):
@@ -44,6 +54,12 @@ class Executable:
     compiled: Any
     key: str  # short hex digest, for debug lines
 
+    def __call__(self, arrays: list, donated: tuple, scalars) -> list:
+        """Run on ``arrays`` (the donated ones given up) and the packed scalars."""
+        kept = [a for a, d in zip(arrays, donated) if not d]
+        given = [a for a, d in zip(arrays, donated) if d]
+        return self.compiled(given, kept, scalars)
+
 
 class CacheKey(NamedTuple):
     """What makes two programs the same executable; the debug line diffs these parts."""
@@ -53,11 +69,16 @@ class CacheKey(NamedTuple):
     donated: tuple
     n_scalars: int
     out_shardings: tuple | None
+    replicas: tuple | None  # the replicas' devices, for a program each of them runs
     flags: tuple
 
 
 def cache_key(
-    program: Program, arrays: list, donated: tuple, out_shardings: tuple | None = None
+    program: Program,
+    arrays: list,
+    donated: tuple,
+    out_shardings: tuple | None = None,
+    replicas: Mesh | None = None,
 ) -> CacheKey:
     """Inputs enter as (stored shape, dtype, sharding, logical shape): uneven ones are padded."""
     inputs = tuple(
@@ -65,7 +86,8 @@ def cache_key(
         for a, (node, i) in zip(arrays, program.leaves)
     )
     scalars, flags = len(program.scalars), config.cache_key()
-    return CacheKey(program.structure(), inputs, donated, scalars, out_shardings, flags)
+    devices = None if replicas is None else tuple(d.id for d in replicas.devices.flat)
+    return CacheKey(program.structure(), inputs, donated, scalars, out_shardings, devices, flags)
 
 
 # --- the program as a JAX function ---------------------------------------------------------------
@@ -117,6 +139,22 @@ def build_function(
         return [v if s is None else _laid_out(v, s) for v, s in zip(values, out_shardings)]
 
     return run
+
+
+def build_replica_function(program: Program, donated: tuple, replicas: Mesh) -> Callable:
+    """The program run by every replica at once: one ``shard_map`` over the replicas' mesh whose
+    inputs, scalars and outputs are the replicas' values stacked along the replica axis; each
+    device computes its replica's values (inputs arrive as (1, *shape) blocks, cropped to shape).
+    """
+    run = build_function(program, donated)
+    spec = PartitionSpec(REPLICA_AXIS)
+
+    def each_replica(donated_inputs, kept_inputs, packed_scalars):
+        return [value[None] for value in run(donated_inputs, kept_inputs, packed_scalars[0])]
+
+    return jax.shard_map(
+        each_replica, mesh=replicas, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False
+    )
 
 
 def _interpret(steps: list[_Step], read: Callable) -> Callable:
@@ -200,10 +238,15 @@ def _laid_out(value: jax.Array, sharding) -> jax.Array:
 
 
 def lookup_or_compile(
-    program: Program, arrays: list, donated: tuple, out_shardings: tuple | None = None
+    program: Program,
+    arrays: list,
+    donated: tuple,
+    out_shardings: tuple | None = None,
+    replicas: Mesh | None = None,
 ) -> tuple[Executable, bool]:
-    """The executable for ``program`` on these inputs; compiles on a miss. Returns (exe, was_hit)."""
-    key = cache_key(program, arrays, donated, out_shardings)
+    """The executable for ``program`` on these inputs (for every replica on the ``replicas`` mesh,
+    when given); compiles on a miss. Returns (exe, was_hit)."""
+    key = cache_key(program, arrays, donated, out_shardings, replicas)
     cache = current().cache
     executable = cache.executables.get(key)
     if executable is not None:
@@ -213,7 +256,10 @@ def lookup_or_compile(
     cache.ops.update((id(node.op), node.op) for node in program.nodes)
     digest = hashlib.sha1(repr(_named(key.structure[0], cache.ops)).encode()).hexdigest()[:8]
     start = time.perf_counter_ns()
-    function = build_function(program, donated, out_shardings)
+    if replicas is None:
+        function = build_function(program, donated, out_shardings)
+    else:
+        function = build_replica_function(program, donated, replicas)
     abstract_inputs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in arrays]
     kept = [a for a, d in zip(abstract_inputs, donated) if not d]
     given = [a for a, d in zip(abstract_inputs, donated) if d]
@@ -221,7 +267,8 @@ def lookup_or_compile(
     with warnings.catch_warnings():
         # Donating a dead input no output can reuse still frees it early; that is the point.
         warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-        compiled = jitted.lower(given, kept, _scalars_aval(len(program.scalars))).compile()
+        scalars = _scalars_aval(len(program.scalars), replicas)
+        compiled = jitted.lower(given, kept, scalars).compile()
     counters.record("CompileTime", time.perf_counter_ns() - start)
     executable = cache.executables[key] = Executable(compiled, digest)
     cache.history.append(key)
@@ -247,13 +294,14 @@ def explain_last_miss() -> str:
         "donated inputs",
         "lifted scalars",
         "output shardings",
+        "replica devices",
         "flags",
     )
     best = max(previous, key=lambda p: sum(a == b for a, b in zip(p, key)))
     for name, old, new in zip(names, best, key):
         if old != new:
             if name == "graph":
-                return _explain_graph_change(old, new, cache.ops)
+                return explain_graph_change(old, new, cache.ops)
             if name.startswith("input") and len(old) == len(new):
                 diffs = [
                     f"input {i}: {o[:3]} -> {n[:3]}"
@@ -268,7 +316,7 @@ def explain_last_miss() -> str:
 _ROW_PARTS = ("op/args", "op/args", "op/args", "inputs")
 
 
-def _explain_graph_change(old: tuple, new: tuple, ops: dict) -> str:
+def explain_graph_change(old: tuple, new: tuple, ops: dict) -> str:
     """The first node whose row differs, and which part of it (rows as in Program.structure)."""
     old_rows, new_rows = old[0], new[0]  # (rows, outputs) each
     for k, (a, b) in enumerate(zip(old_rows, new_rows)):

@@ -4,7 +4,8 @@ Everything the engine remembers between ops lives in an ``Engine``: the storages
 values, the device PRNG key, the placement mode (one device, or the SPMD mesh), whether manual
 regions were ever entered, the compile cache and the last program's outputs. ``current()`` is the
 one way to reach it. A thread may run with its own engine (``running``), as each replica of the
-multiprocessing emulation will; every other thread shares the default one.
+multiprocessing emulation does (``replica`` says which one it is); every other thread shares the
+default one.
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ class CompileCache:
 
 
 class Engine:
-    __slots__ = ("pending", "rng", "replicated", "manual_used", "cache", "in_flight")
+    __slots__ = ("pending", "rng", "replicated", "manual_used", "cache", "in_flight", "replica")
 
-    def __init__(self, cache: CompileCache | None = None):
+    def __init__(self, cache: CompileCache | None = None, replica=None):
         self.cache = cache if cache is not None else CompileCache()
+        # A replica of ``launch`` (replicas.Replica): its device, ordinal and world; None outside.
+        self.replica = replica
         self.reset()
 
     def reset(self) -> None:

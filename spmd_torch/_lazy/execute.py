@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from . import compile as compiler
-from . import config, counters, manual, placement, rng
+from . import config, counters, manual, placement, replicas, rng
 from .engine import current
 from .graph import DATA, Node, Program, linearize, to_text
 from .record import user_frame
@@ -29,8 +29,9 @@ _COMPACT_PENDING_AT = 100_000
 def sync(wait: bool = False) -> None:
     """Compile (or reuse) and dispatch one program computing every live pending tensor."""
     counters.bump("MarkStep")
+    engine = current()
     storages = live_pending()  # in write order: the same program gives the same graph
-    current().pending.clear()
+    engine.pending.clear()
     owners: dict = {}  # (id(node), index) -> (ref, [storages])
     for storage in storages:
         node, index = storage.ref
@@ -45,6 +46,11 @@ def sync(wait: bool = False) -> None:
     if not owners:
         return
     program = linearize([ref for ref, _ in owners.values()])
+    if engine.replica is not None:
+        results = replicas.barrier(program, donate=True)
+        _bind(owners, results, keep_on_nodes=True)
+        engine.in_flight = [weakref.ref(shard.stacked) for shard in results]
+        return
     local = manual.local_nodes(program)
     if local:  # per-device shards stay pending until disable_manual_sharding
         owners = {key: entry for key, entry in owners.items() if id(entry[0][0]) not in local}
@@ -59,14 +65,24 @@ def sync(wait: bool = False) -> None:
             for ref, holders in owners.values()
         )
     arrays = run(program, donate=True, out_shardings=shardings)
+    _bind(owners, arrays)
+    if wait:
+        jax.block_until_ready(arrays)
+
+
+def _bind(owners: dict, arrays: list, keep_on_nodes: bool = False) -> None:
+    """Give each storage its computed value; ``keep_on_nodes`` also leaves it on the computed
+    node, so that references read before the barrier (a replica's partial read) find it."""
+    spmd = placement.spmd_enabled()
     for (ref, holders), array in zip(owners.values(), arrays):
-        data = Node.data(array, ref[0].avals[ref[1]])
+        node, index = ref
+        if keep_on_nodes:
+            _keep(node, index, array)
+        data = Node.data(array, node.avals[index])
         for storage in holders:
             storage.set((data, 0))
             if spmd:
                 placement.remember(storage, array)
-    if wait:
-        jax.block_until_ready(arrays)
 
 
 def run(program: Program, donate: bool, out_shardings: tuple | None = None) -> list:
@@ -81,11 +97,9 @@ def run(program: Program, donate: bool, out_shardings: tuple | None = None) -> l
     executable, hit = compiler.lookup_or_compile(program, arrays, donated, out_shardings)
     if config.DEBUG_LEVEL.value:
         _debug_line(program, executable, hit)
-    kept = [a for a, d in zip(arrays, donated) if not d]
-    given = [a for a, d in zip(arrays, donated) if d]
     scalars = np.array([node.args[0] for node in program.scalars], dtype=np.float64)
     start = time.perf_counter_ns()
-    outputs = executable.compiled(given, kept, scalars)
+    outputs = executable(arrays, donated, scalars)
     counters.record("ExecuteTime", time.perf_counter_ns() - start)
     current().in_flight = [weakref.ref(a) for a in outputs]
     return outputs
@@ -118,16 +132,34 @@ def materialize_refs(refs: list, layouts: dict | None = None) -> list[jax.Array]
     if len(engine.pending) > _COMPACT_PENDING_AT:  # programs that read values, never sync()
         engine.pending = [weakref.ref(s) for s in live_pending() if not s.ref[0].is_leaf(s.ref[1])]
     missing = [ref for ref in refs if not ref[0].is_leaf(ref[1])]
-    if missing:
+    if missing and engine.replica is not None:
+        _replica_read(missing)
+    elif missing:
         unique = list({(id(n), i): (n, i) for n, i in missing}.values())
         shardings = None
         if layouts:
             shardings = tuple(layouts.get((id(n), i)) for n, i in unique)
         for (node, index), array in zip(unique, run(linearize(unique), False, shardings)):
-            if node.arrays is None:
-                node.arrays = [None] * len(node.avals)
-            node.arrays[index] = array
+            _keep(node, index, array)
     return [placement.resolve(node, index) for node, index in refs]
+
+
+def _replica_read(missing: list) -> None:
+    """A replica reading pending values: a barrier (its collectives need every replica, and the
+    others' programs then match); what is left (views of its results) runs on its own device."""
+    sync()
+    missing = [ref for ref in missing if not ref[0].is_leaf(ref[1])]
+    if missing:
+        unique = list({(id(n), i): (n, i) for n, i in missing}.values())
+        for (node, index), array in zip(unique, replicas.run_alone(linearize(unique))):
+            _keep(node, index, array)
+
+
+def _keep(node: Node, index: int, array) -> None:
+    """Leave a computed value on its node: references to it read it from there."""
+    if node.arrays is None:
+        node.arrays = [None] * len(node.avals)
+    node.arrays[index] = array
 
 
 def to_cpu(t: LazyTensor) -> torch.Tensor:
@@ -139,7 +171,7 @@ def to_cpu(t: LazyTensor) -> torch.Tensor:
 def rng_words() -> tuple[int, int]:
     """The device PRNG key as two 32-bit words; computes pending random ops' key if needed."""
     (array,) = materialize_refs([rng.state().ref])
-    high, low = (int(word) for word in np.asarray(array))
+    high, low = (int(word) for word in np.asarray(array).reshape(-1))
     return high, low
 
 

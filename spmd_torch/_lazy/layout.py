@@ -43,9 +43,12 @@ def padded(x, sharding):
 
 
 def crop(x, shape: tuple):
-    """The leading ``shape`` corner of ``x``: an array stored padded, back at its logical shape."""
+    """``x`` back at its logical ``shape``: the leading corner of an array stored padded, or the
+    one block of a replica's array (stacked with a leading axis of 1, see transfer.OnReplica)."""
     if tuple(x.shape) == tuple(shape):
         return x
+    if len(x.shape) == len(shape) + 1:
+        return x.reshape(shape)
     return x[tuple(slice(0, n) for n in shape)]
 
 

@@ -32,6 +32,7 @@ from .tensor import LazyTensor, Storage, wrap_data
 
 def enable_spmd(devices: Sequence[jax.Device]) -> None:
     """Run every later program of this engine over ``devices``; new data is replicated there."""
+    _refuse_in_replica("SPMD mode (use_spmd, mark_sharding)")
     mesh = jax.sharding.Mesh(np.array(list(devices)), ("devices",))
     current().replicated = NamedSharding(mesh, PartitionSpec())
 
@@ -40,9 +41,19 @@ def spmd_enabled() -> bool:
     return current().replicated is not None
 
 
-def default_sharding() -> NamedSharding | None:
-    """Where uploads land: replicated over the SPMD devices, or JAX's default device."""
-    return current().replicated
+def default_sharding():
+    """Where uploads land: replicated over the SPMD devices, a replica's device (OnReplica), or
+    JAX's default device (None)."""
+    return transfer.landing()
+
+
+def _refuse_in_replica(what: str) -> None:
+    replica = current().replica
+    if replica is not None:
+        raise RuntimeError(
+            f"{what} inside replica {replica.ordinal} of launch/spawn: a replica owns one device; "
+            "shard over a mesh from a single process instead (see docs/multiprocessing.md)"
+        )
 
 
 def onto_spmd_devices(leaves: list, arrays: list) -> list:
@@ -61,6 +72,8 @@ def resolve(node: Node, index: int) -> jax.Array:
     array = node.arrays[index]
     if type(array) is transfer.HostData:
         array = node.arrays[index] = _replicate(array, current().replicated)
+    elif type(array) is transfer.ReplicaShard:
+        return array.local()  # the handle stays: the next program takes the stacked array whole
     return array
 
 
@@ -97,6 +110,7 @@ def mark(t: LazyTensor, sharding: NamedSharding) -> None:
     """Give ``t`` this sharding: data moves onto the mesh, a pending value gets a constraint."""
     sharding = canonical(sharding)
     _check_device(t, "mark_sharding")
+    _refuse_in_replica("mark_sharding")
     node, index = ref = t._ref()
     if t._view is not None and not node.is_leaf(index):
         t._remember(_constrained(ref, sharding))  # a pending view: this value only, as PyTorch/XLA

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import ml_dtypes
 import numpy as np
@@ -26,15 +28,47 @@ def host_copy(t: torch.Tensor) -> np.ndarray:
 
 
 def upload(host: np.ndarray, sharding=None) -> jax.Array:
-    """A host array on the device, laid out with ``sharding`` (padded if uneven); by default
-    where the engine's placement mode puts new data."""
+    """A host array on the device, laid out with ``sharding`` (padded if uneven; stacked on a
+    replica's device for ``OnReplica``); by default where the engine puts new data."""
     with counters.timed("TransferToDeviceTime"):
-        sharding = sharding or current().replicated
-        if sharding is not None:
-            host = padded(host, sharding)
-        array = jax.device_put(host, sharding)
+        sharding = sharding or landing()
+        if type(sharding) is OnReplica:
+            array = jax.device_put(host[None], sharding.device)
+        else:
+            if sharding is not None:
+                host = padded(host, sharding)
+            array = jax.device_put(host, sharding)
     counters.bump("TransferToDevice")
     return array
+
+
+def landing():
+    """Where the calling thread's engine puts new data: a replica's device, replicated over the
+    SPMD devices, or (None) JAX's default device."""
+    engine = current()
+    return engine.replicated if engine.replica is None else engine.replica.landing
+
+
+class OnReplica(NamedTuple):
+    """A replica's device: its arrays are stacked, with a leading axis of 1, so that the replicas'
+    arrays together form one array over the replicas' mesh (replicas.py)."""
+
+    device: jax.Device
+
+
+class ReplicaShard:
+    """Replica ``position``'s block of an array stacked over a mesh of replicas: a program output
+    read lazily, so that the next program takes the stacked array back whole."""
+
+    __slots__ = ("stacked", "position")
+
+    def __init__(self, stacked: jax.Array, position: int):
+        self.stacked = stacked
+        self.position = position
+
+    def local(self) -> jax.Array:
+        """The block on the replica's own device, shape (1, *logical shape)."""
+        return self.stacked.addressable_data(self.position)
 
 
 class HostData:

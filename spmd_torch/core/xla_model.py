@@ -1,9 +1,12 @@
 """torch_xla.core.xla_model: the names PyTorch/XLA programs call, thin over the engine and runtime.
 
-Programs run in PyTorch/XLA's SPMD model: one program per process addresses one logical device,
-``xla:0``, that spans every accelerator. There is one replica per process, so ordinals and world
-size are those of processes (one per host), and gradients need no all-reduce: a backward pass over
-global (sharded) tensors already yields global gradients.
+Outside ``launch``, programs run in PyTorch/XLA's SPMD model: one program per process addresses
+one logical device, ``xla:0``, that spans every accelerator. There is one replica per process, so
+ordinals and world size are those of processes (one per host), gradients need no all-reduce (a
+backward pass over global, sharded tensors already yields global gradients) and collectives act
+on a world of one. Inside a replica of ``launch``/``spawn`` (per-device multiprocessing, see
+docs/multiprocessing.md) ordinals are the replicas', and collectives and ``optimizer_step``'s
+gradient all-reduce run across replicas, inside the one program they all run at the barrier.
 """
 
 from __future__ import annotations
@@ -19,8 +22,17 @@ import torch
 
 import spmd_torch
 from spmd_torch import runtime
+from spmd_torch._lazy import collective as _collective
+from spmd_torch._lazy import engine as _engine
 from spmd_torch._lazy import execute as _execute
 from spmd_torch._lazy import rng as _rng
+
+REDUCE_SUM = "sum"
+REDUCE_MUL = "mul"
+REDUCE_AND = "and"
+REDUCE_OR = "or"
+REDUCE_MIN = "min"
+REDUCE_MAX = "max"
 
 
 def is_xla_tensor(tensor: torch.Tensor) -> bool:
@@ -232,19 +244,29 @@ def unlazy(tensors: list[torch.Tensor]) -> None:
 def reduce_gradients(
     optimizer: torch.optim.Optimizer, groups=None, pin_layout: bool = True
 ) -> None:
-    """All-reduce the optimizer's gradients across replicas: nothing to do in the SPMD model.
+    """Average the optimizer's gradients over the replicas (an all-reduce sum scaled by
+    ``1 / xrt_world_size()``, as PyTorch/XLA does, groups or not).
 
-    One program computes the gradients of the global batch, so they are already the global
-    gradients; there are no per-replica copies to average.
+    Outside ``launch`` there is nothing to do: one SPMD program computes the gradients of the
+    global batch, so they are already the global gradients.
 
     Args:
-        optimizer: The optimizer whose parameters' gradients would be reduced.
-        groups: Replica groups (ignored).
-        pin_layout: Ignored.
+        optimizer: The optimizer whose parameters' gradients are reduced in place.
+        groups: Replica groups to reduce within, e.g. ``[[0, 1, 2, 3], [4, 5, 6, 7]]``.
+        pin_layout: Ignored (layouts are XLA's to choose).
 
     Example:
+        >>> loss.backward()
         >>> xm.reduce_gradients(optimizer)
     """
+    count = _collective.world_size()
+    if count < 2:
+        return
+    gradients = [
+        p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None
+    ]
+    if gradients:
+        all_reduce(REDUCE_SUM, gradients, scale=1.0 / count, groups=groups)
 
 
 def optimizer_step(
@@ -254,17 +276,18 @@ def optimizer_step(
     groups=None,
     pin_layout: bool = True,
 ) -> Any:
-    """Run ``optimizer.step(**optimizer_args)``, and the barrier if ``barrier``.
+    """Average the gradients over the replicas (:func:`reduce_gradients`), then run
+    ``optimizer.step(**optimizer_args)``, and the barrier if ``barrier``.
 
-    In the SPMD model the gradients are already global (see :func:`reduce_gradients`), so unlike
-    PyTorch/XLA's data-parallel mode nothing is all-reduced before the step.
+    Outside ``launch`` the gradients are already global (see :func:`reduce_gradients`), so
+    nothing is all-reduced.
 
     Args:
         optimizer: The optimizer to step.
         barrier: Call :func:`mark_step` after the step (not needed when a ``MpDeviceLoader``
             issues the barrier).
         optimizer_args: Keyword arguments of ``optimizer.step()``.
-        groups: Replica groups of the gradient all-reduce (ignored, see above).
+        groups: Replica groups of the gradient all-reduce.
         pin_layout: Ignored.
 
     Returns:
@@ -279,6 +302,258 @@ def optimizer_step(
     if barrier:
         mark_step()
     return loss
+
+
+# --- collectives ---------------------------------------------------------------------------------
+
+
+def all_reduce(
+    reduce_type: str,
+    inputs: torch.Tensor | list[torch.Tensor],
+    scale: float = 1.0,
+    groups=None,
+    pin_layout: bool = True,
+) -> torch.Tensor | list[torch.Tensor]:
+    """Reduce tensors over the replicas (within each group), times ``scale``.
+
+    Args:
+        reduce_type: ``xm.REDUCE_SUM``, ``REDUCE_MUL``, ``REDUCE_AND``, ``REDUCE_OR``,
+            ``REDUCE_MIN`` or ``REDUCE_MAX``.
+        inputs: A tensor, or a list of tensors reduced in place.
+        scale: Multiplies the result (applied when not 1.0).
+        groups: Replica groups reducing separately, e.g. ``[[0, 2], [1, 3]]``; None: all.
+        pin_layout: Ignored.
+
+    Returns:
+        For a tensor, the reduced tensor; for a list, the same list, its tensors reduced in place.
+
+    Example:
+        >>> total = xm.all_reduce(xm.REDUCE_SUM, torch.tensor([index], device=device))
+    """
+    single = isinstance(inputs, torch.Tensor)
+    tensors = [inputs] if single else list(inputs)
+    if _collective.world_size() == 0:
+        _check_world_of_one("all_reduce")
+        _collective.check_reduce_type("all_reduce", reduce_type)
+        reduced = [t * scale if scale != 1.0 else t.clone() for t in tensors]
+    else:
+        reduced = _collective.all_reduce(reduce_type, tensors, scale, groups)
+    if single:
+        return reduced[0]
+    with torch.no_grad():
+        for tensor, value in zip(tensors, reduced):
+            tensor.copy_(value)
+    return inputs
+
+
+def all_gather(
+    value: torch.Tensor | list[torch.Tensor],
+    dim: int = 0,
+    groups=None,
+    output: torch.Tensor | list[torch.Tensor] | None = None,
+    pin_layout: bool = True,
+) -> torch.Tensor | list[torch.Tensor]:
+    """Concatenate the replicas' tensors along ``dim`` (within each group, in group order).
+
+    Args:
+        value: A tensor, or a list of tensors gathered each.
+        dim: The dimension to concatenate along.
+        groups: Replica groups of one size gathering separately; None: all replicas.
+        output: Tensors to write the results into (returned then).
+        pin_layout: Ignored.
+
+    Returns:
+        The gathered tensor (list) whose ``dim`` is the group size times larger.
+
+    Example:
+        >>> everyone = xm.all_gather(torch.tensor([index], device=device))  # [0, 1, ..., 7]
+    """
+
+    def gather(t):
+        if _collective.world_size() == 0:
+            _check_world_of_one("all_gather")
+            return t.clone()
+        return _collective.all_gather(t, dim, groups)
+
+    return _each(value, output, gather)
+
+
+def reduce_scatter(
+    reduce_type: str,
+    input: torch.Tensor | list[torch.Tensor],
+    scale: float,
+    scatter_dim: int,
+    shard_count: int,
+    groups=None,
+    output: torch.Tensor | list[torch.Tensor] | None = None,
+    pin_layout: bool = True,
+) -> torch.Tensor | list[torch.Tensor]:
+    """Reduce over the replicas (times ``scale``), each keeping its chunk along ``scatter_dim``.
+
+    Args:
+        reduce_type: One of the ``xm.REDUCE_*`` types.
+        input: A tensor, or a list of tensors reduced and scattered each.
+        scale: Multiplies the result.
+        scatter_dim: The dimension split into ``shard_count`` chunks.
+        shard_count: The number of chunks: the group size.
+        groups: Replica groups of one size; None: all replicas.
+        output: Tensors to write the results into (returned then).
+        pin_layout: Ignored.
+
+    Returns:
+        The replica's chunk of the reduction (a list for a list).
+
+    Example:
+        >>> mine = xm.reduce_scatter(xm.REDUCE_SUM, grads, 1.0, 0, xr.world_size())
+    """
+
+    def scatter(t):
+        if _collective.world_size() == 0:
+            _check_world_of_one("reduce_scatter")
+            _collective.check_reduce_type("reduce_scatter", reduce_type)
+            if shard_count != 1:
+                raise ValueError(f"reduce_scatter: shard_count={shard_count} in a world of one")
+            return t * scale if scale != 1.0 else t.clone()
+        return _collective.reduce_scatter(reduce_type, t, scale, scatter_dim, shard_count, groups)
+
+    return _each(input, output, scatter)
+
+
+def all_to_all(
+    value: torch.Tensor,
+    split_dimension: int,
+    concat_dimension: int,
+    split_count: int,
+    groups=None,
+    pin_layout: bool = True,
+) -> torch.Tensor:
+    """Each replica splits ``value`` into ``split_count`` chunks along ``split_dimension`` and
+    sends chunk r to the group's member of rank r, which concatenates what it receives along
+    ``concat_dimension``.
+
+    Args:
+        value: The tensor to exchange.
+        split_dimension: The dimension split into chunks.
+        concat_dimension: The dimension the received chunks are concatenated along.
+        split_count: The number of chunks: the group size.
+        groups: Replica groups of one size; None: all replicas.
+        pin_layout: Ignored.
+
+    Example:
+        >>> swapped = xm.all_to_all(x, 0, 1, xr.world_size())
+    """
+    if _collective.world_size() == 0:
+        _check_world_of_one("all_to_all")
+        return value.clone()
+    return _collective.all_to_all(value, split_dimension, concat_dimension, split_count, groups)
+
+
+def collective_permute(value: torch.Tensor, pairs: list) -> torch.Tensor:
+    """Send ``value`` from each pair's source replica to its target; a replica no pair targets
+    receives zeros.
+
+    Args:
+        value: The tensor to send.
+        pairs: ``[[source, target], ...]`` ordinals.
+
+    Example:
+        >>> n = xr.world_size()
+        >>> from_left = xm.collective_permute(x, [[i, (i + 1) % n] for i in range(n)])
+    """
+    if _collective.world_size() == 0:
+        _check_world_of_one("collective_permute")
+        keeps = any(tuple(pair) == (0, 0) for pair in pairs)
+        return value.clone() if keeps else torch.zeros_like(value)
+    return _collective.collective_permute(value, pairs)
+
+
+def collective_broadcast(
+    tensors: list[torch.Tensor], root_ordinal: int = 0, groups=None, pin_layout: bool = True
+) -> None:
+    """Overwrite ``tensors`` in place on every replica with the root replica's values.
+
+    Args:
+        tensors: The tensors to broadcast (the same list on every replica).
+        root_ordinal: The replica whose values everyone receives.
+        groups: Replica groups broadcasting separately (``root_ordinal`` is a rank in each).
+        pin_layout: Ignored.
+
+    Example:
+        >>> xm.collective_broadcast(list(model.parameters()))
+    """
+    if _collective.world_size() == 0:
+        return
+    ordinal = runtime.global_ordinal()
+    if groups:
+        ordinal = next(list(g).index(ordinal) for g in groups if ordinal in g)
+    with torch.no_grad():
+        for tensor in tensors:
+            keep = torch.tensor(ordinal == root_ordinal, dtype=tensor.dtype)
+            tensor.mul_(keep.to(tensor.device))
+    all_reduce(REDUCE_SUM, tensors, groups=groups)
+
+
+def rendezvous(tag: str, payload: Any = b"", replicas: list | None = None) -> list:
+    """Wait until every replica (of ``replicas``; default all) reaches rendezvous ``tag``.
+
+    A replica reaching another tag, or leaving the launched function while others wait, is an
+    error naming the replicas and tags, not a hang.
+
+    Args:
+        tag: The rendezvous' name: every participant must use the same.
+        payload: What this replica shares (bytes in PyTorch/XLA; any object here).
+        replicas: The ordinals taking part; None or [] for all.
+
+    Returns:
+        The participants' payloads, in ordinal order.
+
+    Example:
+        >>> xm.rendezvous('epoch_end')
+    """
+    replica = _engine.current().replica
+    if replica is None:
+        _check_world_of_one("rendezvous")
+        return [payload]
+    return replica.world.rendezvous(replica, tag, payload, list(replicas or []))
+
+
+def mesh_reduce(tag: str, data: Any, reduce_fn: Callable[[list], Any]) -> Any:
+    """``reduce_fn`` of every replica's ``data`` (xla tensors in it moved to the CPU), in
+    ordinal order; every replica gets the result.
+
+    Args:
+        tag: The rendezvous' name.
+        data: This replica's value: any picklable object, tensors included.
+        reduce_fn: Reduces the list of every replica's value.
+
+    Example:
+        >>> accuracy = xm.mesh_reduce('accuracy', correct / total, np.mean)
+    """
+    host = rewrite_instances(data, _is_xla_value, lambda t, i: to_cpu_tensor(t))
+    return reduce_fn(copy.deepcopy(rendezvous(tag, host)))
+
+
+def _each(value, output, collective: Callable):
+    """Apply a one-tensor collective to a tensor or each tensor of a list; write into ``output``
+    when given."""
+    single = isinstance(value, torch.Tensor)
+    results = [collective(t) for t in ([value] if single else value)]
+    if output is None:
+        return results[0] if single else results
+    outputs = [output] if single else list(output)
+    with torch.no_grad():
+        for out, result in zip(outputs, results):
+            out.copy_(result)
+    return output
+
+
+def _check_world_of_one(api: str) -> None:
+    """Outside ``launch`` there is one replica per process; across hosts, shard a mesh instead."""
+    if runtime.process_count() > 1:
+        raise NotImplementedError(
+            f"xm.{api} across {runtime.process_count()} hosts outside launch/spawn: in the SPMD "
+            "model collectives come from sharding; mark tensors over a global mesh instead"
+        )
 
 
 def save(data: Any, file_or_path, master_only: bool = True, global_master: bool = False) -> None:
@@ -302,10 +577,11 @@ def save(data: Any, file_or_path, master_only: bool = True, global_master: bool 
     """
     should_write = not master_only or is_master_ordinal(local=not global_master)
     _compute_xla_tensors(data)
-    if not should_write:
-        return
-    cpu_data = rewrite_instances(data, _is_xla_value, lambda t, i: to_cpu_tensor(t))
-    torch.save(cpu_data, file_or_path)
+    if should_write:
+        cpu_data = rewrite_instances(data, _is_xla_value, lambda t, i: to_cpu_tensor(t))
+        torch.save(cpu_data, file_or_path)
+    if _collective.world_size():
+        rendezvous("spmd_torch.core.xla_model.save")
 
 
 def to_cpu_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -15,10 +15,11 @@ closed, exhausted or garbage-collected (a loop left early) stops them.
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +30,7 @@ from jax.sharding import NamedSharding
 
 import spmd_torch
 from spmd_torch import runtime
-from spmd_torch._lazy import layout, placement, transfer
+from spmd_torch._lazy import engine, layout, placement, replicas, transfer
 from spmd_torch.distributed.spmd import ShardingSpec, validate
 
 __all__ = ["MpDeviceLoader", "ParallelLoader", "PerDeviceLoader"]
@@ -153,7 +154,7 @@ class ParallelLoader:
         if input_sharding is not None and not runtime.is_spmd():
             runtime.use_spmd()  # sharded inputs need SPMD mode, as mark_sharding turns it on
         self._pipeline = _Pipeline(
-            loader,
+            _batches(loader),
             plan,
             loader_prefetch_size,
             device_prefetch_size,
@@ -226,7 +227,7 @@ class ParallelLoader:
         if self._finished:
             return None
         while self._next_seq not in self._ready:
-            item = self._take()
+            item = self._take_now()
             if item is None:  # the threads were stopped (close() from elsewhere)
                 self._finish()
                 return None
@@ -268,6 +269,15 @@ class ParallelLoader:
         for thread in self._threads:
             thread.join()
         self._finish()
+
+    def _take_now(self) -> tuple | None:
+        """The next (seq, payload): at once if one is ready, else after a wait during which the
+        other replicas of a launch run."""
+        try:
+            return self._pipeline.device_queue.get_nowait()
+        except queue.Empty:
+            with replicas.away():
+                return self._take()
 
     def _take(self) -> tuple | None:
         """The next (seq, payload) from the upload threads; None if they all stopped early."""
@@ -347,6 +357,9 @@ class _Plan:
     spec: tuple | None = None  # partition spec of the single ShardingSpec
     sharding: NamedSharding | None = None
     per_key: dict | None = None  # key -> (partition spec, NamedSharding)
+    # Where tensors without a spec land, as the constructing thread's engine says (the upload
+    # threads have no engine of their own): a replica's device, or the default placement.
+    landing: Any = None
 
     def sharding_for(self, path: tuple, leaf: torch.Tensor) -> NamedSharding | None:
         if self.per_key is None:
@@ -364,9 +377,9 @@ class _Pipeline:
     """What the loader's threads share (never the loader itself, so dropping it stops them)."""
 
     def __init__(
-        self, cpu_loader: Iterable, plan: _Plan, cpu_size: int, device_size: int, uploaders: int
+        self, batches: Iterator, plan: _Plan, cpu_size: int, device_size: int, uploaders: int
     ) -> None:
-        self.cpu_loader = cpu_loader
+        self.batches = batches
         self.plan = plan
         self.uploaders = uploaders
         self.stop = threading.Event()
@@ -442,7 +455,7 @@ def _read_loader(pipeline: _Pipeline) -> None:
     """Thread: feed (seq, batch) from the host loader, then one end mark per upload thread."""
     seq = 0
     try:
-        for batch in pipeline.cpu_loader:
+        for batch in pipeline.batches:
             if not _put(pipeline.cpu_queue, (seq, batch), pipeline.stop):
                 return
             seq += 1
@@ -491,7 +504,7 @@ def _stage(batch: Any, plan: _Plan, seq: int) -> _Staged:
     for path, leaf in flat:
         if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu":
             sharding = plan.sharding_for(path, leaf)
-            array = transfer.to_device_array(leaf, sharding)
+            array = transfer.to_device_array(leaf, sharding or plan.landing)
             leaf = _Upload(array, tuple(leaf.shape), leaf.dtype, sharding)
         leaves.append(leaf)
     return _Staged(treedef, leaves)
@@ -507,10 +520,12 @@ def _note(error: BaseException, text: str) -> None:
 
 def _plan(input_sharding: Any) -> _Plan:
     """Check ``input_sharding`` and resolve each spec to the sharding the engine stores."""
+    landing = placement.default_sharding()
     if input_sharding is None:
-        return _Plan()
+        return _Plan(landing=landing)
     if isinstance(input_sharding, ShardingSpec):
-        return _Plan(input_sharding.partition_spec, layout.canonical(input_sharding.sharding))
+        spec, sharding = input_sharding.partition_spec, input_sharding.sharding
+        return _Plan(spec, layout.canonical(sharding), landing=landing)
     if isinstance(input_sharding, dict):
         per_key = {}
         for key, spec in input_sharding.items():
@@ -520,11 +535,25 @@ def _plan(input_sharding: Any) -> _Plan:
                     f"got {type(spec).__name__}: {spec!r}"
                 )
             per_key[key] = (spec.partition_spec, layout.canonical(spec.sharding))
-        return _Plan(per_key=per_key)
+        return _Plan(per_key=per_key, landing=landing)
     raise ValueError(
         "input_sharding must be a spmd_torch.distributed.spmd.ShardingSpec, a dict of them keyed "
         f"like the batches, or None; got {type(input_sharding).__name__}: {input_sharding!r}"
     )
+
+
+def _batches(loader: Iterable) -> Iterator:
+    """``loader``'s iterator, started on this thread: in a replica of ``launch`` the first batch
+    is read here, so a shuffling sampler draws its seed from the replica's own CPU RNG stream
+    (as in a process of its own) rather than from whichever replica holds the turn."""
+    batches = iter(loader)
+    if engine.current().replica is None:
+        return batches
+    try:
+        first = next(batches)
+    except StopIteration:
+        return iter(())
+    return itertools.chain([first], batches)
 
 
 def _check_device(device: Any, api: str) -> torch.device:
