@@ -180,6 +180,21 @@ def _completed(result: list[torch.Tensor]) -> dist.Work:
     return _create_work_from_future(future)
 
 
+def _on_device(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors on the replica's device: xla tensors themselves, CPU ones uploaded (the
+    object collectives, ``all_gather_object`` and ``broadcast_object_list``, pass CPU tensors)."""
+    device = xm.xla_device()
+    return [tensor.to(device) for tensor in tensors]
+
+
+def _copy_back(tensors: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    """Write results into the tensors that were uploaded for the collective (reading them is a
+    barrier)."""
+    for tensor, value in zip(tensors, values):
+        if value is not tensor:
+            tensor.copy_(value)
+
+
 class ProcessGroupXla(dist.ProcessGroup):
     """The process group of the ``xla`` backend: collectives over the replicas of one launch.
 
@@ -191,8 +206,10 @@ class ProcessGroupXla(dist.ProcessGroup):
     Supported: ``all_reduce`` (SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR), ``all_gather``,
     ``all_gather_single`` / ``all_gather_into_tensor``, ``reduce_scatter``,
     ``reduce_scatter_single`` / ``reduce_scatter_tensor`` (SUM, AVG, MIN, MAX), ``broadcast``
-    and ``barrier``; that covers ``DistributedDataParallel``. The group spans every replica:
-    ``new_group`` over a subset of them is not supported.
+    and ``barrier``; that covers ``DistributedDataParallel``. CPU tensors are accepted too (the
+    result is copied back, which is a barrier), so ``all_gather_object`` and
+    ``broadcast_object_list`` work. The group spans every replica: ``new_group`` over a subset of
+    them is not supported.
 
     Args:
         prefix_store: The store c10d hands the backend (unused: replicas meet in the graph).
@@ -217,6 +234,15 @@ class ProcessGroupXla(dist.ProcessGroup):
     def getBackendName(self) -> str:
         return "xla"
 
+    # c10d names a group through its C++ backends, and a Python group has none: keep the name here
+    # (destroy_process_group and functional collectives read it), as PyTorch/XLA does.
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
     def _reduce_type(self, op: dist.ReduceOp, collective: str) -> tuple[str, float]:
         """The xm reduce type and scale of a c10d reduce op."""
         reduce_type = _REDUCE_TYPES.get(op.op)
@@ -233,7 +259,9 @@ class ProcessGroupXla(dist.ProcessGroup):
         reduce_type, scale = self._reduce_type(
             (opts or dist.AllreduceOptions()).reduceOp, "allreduce"
         )
-        xm.all_reduce(reduce_type, tensors, scale=scale, pin_layout=False)
+        values = _on_device(tensors)
+        xm.all_reduce(reduce_type, values, scale=scale, pin_layout=False)
+        _copy_back(tensors, values)
         return _completed(tensors)
 
     @torch.no_grad()
@@ -249,7 +277,8 @@ class ProcessGroupXla(dist.ProcessGroup):
                     f"xla process group: all_gather of a {tuple(tensor.shape)} tensor needs "
                     f"{self.size()} output tensors, got {len(outputs)}"
                 )
-            gathered = xm.all_gather(tensor.unsqueeze(0), dim=0, pin_layout=False)
+            (value,) = _on_device([tensor])
+            gathered = xm.all_gather(value.unsqueeze(0), dim=0, pin_layout=False)
             for output, value in zip(outputs, gathered):
                 output.copy_(value)
         return _completed([t for outputs in output_tensors for t in outputs])
@@ -269,7 +298,8 @@ class ProcessGroupXla(dist.ProcessGroup):
                 f"xla process group: all_gather_into_tensor of a {shape} input needs an output "
                 f"of shape {stacked} or {concatenated}, got {tuple(output.shape)}"
             )
-        gathered = xm.all_gather(input.unsqueeze(0), dim=0, pin_layout=False)
+        (value,) = _on_device([input])
+        gathered = xm.all_gather(value.unsqueeze(0), dim=0, pin_layout=False)
         output.copy_(gathered.reshape(output.shape))
         return _completed([output])
 
@@ -305,7 +335,8 @@ class ProcessGroupXla(dist.ProcessGroup):
                 f"xla process group: reduce_scatter_tensor of a {tuple(input.shape)} input needs "
                 f"{self.size()} times the elements of its {tuple(output.shape)} output"
             )
-        rows = input.reshape(self.size(), output.numel())
+        (value,) = _on_device([input])
+        rows = value.reshape(self.size(), output.numel())
         shard = xm.reduce_scatter(reduce_type, rows, scale, 0, self.size(), pin_layout=False)
         output.copy_(shard.reshape(output.shape))
         return _completed([output])
@@ -319,11 +350,10 @@ class ProcessGroupXla(dist.ProcessGroup):
         # As PyTorch/XLA: an all-reduce in which only the root contributes. The mask is data, not
         # a Python branch, so every replica records the same graph.
         root = (opts or dist.BroadcastOptions()).rootRank
-        if not tensors:
-            return _completed(tensors)
-        not_root = torch.tensor(self.rank() != root).to(tensors[0].device)
+        (not_root,) = _on_device([torch.tensor(self.rank() != root)])
         for tensor in tensors:
-            contribution = [tensor.masked_fill(not_root, 0)]
+            (value,) = _on_device([tensor])
+            contribution = [value.masked_fill(not_root, 0)]
             reduce_type = xm.REDUCE_OR if tensor.dtype == torch.bool else xm.REDUCE_SUM
             xm.all_reduce(reduce_type, contribution, pin_layout=False)
             tensor.copy_(contribution[0])

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import _resolve_process_group
 from torch.nn.parallel import DistributedDataParallel
 
 import spmd_torch
@@ -83,6 +84,8 @@ def test_each_replica_has_its_own_world_and_the_main_thread_keeps_its_group():
 
         assert spmd_torch.launch(fn)[3] == (False, False, False)
         assert dist.group.WORLD is main_group and dist.get_world_size() == 1
+        # c10d's registry of group names is the process's again (thread isolation mode is off)
+        assert _resolve_process_group(main_group.group_name) is main_group
     finally:
         dist.destroy_process_group()
 
@@ -99,6 +102,21 @@ def test_xla_init_method_rejects_a_rank_other_than_the_ordinal():
 
     with pytest.raises(ValueError, match=r"rank=\d\): this replica's rank is \d"):
         spmd_torch.launch(fn)
+
+
+def test_new_group_over_every_replica_reduces_like_the_world():
+    def fn(index):
+        group = dist.new_group(ranks=list(range(REPLICAS)))
+        tensor = _on_device(_per_replica(index))
+        dist.all_reduce(tensor, group=group)
+        name = group.group_name
+        dist.destroy_process_group(group)
+        return tensor.cpu(), name
+
+    expected = torch.from_numpy(_all_inputs().sum(0))
+    for result, name in _launch(fn):
+        assert name == "1"  # after the default group, "0"
+        assert_close(result, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_new_group_over_some_replicas_is_not_supported():
@@ -265,6 +283,30 @@ def test_barrier_waits_for_every_replica():
         return len(arrived)
 
     assert _launch(fn) == [REPLICAS] * REPLICAS
+
+
+def test_object_collectives_pass_python_objects_between_replicas():
+    def fn(index):
+        gathered = [None] * REPLICAS
+        dist.all_gather_object(gathered, {"rank": index, "name": "r" * index})  # sizes differ
+        objects = [f"from {index}", index]
+        dist.broadcast_object_list(objects, src=2)
+        return gathered, objects
+
+    expected = ([{"rank": i, "name": "r" * i} for i in range(REPLICAS)], ["from 2", 2])
+    assert _launch(fn) == [expected] * REPLICAS
+
+
+def test_all_reduce_of_a_cpu_tensor_writes_the_result_back():
+    def fn(index):
+        tensor = torch.from_numpy(_per_replica(index))
+        dist.all_reduce(tensor)
+        return tensor
+
+    expected = torch.from_numpy(_all_inputs().sum(0))
+    for result in _launch(fn):
+        assert result.device.type == "cpu"
+        assert_close(result, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_async_work_waits_and_its_future_holds_the_result():
