@@ -279,6 +279,7 @@ class ProcessGroupXla(dist.ProcessGroup):
                 )
             (value,) = _on_device([tensor])
             gathered = xm.all_gather(value.unsqueeze(0), dim=0, pin_layout=False)
+            gathered = gathered.to(outputs[0].device)  # CPU outputs: one read, then slices
             for output, value in zip(outputs, gathered):
                 output.copy_(value)
         return _completed([t for outputs in output_tensors for t in outputs])
