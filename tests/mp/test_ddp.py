@@ -380,3 +380,55 @@ def test_ddp_training_matches_sgd_on_the_averaged_gradient(bucket_view):
     for index, (losses, state) in enumerate(_launch(fn)):
         assert_close(losses, expected_losses[:, index], rtol=1e-5, atol=1e-6)
         assert_close(state, expected_state, rtol=1e-5, atol=1e-6)
+
+
+def test_ddp_broadcasts_rank_0s_buffers_before_each_forward():
+    torch.manual_seed(0)
+    initial = torch.nn.Sequential(
+        torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3)
+    )
+
+    def fn(index):
+        model = copy.deepcopy(initial).to(xm.xla_device())
+        ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)  # broadcast_buffers
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        losses = []
+        for step in range(STEPS):
+            x, y = (t.to(xm.xla_device()) for t in _batch(step, index))
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(ddp(x), y)
+            loss.backward()
+            optimizer.step()
+            xm.mark_step()
+            losses.append(loss.detach())
+        return torch.stack(losses).cpu(), {k: v.cpu() for k, v in model.state_dict().items()}
+
+    # Reference: every replica's forward starts from rank 0's running statistics and updates its
+    # own copy; rank 0's copy carries on. Gradients are averaged as before.
+    model = copy.deepcopy(initial)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    params = dict(model.named_parameters())
+    expected_losses = []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        losses, statistics = [], []
+        for index in range(REPLICAS):
+            own = {k: v.clone() for k, v in model.named_buffers()}
+            x, y = _batch(step, index)
+            output = torch.func.functional_call(model, {**params, **own}, (x,))
+            losses.append(torch.nn.functional.mse_loss(output, y))
+            statistics.append(own)
+        torch.stack(losses).mean().backward()
+        optimizer.step()
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                buffer.copy_(statistics[0][name])
+        expected_losses.append(torch.stack(losses).detach())
+    expected_losses = torch.stack(expected_losses)
+
+    results = _launch(fn)
+    for index, (losses, state) in enumerate(results):
+        assert_close(losses, expected_losses[:, index], rtol=1e-5, atol=1e-6)
+        for name, value in model.named_parameters():
+            assert_close(state[name], value.detach(), rtol=1e-5, atol=1e-6)
+    assert_close(results[0][1], dict(model.state_dict()), rtol=1e-5, atol=1e-6)
