@@ -64,7 +64,7 @@ class _Dealer:
     is dropped: each replica must run as many steps as the others, since their collectives meet.
     """
 
-    def __init__(self, loader: Iterable, count: int, fixed_batch_size: bool, batchdim: int):
+    def __init__(self, loader: Iterable, count: int, fixed_batch_size: bool, batchdim: int) -> None:
         self._batches = iter(loader)
         self._count = count
         self._fixed_batch_size = fixed_batch_size
