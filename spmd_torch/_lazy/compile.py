@@ -9,6 +9,7 @@ reuses its executable.
 from __future__ import annotations
 
 import hashlib
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -24,12 +25,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import config, counters, manual, placement
 from .engine import current
-from .graph import Program, substitute
+from .graph import Program, substitute, to_text
 from .layout import crop, padded
 from .lowering import LOWERINGS
 from .lowering.collectives import REPLICA_AXIS
 from .lowering.dtypes import to_jax_dtype
 from .lowering.random import wrap_key
+from .record import user_frame
 
 
 def _scalars_aval(n: int, replicas: Mesh | None = None) -> jax.ShapeDtypeStruct:
@@ -337,3 +339,15 @@ def stablehlo_text(program: Program, arrays: list) -> str:
 
 def clear_cache() -> None:
     current().cache.clear()
+
+
+def debug_line(program: Program, executable: Executable, hit: bool) -> None:
+    """The ``PT_XLA_DEBUG_LEVEL`` line of one program run: hit or MISS, and why it missed."""
+    status = "hit" if hit else "MISS"
+    line = f"compile key={executable.key} {status} {len(program.nodes)} nodes at {user_frame()}"
+    if not hit:
+        compile_ns = counters.METRICS["CompileTime"][-1]
+        line += f" {compile_ns / 1e9:.2f}s; reason: " + explain_last_miss()
+    print(f"[spmd_torch] {line}", file=sys.stderr)
+    if config.DEBUG_LEVEL.value >= 2:
+        print(to_text(program), file=sys.stderr)

@@ -7,7 +7,6 @@ needs and leaves the rest pending.
 
 from __future__ import annotations
 
-import sys
 import time
 import weakref
 
@@ -19,7 +18,6 @@ from . import compile as compiler
 from . import config, counters, manual, placement, replicas, rng
 from .engine import current
 from .graph import DATA, Node, Program, linearize, to_text
-from .record import user_frame
 from .tensor import LazyTensor, live_pending
 from .transfer import to_torch
 
@@ -96,7 +94,7 @@ def run(program: Program, donate: bool, out_shardings: tuple | None = None) -> l
     donated = tuple(donate and node.op == DATA and node.holders == 0 for node, _ in program.leaves)
     executable, hit = compiler.lookup_or_compile(program, arrays, donated, out_shardings)
     if config.DEBUG_LEVEL.value:
-        _debug_line(program, executable, hit)
+        compiler.debug_line(program, executable, hit)
     scalars = np.array([node.args[0] for node in program.scalars], dtype=np.float64)
     start = time.perf_counter_ns()
     outputs = executable(arrays, donated, scalars)
@@ -206,15 +204,3 @@ def _pending_refs(tensors) -> list:
     else:
         refs = [t._ref() for t in tensors]
     return list({(id(n), i): (n, i) for n, i in refs}.values())
-
-
-def _debug_line(program, executable, hit: bool) -> None:
-    status = "hit" if hit else "MISS"
-    line = f"compile key={executable.key} {status} {len(program.nodes)} nodes at {user_frame()}"
-    if not hit:
-        compile_ns = counters.METRICS["CompileTime"][-1]
-        line += f" {compile_ns / 1e9:.2f}s; reason: "
-        line += compiler.explain_last_miss()
-    print(f"[spmd_torch] {line}", file=sys.stderr)
-    if config.DEBUG_LEVEL.value >= 2:
-        print(to_text(program), file=sys.stderr)

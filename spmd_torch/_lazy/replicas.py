@@ -28,7 +28,7 @@ import torch
 from jax.sharding import Mesh
 
 from . import compile as compiler
-from . import counters
+from . import config, counters
 from .collective import COLLECTIVES
 from .engine import CompileCache, Engine, current
 from .graph import DATA, Program
@@ -87,7 +87,9 @@ class World:
         self.size = len(devices)
         self.mesh = Mesh(np.array(devices), (REPLICA_AXIS,))
         self.cache = cache
-        self.lock = threading.Condition()
+        self.lock = threading.Lock()
+        # One condition per replica, so handing the turn on wakes just the replica it goes to.
+        self.wakeups = [threading.Condition(self.lock) for _ in range(self.size)]
         self.turn: int | None = None  # the replica running Python now
         self.last_turn = -1
         self.ready = set(range(self.size))  # replicas wanting the turn: all, at the start
@@ -125,7 +127,8 @@ class World:
             self.done.add(replica.ordinal)
             if self.turn == replica.ordinal:
                 self.turn = None
-            self.lock.notify_all()
+            for wakeup in self.wakeups:
+                wakeup.notify()
 
     def step_away(self, replica: Replica) -> None:
         """Give the turn up while waiting outside the world (for data), without leaving it."""
@@ -152,7 +155,7 @@ class World:
         following = min(self.ready, key=lambda k: (k - self.last_turn - 1) % self.size)
         self.ready.discard(following)
         self.turn = self.last_turn = following
-        self.lock.notify_all()
+        self.wakeups[following].notify()
 
     def _await_turn(self, replica: Replica) -> None:
         while self.turn != replica.ordinal:
@@ -162,7 +165,7 @@ class World:
                     f"replica {replica.ordinal} stopped: replica {ordinal} raised "
                     f"{type(error).__name__}: {error}"
                 )
-            self.lock.wait()
+            self.wakeups[replica.ordinal].wait()
         torch.set_rng_state(replica.cpu_rng)
 
     # --- waits ---------------------------------------------------------------------------------
@@ -321,7 +324,9 @@ class World:
         ]
         donated = tuple(all(w.donated[i] for w in waits) for i in range(len(arrays)))
         scalars = jax.device_put(np.stack([w.scalars for w in waits]), layout)
-        executable, _ = compiler.lookup_or_compile(first.program, arrays, donated, replicas=mesh)
+        executable, hit = compiler.lookup_or_compile(first.program, arrays, donated, replicas=mesh)
+        if config.DEBUG_LEVEL.value:
+            compiler.debug_line(first.program, executable, hit)
         with counters.timed("ExecuteTime"):
             outputs = executable(arrays, donated, scalars)
         return {k: [ReplicaShard(out, position[k]) for out in outputs] for k in ordinals}
