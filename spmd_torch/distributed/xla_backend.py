@@ -1,0 +1,418 @@
+"""torch_xla.distributed.xla_backend on JAX: the ``xla`` backend of ``torch.distributed``.
+
+Importing this module registers the ``xla`` backend and the ``xla://`` init method, as in
+PyTorch/XLA. Inside each replica of :func:`spmd_torch.launch` (or ``xmp.spawn``)::
+
+    dist.init_process_group('xla', init_method='xla://')
+
+gives a process group whose rank is the replica's global ordinal and whose size is the replica
+count. Its collectives call ``xm.all_reduce``, ``xm.all_gather`` and ``xm.reduce_scatter``, so they
+are recorded into the lazy graph and run inside the one program of the next barrier, like every
+other op; that is what lets ``DistributedDataParallel`` train over it.
+
+Replicas are threads of one process, while ``torch.distributed`` keeps its groups in one global
+(``distributed_c10d._world``). This module replaces that global with one that gives each replica
+thread a world of its own, created fresh when the replica first touches ``torch.distributed``;
+every other thread keeps the original. The torch internals this relies on are named together
+below the imports.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import urllib.parse
+import weakref
+from collections.abc import Iterator
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from spmd_torch import runtime
+from spmd_torch._lazy import engine
+from spmd_torch.core import xla_model as xm
+
+__all__ = ["ProcessGroupXla"]
+
+# The torch.distributed internals this module relies on (checked on torch 2.11-2.14), all here:
+# - distributed_c10d._world, the override point c10d documents for its group state, and its class
+#   _World, whose instance-backed properties we keep;
+# - _C._distributed_c10d._set_thread_isolation_mode: a per-thread registry of group names;
+# - _C._distributed_c10d._create_work_from_future: a Work over a completed Future.
+_set_thread_isolation_mode = torch._C._distributed_c10d._set_thread_isolation_mode
+_create_work_from_future = torch._C._distributed_c10d._create_work_from_future
+
+# The _World properties c10d backs with module globals (shared by every thread) rather than with
+# the instance; a replica's world keeps its own. The rest (default_pg, pg_coalesce_state, comms...)
+# already live on the instance.
+_GLOBAL_BACKED = (
+    "pg_map",
+    "pg_names",
+    "pg_group_ranks",
+    "pg_backend_config",
+    "tags_to_pg",
+    "pg_to_tag",
+)
+
+
+class _ReplicaWorld(c10d._World):
+    """One replica's ``torch.distributed`` state: c10d's ``_World`` with every map its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._maps: dict[str, dict] = {name: {} for name in _GLOBAL_BACKED}
+        self._group_count = 0
+
+    pg_map = property(lambda self: self._maps["pg_map"])
+    pg_names = property(lambda self: self._maps["pg_names"])
+    pg_group_ranks = property(lambda self: self._maps["pg_group_ranks"])
+    pg_backend_config = property(lambda self: self._maps["pg_backend_config"])
+    tags_to_pg = property(lambda self: self._maps["tags_to_pg"])
+    pg_to_tag = property(lambda self: self._maps["pg_to_tag"])
+
+    @property
+    def group_count(self) -> int:
+        return self._group_count
+
+    @group_count.setter
+    def group_count(self, value: int) -> None:
+        self._group_count = value
+
+
+def _check_replica_world(original: c10d._World) -> None:
+    """Fail loudly if this torch keeps some group state in a global we do not make per replica:
+    replicas would then see each other's groups."""
+    world = _ReplicaWorld()
+    for name, attr in vars(c10d._World).items():
+        if not isinstance(attr, property) or name == "pg_config_info":  # computed from the maps
+            continue
+        value = getattr(world, name)
+        if isinstance(value, (dict, list)) and value is getattr(original, name):
+            raise RuntimeError(
+                f"torch {torch.__version__}: torch.distributed keeps _World.{name} in a global "
+                "that spmd_torch does not make per replica; the xla backend needs an update"
+            )
+
+
+class _ReplicaWorlds:
+    """Counts the live replica worlds, to hold two process-wide settings while any lives.
+
+    c10d's C++ registry of group names must be per thread (thread isolation mode), since every
+    replica names its default group "0"; and ``sys.excepthook``, which ``init_process_group``
+    wraps once per replica, is put back when the last replica world dies.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._alive = 0
+        self._excepthook = sys.excepthook
+
+    def new(self) -> _ReplicaWorld:
+        world = _ReplicaWorld()
+        with self._lock:
+            if self._alive == 0:
+                self._excepthook = sys.excepthook
+                _set_thread_isolation_mode(True)
+            self._alive += 1
+        weakref.finalize(world, self._died)  # when its replica thread exits
+        return world
+
+    def _died(self) -> None:
+        with self._lock:
+            self._alive -= 1
+            if self._alive == 0:
+                _set_thread_isolation_mode(False)
+                sys.excepthook = self._excepthook
+
+
+_REPLICA_WORLDS = _ReplicaWorlds()
+
+
+class _WorldPerReplica:
+    """Stands in for ``distributed_c10d._world``: in a replica thread, that replica's own world
+    (created on first use); in any other thread, the original."""
+
+    __slots__ = ("_original", "_local")
+
+    def __init__(self, original: c10d._World) -> None:
+        object.__setattr__(self, "_original", original)
+        object.__setattr__(self, "_local", threading.local())
+
+    def current(self) -> c10d._World:
+        """The calling thread's world."""
+        replica = engine.current().replica
+        if replica is None:
+            return self._original
+        local = self._local
+        if getattr(local, "replica", None) is not replica:  # a new replica (or a reused thread)
+            local.replica, local.world = replica, _REPLICA_WORLDS.new()
+        return local.world
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.current(), name)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        setattr(self.current(), name, value)
+
+
+# ---------------------------------------------------------------------------------------------
+# The process group
+# ---------------------------------------------------------------------------------------------
+_RedOp = dist.ReduceOp.RedOpType
+_REDUCE_TYPES = {
+    _RedOp.SUM: xm.REDUCE_SUM,
+    _RedOp.AVG: xm.REDUCE_SUM,  # scaled by 1 / size
+    _RedOp.PRODUCT: xm.REDUCE_MUL,
+    _RedOp.MIN: xm.REDUCE_MIN,
+    _RedOp.MAX: xm.REDUCE_MAX,
+    _RedOp.BAND: xm.REDUCE_AND,
+    _RedOp.BOR: xm.REDUCE_OR,
+}
+
+
+def _completed(result: list[torch.Tensor]) -> dist.Work:
+    """A finished Work: the collective is already in the graph, so there is nothing to wait for
+    (its value is computed at the next barrier, with everything else)."""
+    future = torch.futures.Future()
+    future.set_result(result)
+    return _create_work_from_future(future)
+
+
+def _on_device(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors on the replica's device: xla tensors themselves, CPU ones uploaded (the
+    object collectives, ``all_gather_object`` and ``broadcast_object_list``, pass CPU tensors)."""
+    device = xm.xla_device()
+    return [tensor.to(device) for tensor in tensors]
+
+
+def _copy_back(tensors: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    """Write results into the tensors that were uploaded for the collective (reading them is a
+    barrier)."""
+    for tensor, value in zip(tensors, values):
+        if value is not tensor:
+            tensor.copy_(value)
+
+
+class ProcessGroupXla(dist.ProcessGroup):
+    """The process group of the ``xla`` backend: collectives over the replicas of one launch.
+
+    Each collective records the matching ``xm`` collective into the lazy graph and returns a Work
+    that is already complete; the values are computed by the next barrier (``xm.mark_step()``,
+    or reading a value), in the same program as the rest of the step. Create it through
+    ``dist.init_process_group('xla', init_method='xla://')`` inside a replica, as in PyTorch/XLA.
+
+    Supported: ``all_reduce`` (SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR), ``all_gather``,
+    ``all_gather_single`` / ``all_gather_into_tensor``, ``reduce_scatter``,
+    ``reduce_scatter_single`` / ``reduce_scatter_tensor`` (SUM, AVG, MIN, MAX), ``broadcast``
+    and ``barrier``; that covers ``DistributedDataParallel``. CPU tensors are accepted too (the
+    result is copied back, which is a barrier), so ``all_gather_object`` and
+    ``broadcast_object_list`` work. The group spans every replica: ``new_group`` over a subset of
+    them is not supported.
+
+    Args:
+        prefix_store: The store c10d hands the backend (unused: replicas meet in the graph).
+        rank: This replica's rank: its global ordinal.
+        size: The number of replicas.
+        timeout: Unused: a collective is complete once recorded.
+
+    Example:
+        >>> import spmd_torch.distributed.xla_backend  # registers 'xla' and 'xla://'
+        >>> def _mp_fn(index):
+        ...     dist.init_process_group('xla', init_method='xla://')
+        ...     t = torch.tensor([float(index)]).to(xm.xla_device())
+        ...     dist.all_reduce(t)  # 28.0 (0 + 1 + ... + 7) in every replica
+        >>> spmd_torch.launch(_mp_fn)
+    """
+
+    def __init__(self, prefix_store: dist.Store, rank: int, size: int, timeout: timedelta) -> None:
+        super().__init__(rank, size)
+        self.prefix_store = prefix_store
+        self.timeout = timeout
+
+    def getBackendName(self) -> str:
+        return "xla"
+
+    # c10d names a group through its C++ backends, and a Python group has none: keep the name here
+    # (destroy_process_group and functional collectives read it), as PyTorch/XLA does.
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    def _reduce_type(self, op: dist.ReduceOp, collective: str) -> tuple[str, float]:
+        """The xm reduce type and scale of a c10d reduce op."""
+        reduce_type = _REDUCE_TYPES.get(op.op)
+        if reduce_type is None:
+            raise NotImplementedError(
+                f"xla process group: {collective} with {op.op} is not supported"
+            )
+        return reduce_type, 1.0 / self.size() if op.op == _RedOp.AVG else 1.0
+
+    @torch.no_grad()
+    def allreduce(
+        self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions | None = None
+    ) -> dist.Work:
+        reduce_type, scale = self._reduce_type(
+            (opts or dist.AllreduceOptions()).reduceOp, "allreduce"
+        )
+        values = _on_device(tensors)
+        xm.all_reduce(reduce_type, values, scale=scale, pin_layout=False)
+        _copy_back(tensors, values)
+        return _completed(tensors)
+
+    @torch.no_grad()
+    def allgather(
+        self,
+        output_tensors: list[list[torch.Tensor]],
+        input_tensors: list[torch.Tensor],
+        opts: dist.AllgatherOptions | None = None,
+    ) -> dist.Work:
+        for outputs, tensor in zip(output_tensors, input_tensors):
+            if len(outputs) != self.size():
+                raise ValueError(
+                    f"xla process group: all_gather of a {tuple(tensor.shape)} tensor needs "
+                    f"{self.size()} output tensors, got {len(outputs)}"
+                )
+            (value,) = _on_device([tensor])
+            gathered = xm.all_gather(value.unsqueeze(0), dim=0, pin_layout=False)
+            gathered = gathered.to(outputs[0].device)  # CPU outputs: one read, then slices
+            for output, value in zip(outputs, gathered):
+                output.copy_(value)
+        return _completed([t for outputs in output_tensors for t in outputs])
+
+    @torch.no_grad()
+    def all_gather_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        opts: dist.AllgatherOptions | None = None,
+    ) -> dist.Work:
+        shape = tuple(input.shape)
+        stacked = (self.size(), *shape)
+        concatenated = (self.size() * shape[0], *shape[1:]) if shape else stacked
+        if tuple(output.shape) not in (stacked, concatenated):
+            raise ValueError(
+                f"xla process group: all_gather_into_tensor of a {shape} input needs an output "
+                f"of shape {stacked} or {concatenated}, got {tuple(output.shape)}"
+            )
+        (value,) = _on_device([input])
+        gathered = xm.all_gather(value.unsqueeze(0), dim=0, pin_layout=False)
+        output.copy_(gathered.reshape(output.shape))
+        return _completed([output])
+
+    _allgather_base = all_gather_single  # the name torch < 2.13 calls
+
+    @torch.no_grad()
+    def reduce_scatter(
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[list[torch.Tensor]],
+        opts: dist.ReduceScatterOptions | None = None,
+    ) -> dist.Work:
+        for output, inputs in zip(output_tensors, input_tensors):
+            if len(inputs) != self.size():
+                raise ValueError(
+                    f"xla process group: reduce_scatter needs {self.size()} input tensors, "
+                    f"got {len(inputs)}"
+                )
+            self.reduce_scatter_single(output, torch.stack(inputs), opts)
+        return _completed(output_tensors)
+
+    @torch.no_grad()
+    def reduce_scatter_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        opts: dist.ReduceScatterOptions | None = None,
+    ) -> dist.Work:
+        op = (opts or dist.ReduceScatterOptions()).reduceOp
+        reduce_type, scale = self._reduce_type(op, "reduce_scatter")
+        if input.numel() != self.size() * output.numel():
+            raise ValueError(
+                f"xla process group: reduce_scatter_tensor of a {tuple(input.shape)} input needs "
+                f"{self.size()} times the elements of its {tuple(output.shape)} output"
+            )
+        (value,) = _on_device([input])
+        rows = value.reshape(self.size(), output.numel())
+        shard = xm.reduce_scatter(reduce_type, rows, scale, 0, self.size(), pin_layout=False)
+        output.copy_(shard.reshape(output.shape))
+        return _completed([output])
+
+    _reduce_scatter_base = reduce_scatter_single  # the name torch < 2.13 calls
+
+    @torch.no_grad()
+    def broadcast(
+        self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions | None = None
+    ) -> dist.Work:
+        # As PyTorch/XLA: an all-reduce in which only the root contributes. The mask is data, not
+        # a Python branch, so every replica records the same graph.
+        root = (opts or dist.BroadcastOptions()).rootRank
+        (not_root,) = _on_device([torch.tensor(self.rank() != root)])
+        for tensor in tensors:
+            (value,) = _on_device([tensor])
+            contribution = [value.masked_fill(not_root, 0)]
+            reduce_type = xm.REDUCE_OR if tensor.dtype == torch.bool else xm.REDUCE_SUM
+            xm.all_reduce(reduce_type, contribution, pin_layout=False)
+            tensor.copy_(contribution[0])
+        return _completed(tensors)
+
+    def barrier(self, opts: dist.BarrierOptions | None = None) -> dist.Work:
+        # Replicas meet here (what a script relies on, e.g. rank 0 writes a file the others read);
+        # pending device work is not flushed, as in PyTorch/XLA.
+        xm.rendezvous("torch.distributed.barrier")
+        return _completed([])
+
+
+# ---------------------------------------------------------------------------------------------
+# Registration
+# ---------------------------------------------------------------------------------------------
+
+
+def _create_process_group(
+    prefix_store: dist.Store, rank: int, size: int, timeout: timedelta
+) -> ProcessGroupXla:
+    """The ``xla`` backend's constructor, as ``dist.Backend.register_backend`` calls it."""
+    if runtime.is_spmd():
+        raise RuntimeError(
+            "the xla backend of torch.distributed runs over the replicas of launch/spawn; it is "
+            "not supported in SPMD mode (use a CPU process group such as gloo there)"
+        )
+    if size != runtime.world_size():
+        raise NotImplementedError(
+            f"xla process group of {size} of the {runtime.world_size()} replicas: groups must "
+            "span every replica (new_group over a subset is not supported)"
+        )
+    return ProcessGroupXla(prefix_store, rank, size, timeout)
+
+
+def _rendezvous_handler(url: str, **kwargs: object) -> Iterator[tuple[dist.Store, int, int]]:
+    """The ``xla://`` init method: rank and world size are the replica's ordinal and count.
+
+    The store is this replica's own: replicas meet in the graph (and at ``xm.rendezvous``), never
+    through a store.
+    """
+    rank, size = runtime.global_ordinal(), runtime.world_size()
+    query = dict(urllib.parse.parse_qsl(urllib.parse.urlparse(url).query))
+    for name, value in (("rank", rank), ("world_size", size)):
+        given = int(query.get(name, -1))
+        if given not in (-1, value):
+            raise ValueError(
+                f"init_process_group(init_method='xla://', {name}={given}): this replica's "
+                f"{name} is {value}"
+            )
+    yield dist.HashStore(), rank, size
+
+
+def _install() -> None:
+    _check_replica_world(c10d._world)
+    c10d._world = _WorldPerReplica(c10d._world)
+    # devices as a list: register_backend iterates a string's characters.
+    dist.Backend.register_backend("xla", _create_process_group, devices=["xla"])
+    dist.register_rendezvous_handler("xla", _rendezvous_handler)
+
+
+_install()
