@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import pathlib
+import subprocess
+import sys
 from collections.abc import Callable
 
 import torch
@@ -325,3 +329,24 @@ def assert_counter_delta(name: str, n: int):
     yield
     delta = counters.COUNTERS.get(name, 0) - before
     assert delta == n, f"counter {name}: expected +{n}, got +{delta}"
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run_example(script: str, *args: str) -> str:
+    """Run ``examples/<script>`` on 8 virtual CPU devices; its output, asserting it exited 0."""
+    env = dict(
+        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8"
+    )
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"{script} exited with {result.returncode}:\n{output}"
+    return output

@@ -80,6 +80,14 @@ class _Rendezvous:
     participants: tuple
 
 
+def _barrier_of(program: Program, donated: tuple) -> _Barrier:
+    arrays = [node.arrays[i] for node, i in program.leaves]
+    scalars = np.array([node.args[0] for node in program.scalars], dtype=np.float64)
+    key = (program.structure(), tuple(n.avals[i] for n, i in program.leaves), donated)
+    collectives = [str(node.op) for node in program.nodes if node.op in COLLECTIVES]
+    return _Barrier(program, arrays, donated, scalars, key, collectives)
+
+
 class World:
     """The replicas of one launch: whose turn it is, what each waits for, and the answers."""
 
@@ -172,11 +180,7 @@ class World:
 
     def barrier(self, replica: Replica, program: Program, donated: tuple) -> list:
         """Run ``program`` with the other replicas' programs; this replica's outputs."""
-        arrays = [node.arrays[i] for node, i in program.leaves]
-        scalars = np.array([node.args[0] for node in program.scalars], dtype=np.float64)
-        key = (program.structure(), tuple(n.avals[i] for n, i in program.leaves), donated)
-        collectives = [str(node.op) for node in program.nodes if node.op in COLLECTIVES]
-        return self._wait(replica, _Barrier(program, arrays, donated, scalars, key, collectives))
+        return self._wait(replica, _barrier_of(program, donated))
 
     def rendezvous(self, replica: Replica, tag: str, payload, participants: list) -> list:
         """Every participant's payload, in ordinal order, once all of them arrived at ``tag``."""
@@ -190,14 +194,8 @@ class World:
 
     def run_alone(self, replica: Replica, program: Program) -> list:
         """Run a collective-free program of this replica's on its own device, now."""
-        wait = self._barrier_of(program)
-        position = {replica.ordinal: 0}
-        return self._run([(replica.ordinal, wait)], position)[replica.ordinal]
-
-    def _barrier_of(self, program: Program) -> _Barrier:
-        arrays = [node.arrays[i] for node, i in program.leaves]
-        scalars = np.array([node.args[0] for node in program.scalars], dtype=np.float64)
-        return _Barrier(program, arrays, (False,) * len(arrays), scalars, (), [])
+        wait = _barrier_of(program, (False,) * len(program.leaves))
+        return self._run([(replica.ordinal, wait)], {replica.ordinal: 0})[replica.ordinal]
 
     def _wait(self, replica: Replica, wait) -> object:
         with self.lock:
@@ -324,7 +322,7 @@ class World:
         ]
         donated = tuple(all(w.donated[i] for w in waits) for i in range(len(arrays)))
         scalars = jax.device_put(np.stack([w.scalars for w in waits]), layout)
-        structure = first.key[0] if first.key else None  # computed at the barrier already
+        structure = first.key[0]  # computed once, at the barrier
         executable, hit = compiler.lookup_or_compile(
             first.program, arrays, donated, replicas=mesh, structure=structure
         )

@@ -355,6 +355,22 @@ def _reference(initial: torch.nn.Module, lr: float) -> tuple[list, dict]:
     return torch.stack(losses), dict(model.state_dict())
 
 
+def _train_ddp(model: torch.nn.Module, index: int, bucket_view: bool) -> tuple:
+    """STEPS of SGD through DDP on replica ``index``'s batches: (losses, final state on CPU)."""
+    ddp = DistributedDataParallel(model, gradient_as_bucket_view=bucket_view)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    losses = []
+    for step in range(STEPS):
+        x, y = (t.to(xm.xla_device()) for t in _batch(step, index))
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        optimizer.step()
+        xm.mark_step()
+        losses.append(loss.detach())
+    return torch.stack(losses).cpu(), {k: v.cpu() for k, v in model.state_dict().items()}
+
+
 @pytest.mark.parametrize("bucket_view", [True, False], ids=["bucket_view", "copies"])
 def test_ddp_training_matches_sgd_on_the_averaged_gradient(bucket_view):
     torch.manual_seed(0)
@@ -364,18 +380,7 @@ def test_ddp_training_matches_sgd_on_the_averaged_gradient(bucket_view):
         torch.manual_seed(index)  # each replica starts elsewhere: DDP broadcasts rank 0's weights
         model = _net() if index else copy.deepcopy(initial)
         model = model.to(xm.xla_device())
-        ddp = DistributedDataParallel(model, gradient_as_bucket_view=bucket_view)
-        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        losses = []
-        for step in range(STEPS):
-            x, y = (t.to(xm.xla_device()) for t in _batch(step, index))
-            optimizer.zero_grad()
-            loss = torch.nn.functional.mse_loss(ddp(x), y)
-            loss.backward()
-            optimizer.step()
-            xm.mark_step()
-            losses.append(loss.detach())
-        return torch.stack(losses).cpu(), {k: v.cpu() for k, v in model.state_dict().items()}
+        return _train_ddp(model, index, bucket_view)
 
     expected_losses, expected_state = _reference(initial, lr=0.1)
     for index, (losses, state) in enumerate(_launch(fn)):
@@ -391,18 +396,7 @@ def test_ddp_broadcasts_rank_0s_buffers_before_each_forward():
 
     def fn(index):
         model = copy.deepcopy(initial).to(xm.xla_device())
-        ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)  # broadcast_buffers
-        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        losses = []
-        for step in range(STEPS):
-            x, y = (t.to(xm.xla_device()) for t in _batch(step, index))
-            optimizer.zero_grad()
-            loss = torch.nn.functional.mse_loss(ddp(x), y)
-            loss.backward()
-            optimizer.step()
-            xm.mark_step()
-            losses.append(loss.detach())
-        return torch.stack(losses).cpu(), {k: v.cpu() for k, v in model.state_dict().items()}
+        return _train_ddp(model, index, bucket_view=True)  # DDP's broadcast_buffers is on
 
     # Reference: every replica's forward starts from rank 0's running statistics and updates its
     # own copy; rank 0's copy carries on. Gradients are averaged as before.

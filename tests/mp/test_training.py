@@ -4,11 +4,7 @@ against an eager-CPU simulation of 8 replicas averaging their gradients."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import pathlib
 import re
-import subprocess
-import sys
 
 import numpy as np
 import torch
@@ -19,9 +15,9 @@ import spmd_torch.core.xla_model as xm
 import spmd_torch.debug.metrics as met
 import spmd_torch.distributed.parallel_loader as pl
 import spmd_torch.runtime as xr
+from tests.helpers import ROOT, run_example
 
 WORLD = 8
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _load_example(name: str):
@@ -106,26 +102,7 @@ def test_mnist_mp_losses_match_eager_replicas_averaging_gradients():
 
 
 def test_mnist_mp_example_runs_with_two_compiles():
-    env = dict(
-        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8"
-    )
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "examples" / "mnist_mp.py"),
-            "--steps",
-            "50",
-            "--batch-size",
-            "8",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
+    output = run_example("mnist_mp.py", "--steps", "50", "--batch-size", "8")
     assert "compiles: 2\n" in output
     assert output.count("Starting training on CPU") == WORLD
     assert output.count("Loss:") == 5  # the master logs every 10th of 50 steps, once

@@ -2,34 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests.helpers import run_example as _run
+
 DEVICES = ",".join(map(str, range(8)))
-
-
-def _run(script: str, *args: str) -> str:
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
-    )
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / script), *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, f"{script} exited with {result.returncode}:\n{output}"
-    return output
 
 
 @pytest.mark.slow
