@@ -29,6 +29,22 @@ def padded_shape(shape: tuple, sharding) -> tuple:
     return tuple(out)
 
 
+def even_part(sharding, shape: tuple):
+    """``sharding`` with the mesh axes of each dimension they do not divide dropped: the closest
+    layout a JAX array of logical ``shape`` can have (uneven dimensions replicated)."""
+    spec = getattr(sharding, "spec", None)
+    if not spec or padded_shape(shape, sharding) == tuple(shape):
+        return sharding
+    padded_dims = padded_shape(shape, sharding)
+    entries = [
+        spec[dim] if dim < len(spec) and padded_dims[dim] == shape[dim] else None
+        for dim in range(len(shape))
+    ]
+    return canonical(
+        NamedSharding(sharding.mesh, PartitionSpec(*entries), memory_kind=sharding.memory_kind)
+    )
+
+
 def pad_to(x, shape: tuple):
     """``x`` zero-padded at the end of each dimension to ``shape`` (itself when already there)."""
     if tuple(x.shape) == tuple(shape):

@@ -16,6 +16,7 @@ shape, programs slice padded inputs and pad outputs back.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -25,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from . import transfer
 from .engine import current
 from .graph import Arg, Aval, Node, Ref
-from .layout import canonical, crop, padded, padded_shape
+from .layout import canonical, crop, even_part, pad_to, padded, padded_shape
 from .lowering.sharding import CONSTRAIN
 from .tensor import LazyTensor, Storage, wrap_data
 
@@ -178,3 +179,52 @@ def _place(array: jax.Array, aval: Aval, sharding: NamedSharding) -> jax.Array:
     if padded_shape(aval.shape, sharding) == array.shape:
         return jax.device_put(array, sharding)
     return jax.device_put(padded(crop(np.asarray(array), aval.shape), sharding), sharding)
+
+
+def layout_of(t: LazyTensor):
+    """Where ``t``'s value lives: its storage's sharding, else its data's; None while pending and
+    unmarked (the partitioner decides)."""
+    sharding = sharding_of(t)
+    if sharding is not None:
+        return sharding
+    node, index = t._ref()
+    if not node.is_leaf(index):
+        return None
+    array = node.arrays[index]
+    if type(array) is transfer.HostData:
+        return current().replicated
+    return array.sharding
+
+
+def logical(array: jax.Array, shape: tuple) -> jax.Array:
+    """A computed array at its logical ``shape``: a padded (uneven) one is cropped into the
+    closest even layout (``layout.even_part``), as JAX arrays cannot be uneven."""
+    if tuple(array.shape) == tuple(shape):
+        return array
+    return _resize(tuple(shape), even_part(array.sharding, tuple(shape)))(array)
+
+
+def assign(t: LazyTensor, array: jax.Array) -> None:
+    """Make ``array`` (logical shape, any layout) ``t``'s value, laid out as ``t``'s value is
+    now (padded if that layout is uneven), as an in-place write through any alias."""
+    node, index = t._ref()
+    aval = node.avals[index]
+    target = layout_of(t) or transfer.landing()
+    if target is not None and array.sharding != target:
+        shape = padded_shape(aval.shape, target)
+        if shape == tuple(array.shape):
+            array = jax.device_put(array, target)
+        else:
+            array = _resize(shape, target)(array)
+    t._write((Node.data(array, aval), 0))
+
+
+@functools.lru_cache(maxsize=256)
+def _resize(shape: tuple, sharding):
+    """A program cropping or zero-padding its input to ``shape``, laid out as ``sharding``."""
+
+    def resize(x):
+        x = x[tuple(slice(0, min(n, m)) for n, m in zip(shape, x.shape))]
+        return pad_to(x, shape)
+
+    return jax.jit(resize, out_shardings=sharding)

@@ -27,6 +27,11 @@ def host_copy(t: torch.Tensor) -> np.ndarray:
     return _to_numpy(t.detach()).astype(to_jax_dtype(t.dtype), copy=True)
 
 
+def host_array(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's values in its own dtype (no bf16 switch), in memory we own."""
+    return np.array(_to_numpy(t.detach()), copy=True)
+
+
 def upload(host: np.ndarray, sharding=None) -> jax.Array:
     """A host array on the device, laid out with ``sharding`` (padded if uneven; stacked on a
     replica's device for ``OnReplica``); by default where the engine puts new data."""

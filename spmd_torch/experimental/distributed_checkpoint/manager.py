@@ -1,0 +1,251 @@
+"""torch_xla.experimental.distributed_checkpoint.manager: checkpoints per step, async, on preemption."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import threading
+from collections import deque
+
+import jax
+from jax.experimental import multihost_utils
+
+from . import _io, _orbax
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointManager:
+    """Checkpoints of a training run, one directory per step under ``path``.
+
+    PyTorch/XLA's ``CheckpointManager``, on orbax. Each checkpoint is a plain orbax checkpoint
+    directory ``path/<step>``, visible only once complete: a process killed at any moment leaves
+    every earlier checkpoint restorable and the partial one out of :meth:`all_steps`.
+
+    Differences from PyTorch/XLA, on purpose: no process group is needed (``process_group`` is
+    accepted and ignored); preemption is SIGTERM on every platform (and JAX's preemption notice
+    in a multi-process run), and once the checkpoint it triggers is written the process exits
+    with status 0; ``restore`` creates optimizer state that does not exist yet, so
+    ``prime_optimizer`` is never needed.
+
+    Args:
+        path: The directory holding the checkpoints (created if missing).
+        save_interval: Take a checkpoint when ``step % save_interval == 0``.
+        max_to_keep: Keep at most this many checkpoints, deleting the lowest steps; 0 keeps all.
+            The newest complete checkpoint is never deleted.
+        max_pending_async: At most this many :meth:`save_async` writes in flight; the next one
+            waits for the oldest.
+        process_group: Ignored (PyTorch/XLA needs a gloo group; this runtime does not).
+        chkpt_on_preemption: Take a checkpoint at the first :meth:`save` or :meth:`save_async`
+            after a SIGTERM, whatever the step, then exit.
+
+    Example:
+        >>> import spmd_torch.experimental.distributed_checkpoint as xc
+        >>> mgr = xc.CheckpointManager('/tmp/run', save_interval=100)
+        >>> if mgr.all_steps():
+        ...     state = {'model': model.state_dict(), 'optim': opt.state_dict()}
+        ...     mgr.restore(max(mgr.all_steps()), state)
+        ...     opt.load_state_dict(state['optim'])
+        >>> for step, batch in enumerate(loader):
+        ...     train_step(batch)
+        ...     mgr.save_async(step, {'model': model.state_dict(), 'optim': opt.state_dict()})
+        >>> mgr.join()
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        save_interval: int,
+        max_to_keep: int | None = 0,
+        max_pending_async: int | None = 1,
+        process_group=None,
+        chkpt_on_preemption: bool = True,
+    ):
+        for name, value, low in (
+            ("save_interval", save_interval, 1),
+            ("max_to_keep", max_to_keep or 0, 0),
+            ("max_pending_async", max_pending_async or 1, 1),
+        ):
+            if not isinstance(value, int) or value < low:
+                raise ValueError(
+                    f"CheckpointManager: {name} must be an integer >= {low}, got {value!r}"
+                )
+        self.base_path = _io.absolute(path)
+        self.save_interval = save_interval
+        self.max_to_keep = max_to_keep or 0
+        self.max_pending_async = max_pending_async or 1
+        self.chkpt_on_preemption = chkpt_on_preemption
+        self._pending: deque = deque()  # (step, writer, committed Event), oldest first
+        self._lock = threading.Lock()  # the directory listing, against commits on writer threads
+        self._preempted = threading.Event()
+        _make_directory(self.base_path)
+        for entry in os.listdir(self.base_path):  # writes a killed process left unfinished
+            if ".orbax-checkpoint-tmp" in entry:
+                shutil.rmtree(os.path.join(self.base_path, entry), ignore_errors=True)
+        if chkpt_on_preemption:
+            self._watch_sigterm()
+
+    def _watch_sigterm(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning("CheckpointManager made off the main thread: SIGTERM is not watched")
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum, frame):
+            logger.warning(
+                "SIGTERM: a checkpoint is taken at the next save, then the process exits"
+            )
+            self._preempted.set()
+            if callable(previous):
+                previous(signum, frame)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _path(self, step: int) -> str:
+        return os.path.join(self.base_path, str(step))
+
+    def should_save(self, step: int) -> bool:
+        """Whether ``step`` is due a checkpoint: on the interval, or after a preemption."""
+        preempted = self.chkpt_on_preemption and self.reached_preemption(step)
+        return step % self.save_interval == 0 or preempted
+
+    def save(self, step: int, state_dict: dict, force: bool = False) -> bool:
+        """Write a checkpoint of ``state_dict`` for ``step`` if due (or ``force``), and wait for it.
+
+        Returns:
+            Whether a checkpoint was taken.
+        """
+        return self._save(step, state_dict, force, background=False)
+
+    def save_async(self, step: int, state_dict: dict, force: bool = False) -> bool:
+        """Like :meth:`save`, but returns once the values are copied off the devices; the write
+        goes on in the background (later steps may change the tensors freely).
+
+        Returns:
+            Whether a checkpoint was taken.
+        """
+        return self._save(step, state_dict, force, background=True)
+
+    def _save(self, step: int, state_dict: dict, force: bool, background: bool) -> bool:
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(
+                f"CheckpointManager: step must be a non-negative integer, got {step!r}"
+            )
+        preempted = self.chkpt_on_preemption and self.reached_preemption(step)
+        if not (force or preempted or step % self.save_interval == 0):
+            return False
+        saved = _io.prepare(state_dict, "CheckpointManager.save")
+        self._reap()
+        while len(self._pending) >= self.max_pending_async:
+            self._finish_oldest()
+        path = self._path(step)
+        if os.path.exists(path):  # a step saved again replaces its checkpoint, as in PyTorch/XLA
+            self.join()
+            shutil.rmtree(path)
+        committed = threading.Event()
+        writer = _orbax.checkpointer(background, on_commit=lambda: self._on_commit(committed))
+        _io.start_write(writer, path, saved)
+        if background:
+            self._pending.append((step, writer, committed))
+        else:
+            self._on_commit(committed)
+        if preempted:
+            self.join()
+            logger.warning("preemption checkpoint of step %d written; exiting", step)
+            raise SystemExit(0)
+        return True
+
+    def _on_commit(self, committed: threading.Event) -> None:
+        committed.set()
+        self._release_oldest()
+
+    def _release_oldest(self) -> None:
+        """Delete the lowest steps beyond ``max_to_keep`` (never the newest complete one)."""
+        if not self.max_to_keep:
+            return
+        with self._lock:
+            steps = self._complete_steps()
+            for step in steps[: max(0, len(steps) - self.max_to_keep)]:
+                shutil.rmtree(self._path(step), ignore_errors=True)
+
+    def _reap(self) -> None:
+        """Drop finished background writes, raising the error of a failed one."""
+        while self._pending and self._pending[0][2].is_set():
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        step, writer, _ = self._pending.popleft()
+        _io.finish_write(writer, self._path(step))
+        writer.close()
+
+    def restore(self, step: int, state_dict: dict) -> None:
+        """Fill ``state_dict`` in place from the checkpoint of ``step``.
+
+        xla tensors keep their current layout (resharded from the saved one), missing optimizer
+        state is created, and on any error nothing is changed. Call ``model.load_state_dict``
+        and ``optimizer.load_state_dict`` afterwards for Python values and new entries.
+
+        Raises:
+            FileNotFoundError: No complete checkpoint of ``step`` (the valid steps are listed).
+        """
+        if any(pending_step == step for pending_step, _, _ in self._pending):
+            self.join()
+        steps = self.all_steps()
+        if step not in steps:
+            raise FileNotFoundError(
+                f"no checkpoint of step {step} in {self.base_path}; complete checkpoints: {steps}"
+            )
+        _io.restore(state_dict, self._path(step), "CheckpointManager.restore")
+
+    def all_steps(self) -> list[int]:
+        """The steps of every complete checkpoint, ascending."""
+        self._reap()
+        with self._lock:
+            return self._complete_steps()
+
+    def _complete_steps(self) -> list[int]:
+        if not os.path.isdir(self.base_path):
+            return []
+        return sorted(int(e) for e in os.listdir(self.base_path) if e.isdigit())
+
+    def join(self) -> None:
+        """Wait for every background write; raises the error of one that failed."""
+        while self._pending:
+            self._finish_oldest()
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether a preemption was signalled (SIGTERM, or JAX's notice in a multi-process run)
+        by ``step``."""
+        if not self.chkpt_on_preemption:
+            raise RuntimeError(
+                "reached_preemption: preemption is not watched; create the CheckpointManager "
+                "with chkpt_on_preemption=True"
+            )
+        if self._preempted.is_set():
+            return True
+        if jax.process_count() > 1:
+            return _jax_preemption(step)
+        return False
+
+
+def _jax_preemption(step: int) -> bool:
+    """JAX's preemption sync point, agreed by every process (needs jax.distributed)."""
+    try:
+        return multihost_utils.reached_preemption_sync_point(step)
+    except RuntimeError:  # the distributed runtime has no preemption service
+        return False
+
+
+def _make_directory(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, ".spmd_torch_write_probe")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as error:
+        raise type(error)(
+            error.errno, f"CheckpointManager: cannot write checkpoints to {path} ({error.strerror})"
+        ) from error
