@@ -30,3 +30,12 @@ def test_spmd_2d_example_matches_eager_cpu():
 def test_spmd_2d_example_on_a_4x2_mesh():
     output = _run("spmd_2d.py", "--data", "4", "--model", "2", "--steps", "3")
     assert "{devices=[2,1,4]0,2,4,6,1,3,5,7 last_tile_dim_replicate}" in output
+
+
+@pytest.mark.slow
+def test_checkpoint_resume_example_continues_the_uninterrupted_run_after_sigkill():
+    output = _run("checkpoint_resume.py")
+    assert "killed with SIGKILL after step 8" in output
+    assert "resumed from step 6 on mesh {'data': 4, 'fsdp': 2}" in output
+    assert "[4x2] compilations 1" in output  # the resumed loop compiles once, AdamW state included
+    assert "largest relative difference" in output and "FAILED" not in output

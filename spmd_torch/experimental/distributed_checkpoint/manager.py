@@ -78,7 +78,6 @@ class CheckpointManager:
         self.max_pending_async = max_pending_async or 1
         self.chkpt_on_preemption = chkpt_on_preemption
         self._pending: deque = deque()  # (step, writer, committed Event), oldest first
-        self._lock = threading.Lock()  # the directory listing, against commits on writer threads
         self._preempted = threading.Event()
         _make_directory(self.base_path)
         for entry in os.listdir(self.base_path):  # writes a killed process left unfinished
@@ -144,34 +143,30 @@ class CheckpointManager:
         if os.path.exists(path):  # a step saved again replaces its checkpoint, as in PyTorch/XLA
             self.join()
             shutil.rmtree(path)
-        committed = threading.Event()
-        writer = _orbax.checkpointer(background, on_commit=lambda: self._on_commit(committed))
+        finalizing = threading.Event()  # set on the writer's thread just before its commit
+        writer = _orbax.checkpointer(background, on_commit=finalizing.set)
         _io.start_write(writer, path, saved)
         if background:
-            self._pending.append((step, writer, committed))
+            self._pending.append((step, writer, finalizing))
         else:
-            self._on_commit(committed)
+            self._release_oldest()
         if preempted:
             self.join()
             logger.warning("preemption checkpoint of step %d written; exiting", step)
             raise SystemExit(0)
         return True
 
-    def _on_commit(self, committed: threading.Event) -> None:
-        committed.set()
-        self._release_oldest()
-
     def _release_oldest(self) -> None:
         """Delete the lowest steps beyond ``max_to_keep`` (never the newest complete one)."""
         if not self.max_to_keep:
             return
-        with self._lock:
-            steps = self._complete_steps()
-            for step in steps[: max(0, len(steps) - self.max_to_keep)]:
-                shutil.rmtree(self._path(step), ignore_errors=True)
+        steps = self._complete_steps()
+        for step in steps[: max(0, len(steps) - self.max_to_keep)]:
+            shutil.rmtree(self._path(step), ignore_errors=True)
 
     def _reap(self) -> None:
-        """Drop finished background writes, raising the error of a failed one."""
+        """Finish background writes that are done or about to be, raising the error of a failed
+        one."""
         while self._pending and self._pending[0][2].is_set():
             self._finish_oldest()
 
@@ -179,6 +174,7 @@ class CheckpointManager:
         step, writer, _ = self._pending.popleft()
         _io.finish_write(writer, self._path(step))
         writer.close()
+        self._release_oldest()
 
     def restore(self, step: int, state_dict: dict) -> None:
         """Fill ``state_dict`` in place from the checkpoint of ``step``.
@@ -202,8 +198,7 @@ class CheckpointManager:
     def all_steps(self) -> list[int]:
         """The steps of every complete checkpoint, ascending."""
         self._reap()
-        with self._lock:
-            return self._complete_steps()
+        return self._complete_steps()
 
     def _complete_steps(self) -> list[int]:
         if not os.path.isdir(self.base_path):

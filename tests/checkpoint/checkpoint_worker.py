@@ -1,0 +1,65 @@
+"""A training process for the crash tests: saves ``w = BASE + step`` (sharded 8 ways) every step
+through a CheckpointManager, printing ``saving <step>`` before and ``saved <step>`` after.
+
+    python checkpoint_worker.py DIR sync|async|preempt|disk-full
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import spmd_torch  # noqa: E402
+import spmd_torch.distributed.spmd as xs  # noqa: E402
+import spmd_torch.experimental.distributed_checkpoint as xc  # noqa: E402
+import spmd_torch.runtime as xr  # noqa: E402
+
+ROWS, COLS = 2048, 2048  # 16 MB: a write long enough to be killed in the middle of
+
+
+def base() -> torch.Tensor:
+    return torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)
+
+
+def main(directory: str, mode: str) -> None:
+    xr.use_spmd()
+    mesh = xs.Mesh(np.arange(8), (8,), ("d",))
+    w = base().to("xla")
+    xs.mark_sharding(w, mesh, ("d", None))
+    interval = 1000 if mode == "preempt" else 1
+    manager = xc.CheckpointManager(directory, save_interval=interval)
+    if mode == "disk-full":
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+        limit = ROWS * COLS * 4 + (4 << 20)  # one step of w fits, two do not
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+    for step in range(10**6):
+        if step:
+            w.add_(1.0)
+        spmd_torch.sync()
+        state = {"w": w, "step": step}
+        print(f"saving {step}", flush=True)
+        try:
+            if mode in ("async", "preempt"):
+                taken = manager.save_async(step, state)
+            else:
+                taken = manager.save(step, state)
+        except OSError as error:
+            print(f"error {error}", flush=True)
+            return
+        if taken:
+            print(f"saved {step}", flush=True)
+        if mode == "disk-full" and step == 1:
+            w = torch.cat([w, w]).contiguous()  # 32 MB per file from now on: past the limit
+            xs.mark_sharding(w, mesh, (None, "d"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
