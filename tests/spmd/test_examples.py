@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.helpers import run_example as _run
@@ -36,6 +38,7 @@ def test_spmd_2d_example_on_a_4x2_mesh():
 def test_checkpoint_resume_example_continues_the_uninterrupted_run_after_sigkill():
     output = _run("checkpoint_resume.py")
     assert "killed with SIGKILL after step 8" in output
-    assert "resumed from step 6 on mesh {'data': 4, 'fsdp': 2}" in output
+    # step 6's write normally completes before the kill; a slow disk may leave it unfinished
+    assert re.search(r"resumed from step [36] on mesh \{'data': 4, 'fsdp': 2\}", output)
     assert "[4x2] compilations 1" in output  # the resumed loop compiles once, AdamW state included
     assert "largest relative difference" in output and "FAILED" not in output
