@@ -15,6 +15,12 @@ Workloads:
       of timed windows of pipelined steps; then one window of blocked steps with probes patched
       in breaks the host time per step down (mp: tracing of each replica, turn hand-offs, the
       merged run's assembly and call). Compiles count UncachedCompile.
+  W5  checkpoints: W4's model and AdamW state after 2 steps (8-device 'fsdp' mesh), saved and
+      restored by spmd_torch.experimental.distributed_checkpoint against orbax used directly on
+      the same jax arrays (PyTreeCheckpointHandler, compression off), alternated rep by rep in one
+      process: save, save_async (the time it blocks the loop, and until written), restore onto the
+      same layout and onto a (4,2) mesh; seconds, MB/s, bytes on disk, and the peak growth of the
+      process's RSS during each (sampled every ms) against the state's bytes.
 
 Each (workload, implementation) pair runs in its own subprocess (``--only W3:jax``), so compile
 caches, thread pools and device peak memory never leak from one run into the next. The parent
@@ -29,6 +35,7 @@ Usage:
   python3 tools/bench.py --gpu                    # spmd_torch and JAX on CUDA (and eager if it can)
   python3 tools/bench.py --workloads W4 --impls jax
   python3 tools/bench.py --workloads W2mp --rounds 3  # mp and SPMD, alternated 3 times
+  python3 tools/bench.py --workloads W5               # checkpoints vs orbax directly
   python3 tools/bench.py --only W2:jax            # one run in this process (what the parent runs)
 """
 
@@ -54,11 +61,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-WORKLOADS = ("W1", "W2", "W3", "W4", "W2mp")
+WORKLOADS = ("W1", "W2", "W3", "W4", "W2mp", "W5")
 IMPLS = ("eager", "jax", "spmd_torch", "mp")
 # The implementations of each workload (default: eager, jax, spmd_torch). W4 is about sharding,
 # which eager PyTorch has no say in; W2mp sets spmd_torch's two ways of data parallelism apart.
-WORKLOAD_IMPLS = {"W4": ("jax", "spmd_torch"), "W2mp": ("mp", "spmd_torch")}
+WORKLOAD_IMPLS = {"W4": ("jax", "spmd_torch"), "W2mp": ("mp", "spmd_torch"), "W5": ("spmd_torch",)}
 _DEFAULT_IMPLS = ("eager", "jax", "spmd_torch")
 _IMPL_ALIASES = {
     "eager": "eager",
@@ -69,9 +76,16 @@ _IMPL_ALIASES = {
     "mp": "mp",
 }
 # Workloads whose CPU runs need FSDP.mesh_devices virtual devices.
-_MESH_WORKLOADS = ("W4", "W2mp")
+_MESH_WORKLOADS = ("W4", "W2mp", "W5")
 # (warm-up, timed) steps per workload; W1 counts repetitions of the whole 2000-op chain.
-DEFAULT_STEPS = {"W1": (2, 10), "W2": (5, 20), "W3": (3, 10), "W4": (3, 10), "W2mp": (5, 50)}
+DEFAULT_STEPS = {
+    "W1": (2, 10),
+    "W2": (5, 20),
+    "W3": (3, 10),
+    "W4": (3, 10),
+    "W2mp": (5, 50),
+    "W5": (1, 5),
+}
 CHECK_STEPS = 3
 # Losses of the three implementations must agree to this relative tolerance under --check.
 CHECK_RTOL = 1e-4
@@ -1244,6 +1258,159 @@ def w2mp_spmd(warmup: int, steps: int, check: bool, gpu: bool) -> dict[str, Any]
     }
 
 
+# ------------------------------------------------------------------------------------------------
+# W5: checkpoints of W4's state, spmd_torch's against orbax's own on the same arrays
+
+
+class _RssPeak:
+    """The largest growth of this process's resident memory while the block runs (sampled each
+    millisecond on a thread), in bytes."""
+
+    def __enter__(self) -> _RssPeak:
+        import threading
+
+        self.base = self.peak = _rss()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.001):
+            self.peak = max(self.peak, _rss())
+
+    def __exit__(self, *exc: Any) -> None:
+        self._done.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+        self.growth = self.peak - self.base
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _disk_bytes(path: str) -> int:
+    return sum(
+        os.path.getsize(os.path.join(root, name))
+        for root, _, files in os.walk(path)
+        for name in files
+    )
+
+
+def w5_spmd(warmup: int, steps: int, check: bool, gpu: bool) -> dict[str, Any]:
+    spmd_torch = _import_spmd()
+    import shutil
+    import tempfile
+
+    import jax
+    import orbax.checkpoint as ocp
+
+    import spmd_torch.distributed.spmd as xs
+    import spmd_torch.experimental.distributed_checkpoint as xc
+    from spmd_torch._lazy.execute import global_array
+    from spmd_torch.experimental.distributed_checkpoint import _tree
+
+    n = _fsdp_mesh_size()
+    dev = spmd_torch.device()
+
+    def trained(mesh_shape: tuple, names: tuple, spec: tuple) -> tuple[nn.Module, Any]:
+        mesh = xs.Mesh(np.arange(n), mesh_shape, names)
+        model = _new_gpt().to(dev)
+        for p in model.parameters():
+            if p.dim() == 2:
+                xs.mark_sharding(p, mesh, spec)
+        return model, _new_adamw(model)
+
+    model, opt = trained((n,), (FSDP.axis,), (FSDP.axis, None))
+    batch = [torch.from_numpy(a).to(dev) for a in _gpt_data(GPT_W4_CFG)]
+    for _ in range(2):
+        _gpt_loss(model, *batch).backward()
+        opt.step()
+        opt.zero_grad()
+        spmd_torch.sync()
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    # Orbax's side: the very same device arrays, as a JAX user would hold them.
+    direct = _tree.split(state).arrays
+    state_bytes = _tree.split(state).nbytes
+    jax.block_until_ready(direct)
+    other, _ = trained((n // 2, 2), ("a", "b"), ("a", "b"))
+    other_state = {"model": other.state_dict()}
+    handler = ocp.PyTreeCheckpointHandler(use_compression=False)
+    orbax_writer = ocp.Checkpointer(handler)
+
+    def orbax_restore(path: str, like: dict) -> Any:
+        args = jax.tree.map(
+            lambda a: (
+                ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype)
+                if isinstance(a, jax.Array)
+                else ocp.RestoreArgs(restore_type=np.ndarray)
+            ),
+            like,
+        )
+        restored = ocp.Checkpointer(handler).restore(
+            path, args=ocp.args.PyTreeRestore(item=like, restore_args=args, partial_restore=True)
+        )
+        return jax.block_until_ready(restored)
+
+    root = tempfile.mkdtemp(prefix="w5-")
+    times: dict[str, list[float]] = {}
+    growth: dict[str, list[int]] = {}
+
+    def timed(name: str, fn: Callable[[], Any]) -> None:
+        with _RssPeak() as rss:
+            t0 = _now()
+            fn()
+            elapsed = _now() - t0
+        times.setdefault(name, []).append(elapsed)
+        growth.setdefault(name, []).append(rss.growth)
+
+    manager = xc.CheckpointManager(os.path.join(root, "managed"), 1, chkpt_on_preemption=False)
+    try:
+        for rep in range(warmup + steps):
+            ours, theirs = os.path.join(root, f"ours{rep}"), os.path.join(root, f"orbax{rep}")
+            timed("save", lambda: xc.save(state, ours))
+            timed("orbax_save", lambda: orbax_writer.save(theirs, args=ocp.args.PyTreeSave(direct)))
+            timed(
+                "restore",
+                lambda: (
+                    xc.load(state, ours),
+                    jax.block_until_ready([global_array(t) for t in model.parameters()]),
+                ),
+            )
+            timed("orbax_restore", lambda: orbax_restore(theirs, direct))
+            timed(
+                "restore_4x2",
+                lambda: (
+                    xc.load(other_state, ours),
+                    jax.block_until_ready([global_array(t) for t in other.parameters()]),
+                ),
+            )
+            other_like = _tree.split({"model": other_state["model"]}).arrays
+            timed("orbax_restore_4x2", lambda: orbax_restore(theirs, other_like))
+            timed("save_async_blocking", lambda: manager.save_async(rep, state, force=True))
+            timed("save_async_total", manager.join)
+            disk = {"ours": _disk_bytes(ours), "orbax": _disk_bytes(theirs)}
+            shutil.rmtree(ours)
+            shutil.rmtree(theirs)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    times = {k: v[warmup:] for k, v in times.items()}
+    median = {k: statistics.median(v) for k, v in times.items()}
+    median["save_async_total"] += median["save_async_blocking"]
+    return {
+        "device": f"{n}-device mesh",
+        "mesh_devices": n,
+        "warmup": warmup,
+        "steps": steps,
+        "state_bytes": state_bytes,
+        "disk_bytes": disk,
+        "seconds": median,
+        "rss_growth_bytes": {k: max(v[warmup:]) for k, v in growth.items()},
+    }
+
+
 RUNNERS: dict[tuple[str, str], Callable[[int, int, bool, bool], dict[str, Any]]] = {
     ("W1", "eager"): w1_eager,
     ("W1", "jax"): w1_jax,
@@ -1258,6 +1425,7 @@ RUNNERS: dict[tuple[str, str], Callable[[int, int, bool, bool], dict[str, Any]]]
     ("W4", "spmd_torch"): w4_spmd,
     ("W2mp", "mp"): w2mp_mp,
     ("W2mp", "spmd_torch"): w2mp_spmd,
+    ("W5", "spmd_torch"): w5_spmd,
 }
 
 
@@ -1742,12 +1910,52 @@ def _report_round(
         entry["ratios"] = _report_w1(results)
     elif workload == "W2mp":
         entry["ratios"] = _report_w2mp(results)
+    elif workload == "W5":
+        entry["ratios"] = _report_w5(results["spmd_torch"])
     else:
         entry["ratios"] = _report_training(workload, _TITLES[workload], results, args.gpu)
     if workload == "W4" and not args.check:
         entry["param_bytes"] = _report_param_bytes(results)
         _print_mesh_note(results)
     return entry, failed
+
+
+def _report_w5(r: dict[str, Any]) -> dict[str, float]:
+    """W5's table: each operation's median seconds, MB/s and peak RSS growth, ours against orbax
+    directly; the ratios are orbax's time over ours (1.0: as fast as orbax)."""
+    if "seconds" not in r:
+        return {}
+    mb = r["state_bytes"] / 2**20
+    sec, rss = r["seconds"], r["rss_growth_bytes"]
+    print(
+        f"\nW5 checkpoints of W4's model + AdamW state ({mb:.1f} MB, {r['mesh_devices']}-device "
+        f"mesh), median of {r['steps']} reps; on disk: ours {r['disk_bytes']['ours'] / 2**20:.1f}"
+        f" MB, orbax {r['disk_bytes']['orbax'] / 2**20:.1f} MB"
+    )
+    print(
+        f"  {'operation':24s} {'ours s':>8s} {'MB/s':>7s} {'orbax s':>8s} {'MB/s':>7s} "
+        f"{'ratio':>6s} {'RSS+ MB':>8s}"
+    )
+    ratios = {}
+    for op in ("save", "restore", "restore_4x2"):
+        ours, theirs = sec[op], sec[f"orbax_{op}"]
+        ratios[op] = theirs / ours
+        print(
+            f"  {op:24s} {ours:8.3f} {mb / ours:7.0f} {theirs:8.3f} {mb / theirs:7.0f} "
+            f"{ratios[op]:5.2f}x {rss[op] / 2**20:8.1f}"
+        )
+    for op in ("save_async_blocking", "save_async_total"):
+        print(
+            f"  {op:24s} {sec[op]:8.3f} {mb / sec[op]:7.0f} {'':>8s} {'':>7s} {'':>6s} "
+            f"{rss[op] / 2**20:8.1f}"
+        )
+    ratios["async_blocking_of_save"] = sec["save_async_blocking"] / sec["save"]
+    ratios["rss_growth_of_state"] = max(rss["save"], rss["restore"]) / r["state_bytes"]
+    print(
+        f"  save_async blocks for {ratios['async_blocking_of_save']:.1%} of a save; peak RSS "
+        f"growth {ratios['rss_growth_of_state']:.2f}x the state's bytes"
+    )
+    return ratios
 
 
 def _report_rounds(workload: str, entries: list[dict[str, Any]]) -> None:
