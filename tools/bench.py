@@ -1335,8 +1335,9 @@ def w5_spmd(warmup: int, steps: int, check: bool, gpu: bool) -> dict[str, Any]:
     direct = _tree.split(state).arrays
     state_bytes = _tree.split(state).nbytes
     jax.block_until_ready(direct)
-    other, _ = trained((n // 2, 2), ("a", "b"), ("a", "b"))
-    other_state = {"model": other.state_dict()}
+    other, other_opt = trained((n // 2, 2), ("a", "b"), ("a", "b"))
+    other_state = {"model": other.state_dict(), "optim": other_opt.state_dict()}  # state: made
+    # by the first restore, filled in place by the later ones
     handler = ocp.PyTreeCheckpointHandler(use_compression=False)
     orbax_writer = ocp.Checkpointer(handler)
 
@@ -1387,7 +1388,7 @@ def w5_spmd(warmup: int, steps: int, check: bool, gpu: bool) -> dict[str, Any]:
                     jax.block_until_ready([global_array(t) for t in other.parameters()]),
                 ),
             )
-            other_like = _tree.split({"model": other_state["model"]}).arrays
+            other_like = _tree.split(other_state).arrays
             timed("orbax_restore_4x2", lambda: orbax_restore(theirs, other_like))
             timed("save_async_blocking", lambda: manager.save_async(rep, state, force=True))
             timed("save_async_total", manager.join)
