@@ -11,6 +11,7 @@ import sys
 import time
 
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 import torch
 
@@ -60,6 +61,7 @@ def test_schedule_should_save_and_all_steps(tmp_path):
     values, step = restored(manager, 3)
     assert torch.equal(values, torch.full((16, 4), 4.0)) and step == 3
     assert xc.CheckpointManager(tmp_path, save_interval=3).all_steps() == [0, 3, 6, 7]
+    assert ocp.CheckpointManager(tmp_path).all_steps() == [0, 3, 6, 7]  # plain orbax agrees
 
 
 def test_max_to_keep_deletes_the_lowest_steps_and_keeps_the_newest(tmp_path):
