@@ -8,17 +8,43 @@ argument; a kernel per factory sends them to the same dispatcher as every other 
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
 from . import rng
 from .dispatch import dispatch
-from .execute import rng_words
+from .execute import rng_words, wait_device_ops
 from .tensor import DEVICE, _rebuild_on_device
 
 
+class _Stream:
+    """The device's one stream: JAX orders device work itself. torch.distributed.checkpoint's
+    FileSystemWriter asks the backend for it."""
+
+    device_type = DEVICE.type
+
+    def synchronize(self) -> None:
+        wait_device_ops()
+
+    def wait_stream(self, other) -> None:
+        """Work on one stream is already ordered."""
+
+
+_STREAM = _Stream()
+
+
 class _BackendModule:
-    """What ``torch.xla`` answers: one logical device; seeding reaches the device PRNG."""
+    """What ``torch.xla`` answers: one logical device and stream; seeding reaches the device PRNG."""
+
+    @staticmethod
+    def current_stream(device=None) -> _Stream:
+        return _STREAM
+
+    @staticmethod
+    def stream(stream) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext(stream)
 
     @staticmethod
     def is_available() -> bool:

@@ -15,12 +15,15 @@ from . import _io, _orbax
 from ._orbax import CheckpointReadError
 from ._tree import Mismatch
 from .manager import CheckpointManager
+from .planners import SPMDLoadPlanner, SPMDSavePlanner
 from .util import prime_optimizer
 
 __all__ = [
     "CheckpointManager",
     "CheckpointReadError",
     "Mismatch",
+    "SPMDLoadPlanner",
+    "SPMDSavePlanner",
     "load",
     "prime_optimizer",
     "save",

@@ -88,11 +88,9 @@ def read_arrays(path: str, reads: dict) -> dict:
         _nest(item, branch)[leaf] = 0
         _nest(restore_args, branch)[leaf] = arg
     try:
-        reader = ocp.Checkpointer(
-            ocp.CompositeCheckpointHandler(**{STATE: ocp.PyTreeCheckpointHandler()})
-        )
+        reader = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())  # the item alone: no composite
         restore = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
-        tree = reader.restore(path, args=ocp.args.Composite(**{STATE: restore}))[STATE]
+        tree = reader.restore(os.path.join(path, STATE), args=restore)
     except Exception as error:
         raise CheckpointReadError(
             f"cannot read the tensors of the checkpoint at {path} (nothing was restored): "
