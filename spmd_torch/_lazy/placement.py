@@ -212,10 +212,8 @@ def assign(t: LazyTensor, array: jax.Array) -> None:
     target = layout_of(t) or transfer.landing()
     if target is not None and array.sharding != target:
         shape = padded_shape(aval.shape, target)
-        if shape == tuple(array.shape):
-            array = jax.device_put(array, target)
-        else:
-            array = _resize(shape, target)(array)
+        fits = shape == tuple(array.shape)
+        array = jax.device_put(array, target) if fits else _resize(shape, target)(array)
     t._write((Node.data(array, aval), 0))
 
 
@@ -224,7 +222,6 @@ def _resize(shape: tuple, sharding):
     """A program cropping or zero-padding its input to ``shape``, laid out as ``sharding``."""
 
     def resize(x):
-        x = x[tuple(slice(0, min(n, m)) for n, m in zip(shape, x.shape))]
-        return pad_to(x, shape)
+        return pad_to(x[tuple(slice(0, min(n, m)) for n, m in zip(shape, x.shape))], shape)
 
     return jax.jit(resize, out_shardings=sharding)
