@@ -1332,8 +1332,8 @@ def w5_spmd(warmup: int, steps: int, check: bool, gpu: bool) -> dict[str, Any]:
         spmd_torch.sync()
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
     # Orbax's side: the very same device arrays, as a JAX user would hold them.
-    direct = _tree.split(state).arrays
-    state_bytes = _tree.split(state).nbytes
+    split = _tree.split(state)
+    direct, state_bytes = split.arrays, split.nbytes
     jax.block_until_ready(direct)
     other, other_opt = trained((n // 2, 2), ("a", "b"), ("a", "b"))
     other_state = {"model": other.state_dict(), "optim": other_opt.state_dict()}  # state: made
