@@ -18,9 +18,10 @@ class Flag:
     help: str
     in_cache_key: bool = False
     value: object = None
+    aliases: tuple = ()  # older names of the same switch (the lazy-tensor-core guide's LTC_*)
 
     def read(self) -> object:
-        raw = os.environ.get(self.name)
+        raw = next((os.environ[n] for n in (self.name, *self.aliases) if n in os.environ), None)
         if raw is None:
             return self.default
         if isinstance(self.default, bool):
@@ -31,8 +32,10 @@ class Flag:
 FLAGS: dict[str, Flag] = {}
 
 
-def _flag(name: str, default: object, help: str, in_cache_key: bool = False) -> Flag:
-    flag = Flag(name, default, help, in_cache_key)
+def _flag(
+    name: str, default: object, help: str, in_cache_key: bool = False, aliases: tuple = ()
+) -> Flag:
+    flag = Flag(name, default, help, in_cache_key, aliases=aliases)
     flag.value = flag.read()
     FLAGS[name] = flag
     return flag
@@ -43,6 +46,7 @@ USE_BF16 = _flag(
     False,
     "Store and compute float32 and float64 tensors as bfloat16 on the device.",
     in_cache_key=True,
+    aliases=("LTC_USE_BF16",),
 )
 DOWNCAST_BF16 = _flag(
     "XLA_DOWNCAST_BF16",
@@ -54,6 +58,19 @@ DEBUG_LEVEL = _flag(
     "PT_XLA_DEBUG_LEVEL",
     0,
     "1: one line per compile or cache hit with the reason for each recompilation; 2: also the graph.",
+)
+
+
+MAT_MUL_PRECISION = _flag(
+    "XLA_MAT_MUL_PRECISION",
+    "highest",
+    "Precision of float32 matmuls and convolutions: 'default', 'high' or 'highest' (see backends).",
+    in_cache_key=True,
+)
+EAGER = _flag(
+    "XLA_USE_EAGER_DEBUG_MODE",
+    False,
+    "Eager mode: run each op as soon as it is issued (see spmd_torch.experimental.eager_mode).",
 )
 
 

@@ -9,10 +9,37 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
+
+
+class Samples:
+    """One metric: its number of samples and their sum since the last clear, and the latest 1024
+    samples (PyTorch/XLA's window), so that per-op metrics stay small over a long run."""
+
+    __slots__ = ("count", "total", "recent")
+
+    def __init__(self):
+        self.count, self.total, self.recent = 0, 0, deque(maxlen=1024)
+
+    def append(self, value: float) -> None:
+        self.count += 1
+        self.total += value
+        self.recent.append(value)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self):
+        return iter(self.recent)
+
+    def since(self, count: int) -> list[float]:
+        """The samples recorded after the first ``count`` that the window still holds."""
+        new = min(self.count - count, len(self.recent))
+        return list(self.recent)[len(self.recent) - new :] if new > 0 else []
+
 
 COUNTERS: dict[str, int] = defaultdict(int)
-METRICS: dict[str, list[float]] = defaultdict(list)
+METRICS: dict[str, Samples] = defaultdict(Samples)
 _LOCK = threading.Lock()  # loader threads count their uploads too; appends need no lock
 
 

@@ -33,7 +33,9 @@ class CompileCache:
 
 
 class Engine:
-    __slots__ = ("pending", "rng", "replicated", "manual_used", "cache", "in_flight", "replica")
+    __slots__ = tuple(
+        "pending rng replicated manual_used cache in_flight replica step_closures".split()
+    )
 
     def __init__(self, cache: CompileCache | None = None, replica=None):
         self.cache = cache if cache is not None else CompileCache()
@@ -50,6 +52,7 @@ class Engine:
         self.replicated: NamedSharding | None = None  # over the SPMD devices; None: one device
         self.manual_used = False  # until a region is entered, the barrier skips looking for one
         self.in_flight: list = []  # weak refs to the last program's outputs (wait_device_ops)
+        self.step_closures: list = []  # xm.add_step_closure's (callable, run_async), for sync()
 
 
 # Per thread (a new thread starts with no value, so it sees the default engine) and cheap to read:

@@ -7,8 +7,10 @@ needs and leaves the rest pending.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
+from contextvars import ContextVar
 
 import jax
 import numpy as np
@@ -18,15 +20,20 @@ from . import compile as compiler
 from . import config, counters, manual, placement, replicas, rng
 from .engine import current
 from .graph import DATA, Node, Program, linearize, to_text
+from .record import user_frame
 from .tensor import LazyTensor, live_pending
 from .transfer import to_torch
 
 _COMPACT_PENDING_AT = 100_000
+# The compile(full_graph=True) region being traced on this thread, where no program may run.
+_ONE_GRAPH: ContextVar[str | None] = ContextVar("spmd_torch_one_graph", default=None)
 
 
-def sync(wait: bool = False) -> None:
-    """Compile (or reuse) and dispatch one program computing every live pending tensor."""
-    counters.bump("MarkStep")
+def sync(wait: bool = False, step: bool = True) -> None:
+    """Compile (or reuse) and dispatch one program computing every live pending tensor;
+    ``step=False`` for a barrier that is no training step (eager mode's one per op)."""
+    if step:
+        counters.bump("MarkStep")
     engine = current()
     storages = live_pending()  # in write order: the same program gives the same graph
     engine.pending.clear()
@@ -43,6 +50,7 @@ def sync(wait: bool = False) -> None:
         owners.setdefault((id(node), index), (storage.ref, []))[1].append(storage)
     if not owners:
         return
+    _check_may_run()
     program = linearize([ref for ref, _ in owners.values()])
     if engine.replica is not None:
         results = replicas.barrier(program, donate=True)
@@ -98,7 +106,10 @@ def run(program: Program, donate: bool, out_shardings: tuple | None = None) -> l
     scalars = np.array([node.args[0] for node in program.scalars], dtype=np.float64)
     start = time.perf_counter_ns()
     outputs = executable(arrays, donated, scalars)
-    counters.record("ExecuteTime", time.perf_counter_ns() - start)
+    # PyTorch/XLA's names: a program over the SPMD devices is a replicated execution.
+    replicated = "ExecuteReplicatedTime" if placement.spmd_enabled() else "ExecuteTime"
+    counters.record(replicated, time.perf_counter_ns() - start)
+    counters.record("TensorsGraphSize", len(program.nodes))
     current().in_flight = [weakref.ref(a) for a in outputs]
     return outputs
 
@@ -130,6 +141,8 @@ def materialize_refs(refs: list, layouts: dict | None = None) -> list[jax.Array]
     if len(engine.pending) > _COMPACT_PENDING_AT:  # programs that read values, never sync()
         engine.pending = [weakref.ref(s) for s in live_pending() if not s.ref[0].is_leaf(s.ref[1])]
     missing = [ref for ref in refs if not ref[0].is_leaf(ref[1])]
+    if missing:
+        _check_may_run()
     if missing and engine.replica is not None:
         _replica_read(missing)
     elif missing:
@@ -140,6 +153,27 @@ def materialize_refs(refs: list, layouts: dict | None = None) -> list[jax.Array]
         for (node, index), array in zip(unique, run(linearize(unique), False, shardings)):
             _keep(node, index, array)
     return [placement.resolve(node, index) for node, index in refs]
+
+
+@contextlib.contextmanager
+def one_graph(region: str):
+    """Inside, running a program raises: ``compile(full_graph=True)`` traces one graph."""
+    token = _ONE_GRAPH.set(region)
+    try:
+        yield
+    finally:
+        _ONE_GRAPH.reset(token)
+
+
+def _check_may_run() -> None:
+    region = _ONE_GRAPH.get()
+    if region is not None:
+        raise RuntimeError(
+            f"compile region {region!r} (full_graph=True) would run a program before its end, at "
+            f"{user_frame()}: a host read (.item(), .cpu(), print), an op whose output shape "
+            "depends on data, or a barrier inside the region; move it after the region or pass "
+            "full_graph=False"
+        )
 
 
 def _replica_read(missing: list) -> None:
@@ -196,6 +230,12 @@ def pending_hlo(tensors: list[LazyTensor] | None = None) -> str:
     """The pending graph of ``tensors`` lowered to StableHLO text (nothing runs)."""
     program = linearize(_pending_refs(tensors))
     return compiler.stablehlo_text(program, [placement.resolve(n, i) for n, i in program.leaves])
+
+
+def pending_signature() -> tuple:
+    """What tells the pending graph's program from others: its structure and input avals."""
+    program = linearize(_pending_refs(None))
+    return program.structure(), tuple(node.avals[i] for node, i in program.leaves)
 
 
 def _pending_refs(tensors) -> list:

@@ -7,11 +7,13 @@ become functional updates of the storage's value (see views.py).
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Callable
 
 import torch
 
+from . import counters
 from .engine import current
 from .graph import Aval, Node, Ref
 
@@ -79,7 +81,10 @@ class LazyTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return _dispatch(func, args, kwargs or _NO_KWARGS)
+        start = time.perf_counter_ns()
+        out = _dispatch(func, args, kwargs or _NO_KWARGS)
+        counters.METRICS["LazyTracing"].append(time.perf_counter_ns() - start)  # as PyTorch/XLA
+        return out
 
     def _ref(self) -> Ref:
         """The graph value of this tensor, read through its view chain when it is a view."""
@@ -178,6 +183,11 @@ def connect(dispatcher: Callable) -> None:
     module (it records, reads values and falls back to the CPU), plugs itself in when imported."""
     global _dispatch
     _dispatch = dispatcher
+
+
+def connected() -> Callable:
+    """The dispatcher aten calls on xla tensors go to now (eager mode wraps it)."""
+    return _dispatch
 
 
 def _rebuild_on_device(cpu: torch.Tensor, requires_grad: bool) -> torch.Tensor:

@@ -44,6 +44,7 @@ def upload(host: np.ndarray, sharding=None) -> jax.Array:
                 host = padded(host, sharding)
             array = jax.device_put(host, sharding)
     counters.bump("TransferToDevice")
+    counters.record("OutboundData", host.nbytes)
     return array
 
 
@@ -94,6 +95,7 @@ def to_torch(array: jax.Array, dtype: torch.dtype, shape: tuple | None = None) -
     ``shape`` is the logical shape of an array stored padded."""
     with counters.timed("TransferFromDeviceTime"):
         host = np.asarray(array)
+        counters.record("InboundData", host.nbytes)  # bytes, as PyTorch/XLA counts them
         if shape is not None:
             host = crop(host, shape)
         if dtype is torch.bfloat16:

@@ -1,9 +1,12 @@
 """torch_xla.debug.metrics: a read-only view of the engine's counters and sampled metrics.
 
-Counters count events (``MarkStep``, ``CachedCompile``, ``UncachedCompile``, ``aten::<op>`` for
-an op run on the CPU because it has no lowering...); metrics keep samples (``CompileTime``,
-``ExecuteTime``, ``TransferToDeviceTime``... in nanoseconds). Names follow PyTorch/XLA, so
-reports read the same and tests can count events instead of timing them.
+Counters count events (``MarkStep``, ``CachedCompile``, ``UncachedCompile``, ``TransferToDevice``,
+``aten::<op>`` for an op run on the CPU because it has no lowering...); metrics keep samples with
+PyTorch/XLA's names and units: times in nanoseconds (``CompileTime``, ``ExecuteTime``, and
+``ExecuteReplicatedTime`` for a program over the SPMD devices, ``TransferToDeviceTime``,
+``TransferFromDeviceTime``), data in bytes (``OutboundData`` per upload, ``InboundData`` per
+download) and ``TensorsGraphSize``, the node count of each program run. Reports read the same as
+PyTorch/XLA's, and tests can count events instead of timing them.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from spmd_torch._lazy import counters as _store
 _PERCENTILES = (1, 5, 10, 20, 50, 80, 90, 95, 99)
 _TIME_PARTS = (("d", 86400e9, 2), ("h", 3600e9, 2), ("m", 60e9, 2), ("s", 1e9, 2), ("ms", 1e6, 3))
 _BYTE_UNITS = ("B", "KB", "MB", "GB", "TB", "PB")
+_BYTE_METRICS = ("OutboundData", "InboundData")  # PyTorch/XLA reports these in bytes
 _DEFAULT_COUNTERS = ("CachedCompile", "MarkStep")
 _DEFAULT_METRICS = (
     "CompileTime",
@@ -70,16 +74,16 @@ def metric_data(name: str) -> tuple[int, float, list[tuple[float, float]]] | Non
 
     Returns:
         ``(total_samples, accumulator, samples)``: the number of samples, their sum, and the
-        samples as ``(timestamp, value)`` pairs. The engine records no sample times, so each
-        timestamp is 0.0.
+        latest 1024 samples (PyTorch/XLA's window) as ``(timestamp, value)`` pairs. The engine
+        records no sample times, so each timestamp is 0.0.
 
     Example:
         >>> total, accumulator, samples = met.metric_data('CompileTime')
     """
-    values = _values(name)
-    if not values:
+    samples = _store.METRICS.get(name)
+    if not samples:
         return None
-    return len(values), float(sum(values)), [(0.0, float(v)) for v in values]
+    return samples.count, float(samples.total), [(0.0, float(v)) for v in samples]
 
 
 def clear_counters() -> None:
@@ -157,28 +161,25 @@ def short_metrics_report(
     counters = list(counter_names or _DEFAULT_COUNTERS)
     metrics = list(metric_names or _DEFAULT_METRICS)
     return _report(
-        [m for m in metrics if _values(m)], [c for c in counters if _store.COUNTERS.get(c)]
+        [m for m in metrics if _store.METRICS.get(m)],
+        [c for c in counters if _store.COUNTERS.get(c)],
     )
-
-
-def _values(name: str) -> list[float]:
-    return list(_store.METRICS.get(name, ()))
 
 
 def _report(metrics: list[str], counters: list[str]) -> str:
     lines = []
     for name in metrics:
-        values = _values(name)
+        samples = _store.METRICS[name]
         fmt = _formatter(name)
-        ordered = sorted(values)
+        ordered = sorted(samples)
         percentiles = "; ".join(
             f"{p}%={fmt(ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))])}"
             for p in _PERCENTILES
         )
         lines += [
             f"Metric: {name}",
-            f"  TotalSamples: {len(values)}",
-            f"  Accumulator: {fmt(sum(values))}",
+            f"  TotalSamples: {samples.count}",
+            f"  Accumulator: {fmt(samples.total)}",
             f"  Percentiles: {percentiles}",
         ]
     for name in counters:
@@ -189,7 +190,7 @@ def _report(metrics: list[str], counters: list[str]) -> str:
 def _formatter(name: str):
     if name.endswith("Time"):
         return format_time
-    if name.endswith("Bytes"):
+    if name.endswith("Bytes") or name in _BYTE_METRICS:
         return format_bytes
     return lambda value: f"{value:.2f}"
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -17,7 +19,7 @@ DEV = torch.device("xla:0")
 def _isolated_store():
     """Tests here clear or fill the store: give each a copy and put the original back."""
     saved_counters = dict(counters.COUNTERS)
-    saved_metrics = {k: list(v) for k, v in counters.METRICS.items()}
+    saved_metrics = copy.deepcopy(dict(counters.METRICS))
     yield
     spmd_torch.sync()
     counters.clear()

@@ -1,9 +1,10 @@
 """Lowerings: matrix products (mm, bmm, addmm, ...), pairwise distances and the SVD.
 
-Float32 products run at ``Precision.HIGHEST``: XLA's default on TPU/GPU rounds float32 operands
-to bf16 (or TF32) passes, which drifts from PyTorch CPU's true float32 GEMM by ~1e-3 relative and
-breaks loss-curve parity. bf16/fp16 products accumulate in float32 (``preferred_element_type``), as
-PyTorch's CPU and CUDA GEMMs do, and round once at the end.
+Float32 products run at ``Precision.HIGHEST`` unless ``spmd_torch.backends.set_mat_mul_precision``
+says otherwise: XLA's default on TPU/GPU rounds float32 operands to bf16 (or TF32) passes, which
+drifts from PyTorch CPU's true float32 GEMM by ~1e-3 relative and breaks loss-curve parity.
+bf16/fp16 products accumulate in float32 (``preferred_element_type``), as PyTorch's CPU and CUDA
+GEMMs do, and round once at the end.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import jax
 import jax.numpy as jnp
 import torch
 
+from .. import config
 from .registry import lowers
 
 aten = torch.ops.aten
 
-PRECISION = jax.lax.Precision.HIGHEST
+PRECISION = jax.lax.Precision.HIGHEST  # internal arithmetic written as products (pooling weights)
 _LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -27,9 +29,16 @@ def accumulation_dtype(dtype: object) -> object:
     return jnp.float32 if jnp.dtype(dtype) in _LOW_PRECISION else None
 
 
+def precision() -> jax.lax.Precision:
+    """User matmuls' precision, read when the program is traced (it is in the compile-cache key)."""
+    return jax.lax.Precision(config.MAT_MUL_PRECISION.value)
+
+
 def _product(a: jax.Array, b: jax.Array) -> jax.Array:
     """a @ b with PyTorch CPU precision, still in the accumulation dtype (see module docstring)."""
-    return jnp.matmul(a, b, precision=PRECISION, preferred_element_type=accumulation_dtype(a.dtype))
+    return jnp.matmul(
+        a, b, precision=precision(), preferred_element_type=accumulation_dtype(a.dtype)
+    )
 
 
 def _scaled(x: jax.Array, s: object) -> jax.Array:
@@ -55,7 +64,7 @@ def _linear(x, w, bias=None):
     """x @ w.T contracting w's dim 1 directly: no transpose between a weight and its matmul."""
     dims = (((x.ndim - 1,), (1,)), ((), ()))
     out = jax.lax.dot_general(
-        x, w, dims, precision=PRECISION, preferred_element_type=accumulation_dtype(x.dtype)
+        x, w, dims, precision=precision(), preferred_element_type=accumulation_dtype(x.dtype)
     )
     if bias is not None:
         out = out + bias.astype(out.dtype)

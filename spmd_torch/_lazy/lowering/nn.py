@@ -20,7 +20,7 @@ import torch
 from jax import lax
 
 from .dtypes import to_jax_dtype
-from .linalg import PRECISION, accumulation_dtype
+from .linalg import PRECISION, accumulation_dtype, precision
 from .registry import lowers, register_table
 
 aten = torch.ops.aten
@@ -97,7 +97,7 @@ def _conv(x, w, stride, padding, dilation, transposed, output_padding, groups, a
         rhs_dilation=dilation,
         dimension_numbers=("NC" + spatial, "OI" + spatial, "NC" + spatial),
         feature_group_count=groups,
-        precision=PRECISION,
+        precision=precision(),
         preferred_element_type=accumulation_dtype(x.dtype) if accumulate else None,
     )
 

@@ -1,0 +1,142 @@
+"""PyTorch/XLA's metric names with their meanings and units, XLA_METRICS_FILE, LTC_USE_BF16."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import spmd_torch
+import spmd_torch.debug.metrics as met
+import spmd_torch.debug.metrics_saver as metrics_saver
+import spmd_torch.runtime as xr
+from spmd_torch._lazy import config, counters
+from spmd_torch.distributed.spmd import Mesh, mark_sharding
+
+dev = spmd_torch.device()
+
+
+@pytest.fixture(autouse=True)
+def _isolated_store():
+    """Tests here clear the store: give each a copy and put the original back."""
+    saved_counters = dict(counters.COUNTERS)
+    saved_metrics = copy.deepcopy(dict(counters.METRICS))
+    yield
+    spmd_torch.sync()
+    counters.clear()
+    counters.COUNTERS.update(saved_counters)
+    counters.METRICS.update(saved_metrics)
+
+
+def _samples(name: str) -> list[float]:
+    data = met.metric_data(name)
+    return [] if data is None else [value for _, value in data[2]]
+
+
+def test_outbound_data_is_the_uploaded_bytes():
+    met.clear_all()
+    host = torch.arange(30, dtype=torch.float32).reshape(5, 6)
+    host.to(dev)
+    assert _samples("OutboundData") == [120.0]
+    torch.ones(3, dtype=torch.int64).to(dev)
+    assert _samples("OutboundData") == [120.0, 24.0]
+    assert "Metric: OutboundData" in met.metrics_report()
+    assert "Accumulator: 144.00B" in met.metrics_report()
+
+
+def test_inbound_data_is_the_downloaded_bytes():
+    x = torch.ones(4, 5, dtype=torch.float64).to(dev) * 2
+    spmd_torch.sync()
+    met.clear_all()
+    x.cpu()
+    (x[0, 0] + 0).item()
+    assert _samples("InboundData") == [160.0, 8.0]
+
+
+def test_tensors_graph_size_is_the_node_count_of_each_program():
+    x = torch.ones(3).to(dev)
+    spmd_torch.sync()
+    met.clear_all()
+    y = (x * 2).sin() + 1  # mul, sin, add
+    spmd_torch.sync()
+    (y.exp()).cpu()  # one node
+    assert _samples("TensorsGraphSize") == [3.0, 1.0]
+    assert met.metric_data("ExecuteTime")[0] == 2
+    assert met.metric_data("ExecuteReplicatedTime") is None
+
+
+def test_programs_over_the_spmd_devices_are_replicated_executions():
+    xr.use_spmd()
+    mesh = Mesh(list(range(8)), (8,), ("data",))
+    x = torch.ones(8, 4).to(dev)
+    mark_sharding(x, mesh, ("data", None))
+    spmd_torch.sync()
+    met.clear_all()
+    assert (x * 3).sum().item() == 96.0
+    assert met.metric_data("ExecuteReplicatedTime")[0] == 1
+    assert met.metric_data("ExecuteTime") is None
+    xr.reset()
+
+
+def test_metrics_file_gets_one_report_per_step(tmp_path, monkeypatch):
+    path = tmp_path / "metrics.txt"
+    monkeypatch.setattr(metrics_saver, "_STEP_METRICS_FILE", str(path))
+    x = torch.ones(2).to(dev)
+    for _ in range(3):
+        x = x + 1
+        spmd_torch.sync()
+    text = path.read_text()
+    assert text.count("Counter: MarkStep") == 3
+    assert text.count("Metric: ExecuteTime") == 3
+    assert torch.equal(x.cpu(), torch.full((2,), 4.0))
+
+
+@pytest.mark.parametrize("where", ["STDOUT", "STDERR"])
+def test_metrics_file_special_names_print(where, capsys, monkeypatch):
+    monkeypatch.setattr(metrics_saver, "_STEP_METRICS_FILE", where)
+    y = torch.ones(2).to(dev) * 5
+    spmd_torch.sync()
+    out, err = capsys.readouterr()
+    printed, other = (out, err) if where == "STDOUT" else (err, out)
+    assert "Counter: MarkStep" in printed and "Counter: MarkStep" not in other
+    assert torch.equal(y.cpu(), torch.full((2,), 5.0))
+
+
+def test_metrics_file_unset_writes_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(metrics_saver, "_STEP_METRICS_FILE", None)
+    monkeypatch.chdir(tmp_path)
+    spmd_torch.sync()
+    assert list(tmp_path.iterdir()) == []
+    assert "Counter:" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["XLA_USE_BF16", "LTC_USE_BF16"])
+def test_ltc_use_bf16_is_an_alias_of_xla_use_bf16(name, monkeypatch):
+    monkeypatch.delenv("XLA_USE_BF16", raising=False)
+    monkeypatch.delenv("LTC_USE_BF16", raising=False)
+    assert config.USE_BF16.read() is False
+    monkeypatch.setenv(name, "1")
+    assert config.USE_BF16.read() is True
+    assert "LTC_USE_BF16" not in config.FLAGS  # one switch, two names
+
+
+def test_lazy_tracing_is_one_sample_per_traced_op():
+    x = torch.ones(3).to(dev)
+    spmd_torch.sync()
+    met.clear_all()
+    y = (x * 2).sin() + 1  # mul, sin, add
+    count, accumulator, samples = met.metric_data("LazyTracing")
+    assert count == 3 and len(samples) == 3
+    assert accumulator == sum(value for _, value in samples) > 0
+    del y
+
+
+def test_metrics_keep_counts_and_sums_past_the_window_of_samples():
+    met.clear_all()
+    for value in range(1, 2001):
+        counters.record("Probe", value)
+    count, accumulator, samples = met.metric_data("Probe")
+    assert (count, accumulator) == (2000, 2000 * 2001 / 2)
+    assert [value for _, value in samples] == list(range(977, 2001))  # the latest 1024
+    assert counters.METRICS["Probe"].since(1990) == list(range(1991, 2001))
