@@ -13,10 +13,13 @@ import contextlib
 import numpy as np
 import torch
 
-from . import rng
-from .dispatch import dispatch
+from . import (
+    dispatch,  # noqa: F401  (importing it connects the dispatcher to tensor.py)
+    rng,
+)
 from .execute import rng_words, wait_device_ops
-from .tensor import DEVICE, _rebuild_on_device
+from .lowering.amp import AUTOCAST_KEY, AUTOCAST_POLICY, autocast_kernel
+from .tensor import DEVICE, _rebuild_on_device, connected
 
 
 class _Stream:
@@ -65,6 +68,11 @@ class _BackendModule:
     @staticmethod
     def _is_in_bad_fork() -> bool:
         return False
+
+    @staticmethod
+    def get_amp_supported_dtype() -> list:
+        """What ``torch.autocast('xla', dtype=...)`` accepts."""
+        return [torch.bfloat16, torch.float16]
 
     @staticmethod
     def manual_seed_all(seed: int) -> None:
@@ -130,7 +138,7 @@ _BACKEND_OPS = [
 
 def _factory_kernel(op):
     def kernel(*args, **kwargs):
-        return dispatch(op, args, kwargs)
+        return connected()(op, args, kwargs)  # eager mode wraps the dispatcher
 
     return kernel
 
@@ -151,11 +159,14 @@ def register() -> None:
     torch._C._acc.register_python_privateuseone_device_guard(_DeviceGuard())
     library = torch.library.Library("aten", "IMPL")
     for op in _BACKEND_OPS:
-        name = op._schema.name.split("::")[1]
-        if op._overloadname != "default":
-            name += "." + op._overloadname
-        library.impl(name, _factory_kernel(op), "PrivateUse1")
-    _registered.append(library)
+        library.impl(op, _factory_kernel(op), "PrivateUse1")
+    # Autocast: PyTorch/XLA's cast policy above autograd; every other op passes through.
+    for op, policy in AUTOCAST_POLICY.items():
+        library.impl(op, autocast_kernel(op, policy), AUTOCAST_KEY)
+    passthrough = torch.library.Library("_", "IMPL")
+    passthrough.fallback(torch.library.fallthrough_kernel, AUTOCAST_KEY)
+    torch.set_autocast_dtype(DEVICE.type, torch.bfloat16)  # AutocastXLA's default (thread-local)
+    _registered.extend([library, passthrough])
     # Backward of device tensors runs on the calling thread: an error raised by a backward op on
     # autograd's per-device worker thread of a Python backend terminates the process.
     torch._C._set_multithreading_enabled(False)

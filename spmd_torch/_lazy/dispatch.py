@@ -18,7 +18,7 @@ from torch._decomp import decomposition_table
 from . import counters, placement, rng, views
 from .execute import to_cpu
 from .graph import Aval, Value
-from .lowering import LOWERINGS
+from .lowering import LOWERINGS, amp
 from .record import DeviceMismatchError, NoStaticShape, emit, emit_value
 from .tensor import DEVICE, LazyTensor, connect, wrap, wrap_data
 from .transfer import HostData, host_copy, to_device_array
@@ -31,7 +31,7 @@ _DECOMPOSITIONS = {
     op: fn
     for op, fn in decomposition_table.items()
     if not getattr(fn, "__module__", "").startswith("torch._refs")
-}
+} | amp.DECOMPOSITIONS
 
 
 def dispatch(func, args: tuple, kwargs: dict) -> Any:

@@ -102,12 +102,13 @@ def _replica_count(nprocs: int | None) -> int:
 def _run(fn: Callable, args: tuple, replicas: int) -> dict:
     """Run the replicas to the end; raises the first failure after the others stopped."""
     cpu_rng = torch.get_rng_state()
+    autocast_dtype = torch.get_autocast_dtype("xla")  # per thread in PyTorch: replicas inherit it
     world = World(jax.local_devices()[:replicas], engine.current().cache)
     outcomes: dict = {}
     threads = [
         threading.Thread(
             target=_replica_main,
-            args=(world, ordinal, fn, args, outcomes),
+            args=(world, ordinal, fn, args, outcomes, autocast_dtype),
             name=f"spmd_torch-replica-{ordinal}",
             daemon=True,
         )
@@ -138,7 +139,10 @@ def _join(world: World, threads: list) -> None:
                 return
 
 
-def _replica_main(world: World, ordinal: int, fn: Callable, args: tuple, outcomes: dict) -> None:
+def _replica_main(
+    world: World, ordinal: int, fn: Callable, args: tuple, outcomes: dict, autocast_dtype
+) -> None:
+    torch.set_autocast_dtype("xla", autocast_dtype)
     own = world.engine(ordinal)
     replica = own.replica
     # Backward passes on this thread, not autograd's device thread, which runs no engine of its
