@@ -15,12 +15,18 @@ import os
 import re
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import torch
+from jax._src import xla_bridge  # backends_are_initialized: JAX has no public query for it
 
 from ._lazy import engine, placement
 
 _PLATFORM_NAMES = {"cpu": "CPU", "tpu": "TPU", "gpu": "CUDA", "cuda": "CUDA", "rocm": "ROCM"}
+_JAX_PLATFORMS = {"CPU": "cpu", "TPU": "tpu", "CUDA": "cuda", "GPU": "cuda", "ROCM": "rocm"}
 _XLA_DEVICE = re.compile(r"xla(?::(\d+))?$")
+# Whether use_spmd() wrote XLA_USE_SPMD (so reset() takes it back) rather than the user.
+_SPMD_VARIABLE_SET_BY_USE_SPMD = False
 
 
 def device_type() -> str:
@@ -42,6 +48,112 @@ def device_type() -> str:
     if platform == "gpu" and "rocm" in getattr(first.client, "platform_version", "").lower():
         platform = "rocm"
     return _PLATFORM_NAMES.get(platform, platform.upper())
+
+
+def set_device_type(pjrt_device: str) -> None:
+    """Choose the kind of accelerator, as PyTorch/XLA's ``PJRT_DEVICE`` does; call it first.
+
+    Sets ``PJRT_DEVICE``. Before JAX has started its runtime it also picks JAX's platform:
+    ``'CPU'`` -> ``cpu``, ``'CUDA'``/``'GPU'`` -> ``cuda``, ``'ROCM'`` -> ``rocm``, ``'TPU'`` ->
+    ``tpu``, any other name -> that name lower-cased (a JAX PJRT plugin's platform). Once the
+    runtime has started, naming the kind it runs on is accepted and any other is an error.
+
+    Args:
+        pjrt_device: The device kind, e.g. ``'TPU'``, ``'CUDA'`` or ``'CPU'``.
+
+    Raises:
+        RuntimeError: The runtime already runs on another kind of device.
+
+    Example:
+        >>> import spmd_torch.runtime as xr
+        >>> xr.set_device_type('CPU')
+        >>> xr.device_type()
+        'CPU'
+    """
+    requested = _JAX_PLATFORMS.get(pjrt_device.upper(), pjrt_device.lower())
+    if xla_bridge.backends_are_initialized():
+        running = _JAX_PLATFORMS.get(device_type(), device_type().lower())
+        if requested != running:
+            raise RuntimeError(
+                f"Can't change device type to {pjrt_device!r} after the runtime is initialized: "
+                f"it runs on {device_type()}"
+            )
+    else:
+        jax.config.update("jax_platforms", requested)
+    os.environ["PJRT_DEVICE"] = pjrt_device
+
+
+def is_bf16_supported() -> bool:
+    """Whether the accelerator computes in ``torch.bfloat16`` (a bfloat16 add, run and checked).
+
+    Example:
+        >>> xr.is_bf16_supported()
+        True
+    """
+    try:
+        total = jnp.ones((2,), jnp.bfloat16) + jnp.ones((2,), jnp.bfloat16)
+        return bool(np.all(np.asarray(total, dtype=np.float32) == 2.0))
+    except Exception:  # noqa: BLE001 - any refusal by the runtime means "not supported"
+        return False
+
+
+def global_runtime_device_attributes() -> list[dict[str, object]]:
+    """The attributes of every accelerator in the job, one dict each, in id order.
+
+    Each has ``name`` (``'CUDA:3'``), ``id``, ``process_index``, ``platform``, ``device_kind``
+    and, where JAX reports them (TPUs), ``coords`` and ``core_on_chip``.
+
+    Example:
+        >>> xr.global_runtime_device_attributes()[0]['name']
+        'CPU:0'
+    """
+    return [_attributes(d) for d in sorted(jax.devices(), key=lambda d: d.id)]
+
+
+def runtime_device_attributes(device: str) -> dict[str, object]:
+    """The attributes of one accelerator (see :func:`global_runtime_device_attributes`).
+
+    Args:
+        device: Its name, e.g. ``'TPU:0'`` or ``'CPU:3'``.
+
+    Raises:
+        RuntimeError: No accelerator has that name.
+
+    Example:
+        >>> xr.runtime_device_attributes('CPU:0')['device_kind']
+        'cpu'
+    """
+    for attributes in global_runtime_device_attributes():
+        if attributes["name"] == str(device):
+            return attributes
+    names = [a["name"] for a in global_runtime_device_attributes()]
+    raise RuntimeError(f"runtime_device_attributes: no device {device!r}; devices are {names}")
+
+
+def _attributes(device: jax.Device) -> dict[str, object]:
+    attributes: dict[str, object] = {
+        "name": f"{device_type()}:{device.id}",
+        "id": device.id,
+        "process_index": device.process_index,
+        "platform": device.platform,
+        "device_kind": device.device_kind,
+    }
+    for name in ("coords", "core_on_chip"):
+        if hasattr(device, name):
+            attributes[name] = getattr(device, name)
+    return attributes
+
+
+def get_num_cached_compilation_graph() -> int:
+    """The number of compiled programs in the in-memory cache (of this program, or replica).
+
+    Example:
+        >>> before = xr.get_num_cached_compilation_graph()
+        >>> (torch.ones(3, device='xla') + 1).cpu()
+        >>> xr.get_num_cached_compilation_graph() - before
+        1
+    """
+    return len(engine.current().cache.executables)
 
 
 def world_size() -> int:
@@ -187,7 +299,8 @@ def addressable_runtime_device_count() -> int:
 
 
 def use_spmd(auto: bool = False) -> None:
-    """Declare that the program uses SPMD sharding, as in PyTorch/XLA.
+    """Declare that the program uses SPMD sharding, as in PyTorch/XLA (which also sets
+    ``XLA_USE_SPMD=1`` in the environment: so does this).
 
     From then on every program runs over all devices JAX sees: new tensors are replicated over
     them, and tensors already on the device are replicated onto them the first time a program
@@ -209,6 +322,10 @@ def use_spmd(auto: bool = False) -> None:
             "mark_sharding instead"
         )
     placement.enable_spmd(jax.devices())
+    global _SPMD_VARIABLE_SET_BY_USE_SPMD
+    if "XLA_USE_SPMD" not in os.environ:
+        _SPMD_VARIABLE_SET_BY_USE_SPMD = True
+    os.environ["XLA_USE_SPMD"] = "1"  # as PyTorch/XLA does; read by scripts and subprocesses
 
 
 def is_spmd() -> bool:
@@ -227,8 +344,9 @@ def reset() -> None:
     """Start the calling thread's engine over; no PyTorch/XLA counterpart (tests, notebooks).
 
     Pending computations are dropped (tensors whose values were computed keep them), SPMD mode
-    ends, manual-region bookkeeping is forgotten and the device RNG goes back to its default
-    seed. Compiled programs stay cached. Data already laid out on the mesh stays there.
+    ends (``XLA_USE_SPMD`` is removed again if :func:`use_spmd` set it), manual-region
+    bookkeeping is forgotten and the device RNG goes back to its default seed. Compiled programs
+    stay cached. Data already laid out on the mesh stays there.
 
     Example:
         >>> xr.use_spmd()
@@ -237,6 +355,10 @@ def reset() -> None:
         False
     """
     engine.current().reset()
+    global _SPMD_VARIABLE_SET_BY_USE_SPMD
+    if _SPMD_VARIABLE_SET_BY_USE_SPMD and engine.current().replica is None:
+        os.environ.pop("XLA_USE_SPMD", None)
+        _SPMD_VARIABLE_SET_BY_USE_SPMD = False
 
 
 def initialize_cache(path: str, readonly: bool = False) -> None:

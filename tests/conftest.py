@@ -17,6 +17,7 @@ import spmd_torch.debug.graph as graph  # noqa: E402
 import spmd_torch.runtime as xr  # noqa: E402
 
 _HANG_SECONDS = 300
+_SPMD_FROM_ENV = "XLA_USE_SPMD" in os.environ  # xr.use_spmd() sets it too, as PyTorch/XLA does
 
 
 @pytest.fixture(autouse=True)
@@ -30,7 +31,7 @@ def _hang_guard():
 def engine_leaks(spmd_expected: bool = False) -> list[str]:
     """What the engine still holds that a finished test should have let go of."""
     leaks = []
-    if xr.is_spmd() and not spmd_expected and "XLA_USE_SPMD" not in os.environ:
+    if xr.is_spmd() and not spmd_expected and not _SPMD_FROM_ENV:
         leaks.append("SPMD mode is still on (call spmd_torch.runtime.reset())")
     if graph.pending_count():
         gc.collect()  # cycles (autograd graphs) may hold tensors the test no longer reaches

@@ -1,8 +1,9 @@
-"""torch_xla.core.functions: collectives that autograd differentiates.
+"""torch_xla.core.functions: collectives that autograd differentiates, and SyncBatchNorm.
 
 ``xm.all_reduce`` and ``xm.all_gather`` are not differentiable (their results have no history);
 these are, for models that reduce activations across replicas in the forward pass. Inside
 ``launch`` the backward passes are collectives too, recorded into the same step's program.
+:class:`SyncBatchNorm` normalises with the statistics of every replica's batch together.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 import spmd_torch.core.xla_model as xm
 from spmd_torch import runtime
 
-__all__ = ["all_gather", "all_reduce"]
+__all__ = ["SyncBatchNorm", "all_gather", "all_reduce"]
 
 
 class _AllReduce(torch.autograd.Function):
@@ -90,3 +91,63 @@ def all_gather(value: torch.Tensor, dim: int = 0, groups=None) -> torch.Tensor:
         >>> everyone = xf.all_gather(features, dim=0)
     """
     return _AllGather.apply(value, dim, groups)
+
+
+class SyncBatchNorm(torch.nn.Module):
+    """Batch norm over the replicas' batches together: cross-replica statistics for ``launch``.
+
+    In training each replica's per-channel mean and variance come from the union of every
+    replica's batch (two differentiable all-reduces), so the output and the gradients are those
+    of ``torch.nn.BatchNorm`` over the concatenated global batch; outside ``launch`` (one SPMD
+    program, whose batch already is the global one) it is plain batch norm. The running
+    statistics are updated with ``momentum`` as BatchNorm does (the running variance unbiased,
+    over the global count; PyTorch/XLA's keeps the biased one). In eval mode the running
+    statistics normalise. Replicas must have batches of one size.
+
+    Args:
+        num_features: The channels (dimension 1 of the input, which has 2 to 5 dimensions).
+        eps: Added to the variance.
+        momentum: The weight of a step's statistics in the running ones.
+
+    Example:
+        >>> def _mp_fn(index):
+        ...     norm = xf.SyncBatchNorm(16).to(xm.xla_device())
+        ...     y = norm(local_batch)  # normalised with every replica's statistics
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.1) -> None:
+        super().__init__()
+        self.num_features = num_features
+        self.eps = eps
+        self.momentum = momentum
+        self.weight = torch.nn.Parameter(torch.ones(num_features))
+        self.bias = torch.nn.Parameter(torch.zeros(num_features))
+        self.register_buffer("running_mean", torch.zeros(num_features))
+        self.register_buffer("running_var", torch.ones(num_features))
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        if not 2 <= batch.dim() <= 5 or batch.shape[1] != self.num_features:
+            raise ValueError(
+                f"SyncBatchNorm({self.num_features}): expected an input of 2 to 5 dimensions "
+                f"with {self.num_features} channels in dimension 1, got shape {tuple(batch.shape)}"
+            )
+        channels = [1, -1] + [1] * (batch.dim() - 2)
+        if self.training:
+            dims = [0, *range(2, batch.dim())]
+            replicas = max(runtime.world_size(), 1) if xm.is_xla_tensor(batch) else 1
+            count = batch.numel() // self.num_features * replicas
+            mean = all_reduce(xm.REDUCE_SUM, batch.sum(dims)) / count
+            centered = batch - mean.reshape(channels)
+            var = all_reduce(xm.REDUCE_SUM, (centered * centered).sum(dims)) / count
+            with torch.no_grad():
+                unbiased = var * (count / max(count - 1, 1))
+                self.running_mean.mul_(1 - self.momentum).add_(mean, alpha=self.momentum)
+                self.running_var.mul_(1 - self.momentum).add_(unbiased, alpha=self.momentum)
+        else:
+            mean, var = self.running_mean, self.running_var
+            centered = batch - mean.reshape(channels)
+        scale = self.weight * torch.rsqrt(var + self.eps)
+        return centered * scale.reshape(channels) + self.bias.reshape(channels)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_features}, eps={self.eps}, momentum={self.momentum}"

@@ -13,11 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
+import re
 import sys
-import types
+import threading
+import time
 from collections.abc import Callable
-from typing import Any
+from concurrent import futures
+from typing import Any, TypedDict
 
+import jax
 import torch
 
 import spmd_torch
@@ -26,6 +31,8 @@ from spmd_torch._lazy import collective as _collective
 from spmd_torch._lazy import engine as _engine
 from spmd_torch._lazy import execute as _execute
 from spmd_torch._lazy import rng as _rng
+from spmd_torch.utils import utils as xu
+from spmd_torch.utils.checkpoint import optimization_barrier_  # noqa: F401  (xm's name for it)
 
 REDUCE_SUM = "sum"
 REDUCE_MUL = "mul"
@@ -119,6 +126,57 @@ def xla_device_hw(device: str | torch.device) -> str:
     return runtime.xla_device_hw(device)
 
 
+def parse_xla_device(device: str) -> tuple[str, int] | None:
+    """Split a real device name into its kind and ordinal: ``'CPU:3'`` -> ``('CPU', 3)``.
+
+    Args:
+        device: A name as :func:`xla_real_devices` gives them.
+
+    Returns:
+        ``(kind, ordinal)``, or ``None`` if ``device`` is not of that form.
+
+    Example:
+        >>> xm.parse_xla_device('CUDA:1')
+        ('CUDA', 1)
+    """
+    match = re.match(r"([A-Z]+):(\d+)$", device)
+    return (match.group(1), int(match.group(2))) if match else None
+
+
+def xla_device_kind(device: str | torch.device | None = None) -> str:
+    """The vendor's name for the kind of accelerator behind an xla device, JAX's
+    ``device_kind`` (``'cpu'``, ``'NVIDIA H100 80GB HBM3'``, ``'TPU v5 lite'``...).
+
+    Args:
+        device: The xla device (default ``xla:0``, the only one).
+
+    Example:
+        >>> xm.xla_device_kind()
+        'cpu'
+    """
+    _check_device(device, "xla_device_kind")
+    return _backing_devices()[0].device_kind
+
+
+def xla_replication_devices(local_devices: list | None = None) -> list[str]:
+    """The real devices a replicated program runs on: every device of the kind behind
+    ``local_devices``, in ordinal order (``['CUDA:0', 'CUDA:1', ...]``).
+
+    Args:
+        local_devices: The xla devices of this process (``['xla:0']``; default: all of them).
+
+    Raises:
+        RuntimeError: A device is not an xla device of this program.
+
+    Example:
+        >>> xm.xla_replication_devices([xm.xla_device()])  # 8 virtual CPU devices
+        ['CPU:0', 'CPU:1', 'CPU:2', 'CPU:3', 'CPU:4', 'CPU:5', 'CPU:6', 'CPU:7']
+    """
+    xla_real_devices(local_devices)  # checks each device
+    kind = runtime.device_type()
+    return [f"{kind}:{d.id}" for d in sorted(jax.devices(), key=lambda d: d.id)]
+
+
 def xrt_world_size(defval: int = 1) -> int:
     """The number of replicas: one per process (``runtime.world_size()``).
 
@@ -202,15 +260,104 @@ def master_print(*args: Any, fd=None, local: bool = False, flush: bool = False) 
 def mark_step(wait: bool = False, reset_scope: bool = True) -> None:
     """The barrier: compile (once) and dispatch every pending computation.
 
+    ``spmd_torch.sync()``: then the step closures queued by :func:`add_step_closure` run, in
+    order, reading the step's values without running another program.
+
     Args:
         wait: Block until the dispatched program has finished.
-        reset_scope: Ignored (PyTorch/XLA's IR scope reset; nothing to reset here).
+        reset_scope: Ignored: a profiler ``Trace`` region ends with its ``with`` block, not at a
+            barrier.
 
     Example:
         >>> loss = model(x).sum(); loss.backward(); opt.step()
         >>> xm.mark_step()
     """
-    _execute.sync(wait=wait)
+    spmd_torch.sync(wait=wait)
+
+
+# --- step closures -------------------------------------------------------------------------------
+
+
+class _AsyncClosureRunner:
+    """Runs asynchronous step closures one at a time, in order, on one background thread; a
+    closure's error stops the ones queued after it and is raised at the next step."""
+
+    def __init__(self) -> None:
+        self._executor = futures.ThreadPoolExecutor(1, thread_name_prefix="xm-step-closure")
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+
+    def submit(self, closures: list[Callable[[], Any]]) -> None:
+        with self._lock:
+            error, self._error = self._error, None
+        if error is not None:
+            raise RuntimeError(
+                "Cannot run asynchronous step closures: an earlier one raised "
+                f"{type(error).__name__}: {error}"
+            ) from error
+        for closure in closures:
+            self._executor.submit(self._run, closure)
+
+    def _run(self, closure: Callable[[], Any]) -> None:
+        with self._lock:
+            if self._error is not None:
+                return
+        try:
+            closure()
+        except Exception as error:  # kept for the next step, as PyTorch/XLA does
+            with self._lock:
+                self._error = error
+
+
+_ASYNC_CLOSURES = xu.LazyProperty(_AsyncClosureRunner)
+
+
+def add_step_closure(
+    closure: Callable[..., Any], args: tuple = (), run_async: bool = False
+) -> None:
+    """Run ``closure(*args)`` right after the barrier that ends the current step.
+
+    By then every live tensor has its value, those in ``args`` too, so the closure reads them
+    (``.item()``, ``.cpu()``, printing) without running a second program: report losses this way
+    instead of reading them mid-step. Closures run in the order they were added, once, at the
+    next :func:`mark_step` (or ``spmd_torch.sync()``, or a ``MpDeviceLoader``'s barrier). Inside
+    ``launch`` each replica has its own queue, run at its own barrier.
+
+    Args:
+        closure: The function to call.
+        args: Its arguments (tensors in them are read after the barrier).
+        run_async: Run it on a background thread instead, in order with the other asynchronous
+            closures, while the next step is traced; an error it raises is raised (as a
+            ``RuntimeError``) at the next step's barrier.
+
+    Example:
+        >>> loss = loss_fn(model(data), target)
+        >>> xm.add_step_closure(lambda l: print('loss', l.item()), args=(loss,))
+        >>> xm.mark_step()
+        loss 0.6931
+    """
+    _engine.current().step_closures.append((lambda: closure(*args), run_async))
+
+
+def run_step_closures() -> None:
+    """Run the step closures queued by :func:`add_step_closure` for this program (or replica).
+
+    :func:`mark_step` calls it after the barrier; a barrier issued some other way calls it too.
+    The synchronous closures run here, in order; asynchronous ones are handed to the background
+    thread first. A closure that raises stops the rest (they are dropped).
+
+    Example:
+        >>> spmd_torch.sync()
+        >>> xm.run_step_closures()
+    """
+    engine = _engine.current()
+    closures, engine.step_closures = engine.step_closures, []
+    asynchronous = [closure for closure, run_async in closures if run_async]
+    if asynchronous:
+        _ASYNC_CLOSURES.value.submit(asynchronous)
+    for closure, run_async in closures:
+        if not run_async:
+            closure()
 
 
 def wait_device_ops(devices: list | None = None) -> None:
@@ -679,56 +826,329 @@ def _compute_xla_tensors(data: Any) -> list[torch.Tensor]:
     return tensors
 
 
-_OPAQUE = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType)
-
-
 def rewrite_instances(data: Any, select: Callable, convert: Callable) -> Any:
     """``data`` with every value ``v`` where ``select(v)`` replaced by ``convert(v, index)``.
 
-    ``index`` numbers distinct selected values in order of first appearance; a value met twice is
-    converted once, so aliasing survives. Containers (and objects' ``__dict__``) holding nothing
-    selected are returned as they are; the others are shallow-copied, never mutated. Tuples stay
-    tuples and namedtuples keep their type. Tensors that are not selected are left whole.
+    ``index`` numbers distinct selected values in order of first appearance; the walk is
+    :func:`spmd_torch.utils.utils.for_each_instance_rewrite`'s (a value met twice is converted
+    once, containers are copied, never mutated, tuples stay tuples).
     """
-    memo: dict[int, tuple] = {}
-
-    def walk(value: Any) -> Any:
-        if select(value):
-            key = id(value)
-            if key not in memo:
-                memo[key] = (convert(value, len(memo)), value)  # keep value alive: stable ids
-            return memo[key][0]
-        if isinstance(value, (torch.Tensor, str, bytes, int, float, complex, type(None))):
-            return value
-        if isinstance(value, dict):
-            items = {k: walk(v) for k, v in value.items()}
-            if all(items[k] is v for k, v in value.items()):
-                return value
-            result = copy.copy(value)
-            result.update(items)
-            return result
-        if isinstance(value, (list, tuple, set, frozenset)):
-            items = [walk(v) for v in value]
-            if all(new is old for new, old in zip(items, value)):
-                return value
-            if isinstance(value, tuple) and hasattr(value, "_fields"):
-                return type(value)(*items)
-            if isinstance(value, list) and type(value) is not list:
-                result = copy.copy(value)
-                result[:] = items
-                return result
-            return type(value)(items)
-        if hasattr(value, "__dict__") and not isinstance(value, _OPAQUE):
-            state = walk(vars(value))
-            if state is vars(value):
-                return value
-            result = copy.copy(value)
-            result.__dict__.update(state)
-            return result
-        return value
-
-    return walk(data)
+    counter = itertools.count()
+    return xu.for_each_instance_rewrite(data, select, lambda value: convert(value, next(counter)))
 
 
 def _is_xla_value(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.device.type == "xla"
+
+
+# --- training helpers ----------------------------------------------------------------------------
+
+
+class RateTracker:
+    """Examples per second, smoothed between reports and averaged over the whole run.
+
+    ``add(n)`` counts examples; :meth:`rate` is the rate since the previous ``rate()`` call,
+    blended with that call's rate (``(1 - s) * current + s * previous``, ``s`` the smoothing
+    factor); :meth:`global_rate` is every example counted over the time since creation.
+
+    Args:
+        smooth_factor: The weight of the previous rate; default the ``RATE_TRACKER_SMOOTHING``
+            environment variable, else 0.4.
+        clock: Seconds as a float (default ``time.time``); tests pass their own.
+
+    Example:
+        >>> tracker = xm.RateTracker()
+        >>> tracker.add(batch_size)
+        >>> print(f'{tracker.rate():.1f} examples/s, {tracker.global_rate():.1f} overall')
+    """
+
+    def __init__(
+        self, smooth_factor: float | None = None, clock: Callable[[], float] = time.time
+    ) -> None:
+        if smooth_factor is None:
+            smooth_factor = xu.getenv_as("RATE_TRACKER_SMOOTHING", float, 0.4)
+        self._smooth_factor = smooth_factor
+        self._clock = clock
+        self._start_time = clock()
+        self._partial_time = self._start_time
+        self._partial_count = 0.0
+        self._partial_rate: float | None = None
+        self._count = 0.0
+
+    def add(self, count: float) -> None:
+        """Count ``count`` more examples."""
+        self._count += count
+
+    def rate(self) -> float:
+        """The smoothed rate since the previous call (0.0 if no time has passed)."""
+        now = self._clock()
+        delta = now - self._partial_time
+        if delta <= 0:
+            return 0.0
+        current = self._count / delta
+        if self._partial_rate is not None:
+            current = (1 - self._smooth_factor) * current + self._smooth_factor * self._partial_rate
+        self._partial_count += self._count
+        self._count = 0.0
+        self._partial_time = now
+        self._partial_rate = current
+        return current
+
+    def global_rate(self) -> float:
+        """Every example counted, divided by the seconds since the tracker was made."""
+        delta = self._clock() - self._start_time
+        return (self._partial_count + self._count) / delta if delta > 0 else 0.0
+
+
+class ToXlaTensorArena:
+    """Converts the selected tensors of a nested structure all at once, then puts the results
+    back where the tensors were (the helper behind :func:`send_cpu_data_to_device`).
+
+    Args:
+        convert_fn: Takes the list of selected tensors, returns their replacements in order.
+        select_fn: Picks the tensors to convert.
+
+    Example:
+        >>> arena = xm.ToXlaTensorArena(lambda ts: [t.to(device) for t in ts], torch.is_tensor)
+        >>> on_device = arena.transform({'x': x, 'y': [y]})
+    """
+
+    def __init__(
+        self,
+        convert_fn: Callable[[list[torch.Tensor]], list[torch.Tensor]],
+        select_fn: Callable[[Any], bool],
+    ) -> None:
+        self._convert_fn = convert_fn
+        self._select_fn = select_fn
+
+    def transform(self, inputs: Any) -> Any:
+        """``inputs`` with each selected tensor replaced by its conversion."""
+        tensors: list[torch.Tensor] = []
+        xu.for_each_instance(inputs, self._select_fn, tensors.append)
+        converted = list(self._convert_fn(tensors)) if tensors else []
+        if len(converted) != len(tensors):
+            raise ValueError(
+                f"ToXlaTensorArena: convert_fn returned {len(converted)} tensors for {len(tensors)}"
+            )
+        replacement = {id(t): new for t, new in zip(tensors, converted)}
+        return xu.for_each_instance_rewrite(inputs, self._select_fn, lambda t: replacement[id(t)])
+
+
+def send_cpu_data_to_device(datas: Any, device: str | torch.device, input_sharding=None) -> Any:
+    """``datas`` with every CPU tensor in it moved to the xla device (optionally sharded).
+
+    A single tensor comes back as a one-element list, as in PyTorch/XLA. Tensors already on
+    the device, and anything not a tensor, stay as they are.
+
+    Args:
+        datas: A tensor or any nesting of containers and objects holding tensors.
+        device: The xla device.
+        input_sharding: A ``spmd_torch.distributed.spmd.ShardingSpec``: each tensor it fits
+            (one spec entry per dimension) is sharded as it says; the others are replicated.
+
+    Raises:
+        RuntimeError: With a ``minibatch`` spec, a batch whose first dimension does not divide
+            by the number of accelerators this process drives.
+
+    Example:
+        >>> (x,) = xm.send_cpu_data_to_device(torch.ones(4), xm.xla_device())
+        >>> batch = xm.send_cpu_data_to_device({'x': x_cpu, 'y': y_cpu}, device, spec)
+    """
+    device = torch.device(device)
+    if device.type != "xla":
+        raise ValueError(f"send_cpu_data_to_device: {device} is not an xla device")
+
+    def convert(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        uploaded = [t.to(device) for t in tensors]
+        if input_sharding is not None:
+            for cpu, xla in zip(tensors, uploaded):
+                if input_sharding.can_apply(xla):
+                    _check_minibatch(cpu, input_sharding)
+                    input_sharding.apply(xla)
+        return uploaded
+
+    if isinstance(datas, torch.Tensor):
+        datas = [datas]
+    return ToXlaTensorArena(convert, _is_cpu_tensor).transform(datas)
+
+
+def _check_minibatch(t: torch.Tensor, spec) -> None:
+    local = runtime.addressable_runtime_device_count()
+    if spec.minibatch and t.dim() > 0 and t.shape[0] % local:
+        raise RuntimeError(
+            f"send_cpu_data_to_device: with a minibatch input_sharding the per-host batch size "
+            f"must divide by the {local} local accelerators; got shape {tuple(t.shape)}"
+        )
+
+
+def _is_cpu_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.device.type == "cpu"
+
+
+def do_on_ordinals(target: Callable[..., Any], data: tuple = (), ordinals=(0,)) -> Any:
+    """Run ``target(*data)`` only on the replicas in ``ordinals``, the xla tensors of ``data``
+    moved to the CPU; then wait for every replica.
+
+    Args:
+        target: The function to run.
+        data: Its arguments; every xla tensor the function reads must be passed here.
+        ordinals: The replicas that run it.
+
+    Returns:
+        ``target``'s result on the replicas that ran it, ``None`` on the others.
+
+    Example:
+        >>> xm.do_on_ordinals(lambda w: print(w.sum()), (model.weight,))
+    """
+    running = runtime.global_ordinal() in ordinals
+    _compute_xla_tensors(data)
+    result = None
+    if running:
+        result = target(*rewrite_instances(data, _is_xla_value, lambda t, i: to_cpu_tensor(t)))
+    rendezvous("spmd_torch.core.xla_model.do_on_ordinals")
+    return result
+
+
+def xla_rendezvous(
+    payload: bytes = b"", ordinals: list[int] | None = None, tag: str | None = None
+) -> list[bytes]:
+    """Share ``payload`` with every replica; :func:`rendezvous` restricted to bytes.
+
+    Args:
+        payload: This replica's bytes.
+        ordinals: ``None``, or every ordinal (only a global rendezvous is supported).
+        tag: The rendezvous' name.
+
+    Returns:
+        Every replica's payload, in ordinal order.
+
+    Example:
+        >>> xm.xla_rendezvous(b'ready')
+        [b'ready']
+    """
+    if ordinals and len(ordinals) != runtime.world_size():
+        raise ValueError(
+            f"xla_rendezvous: only a global rendezvous is supported; got ordinals {ordinals} "
+            f"in a world of {runtime.world_size()}"
+        )
+    if not isinstance(payload, bytes):
+        raise TypeError(f"xla_rendezvous: payload must be bytes, not {type(payload).__name__}")
+    return rendezvous(tag or "spmd_torch.core.xla_model.xla_rendezvous", payload)
+
+
+def broadcast_master_param(model: torch.nn.Module) -> None:
+    """Give every replica the master replica's (ordinal 0) parameters and buffers, then
+    :func:`mark_step`.
+
+    Example:
+        >>> model = Net().to(device)
+        >>> xm.broadcast_master_param(model)
+    """
+    collective_broadcast([*model.parameters(), *model.buffers()])
+    mark_step()
+
+
+def all_reduce_bucketized_gradients(
+    gradients: list[torch.Tensor],
+    scale: float,
+    groups=None,
+    pin_layout: bool = True,
+    bucket_cap_mb: int = 0,
+) -> None:
+    """All-reduce (sum, times ``scale``) ``gradients`` in place.
+
+    PyTorch/XLA splits them into buckets of ``bucket_cap_mb`` to overlap communication with the
+    backward pass; here every collective of the step is one program that XLA schedules, so all
+    go in one call and ``bucket_cap_mb`` changes nothing.
+
+    Example:
+        >>> xm.all_reduce_bucketized_gradients(grads, 1.0 / xr.world_size(), None, False, 50)
+    """
+    if gradients:
+        all_reduce(REDUCE_SUM, list(gradients), scale=scale, groups=groups)
+
+
+def all_gather_bucketized(
+    input_list: list[torch.Tensor],
+    dim: int = 0,
+    groups=None,
+    output: list[torch.Tensor] | None = None,
+    pin_layout: bool = False,
+    bucket_cap_mb: int = 160,
+) -> list[torch.Tensor]:
+    """:func:`all_gather` of each tensor of ``input_list`` (``bucket_cap_mb`` changes nothing:
+    see :func:`all_reduce_bucketized_gradients`).
+
+    Example:
+        >>> full = xm.all_gather_bucketized([w1, w2], dim=0)
+    """
+    if pin_layout:
+        raise RuntimeError("all_gather_bucketized: pin_layout=True is not supported")
+    return all_gather(list(input_list), dim=dim, groups=groups, output=output)
+
+
+def reduce_scatter_bucketized(
+    reduce_type: str,
+    input_list: list[torch.Tensor],
+    scale: float,
+    scatter_dim: int,
+    shard_count: int,
+    groups=None,
+    output: list[torch.Tensor] | None = None,
+    pin_layout: bool = False,
+    bucket_cap_mb: int = 160,
+) -> list[torch.Tensor]:
+    """:func:`reduce_scatter` of each tensor of ``input_list`` (``bucket_cap_mb`` changes
+    nothing: see :func:`all_reduce_bucketized_gradients`).
+
+    Example:
+        >>> mine = xm.reduce_scatter_bucketized(xm.REDUCE_SUM, grads, 1.0, 0, xr.world_size())
+    """
+    return reduce_scatter(
+        reduce_type, list(input_list), scale, scatter_dim, shard_count, groups, output
+    )
+
+
+class MemoryInfo(TypedDict):
+    """Device memory in bytes, as :func:`get_memory_info` reports it."""
+
+    bytes_used: int
+    bytes_limit: int
+    peak_bytes_used: int
+
+
+def get_memory_info(device: str | torch.device | None = None) -> MemoryInfo:
+    """The device memory in use, its limit and the peak use, summed over the accelerators
+    behind the xla device (all of them, or inside ``launch`` the replica's own).
+
+    Args:
+        device: The xla device (default ``xla:0``, the only one).
+
+    Raises:
+        RuntimeError: The runtime keeps no memory statistics (JAX's CPU backend).
+
+    Example:
+        >>> info = xm.get_memory_info()
+        >>> info['bytes_used'] / info['bytes_limit']
+        0.12
+    """
+    _check_device(device, "get_memory_info")
+    backing = _backing_devices()
+    stats = [d.memory_stats() for d in backing]
+    if any(s is None for s in stats):
+        raise RuntimeError(
+            f"get_memory_info: the {runtime.device_type()} runtime keeps no memory statistics "
+            f"(device {backing[0]})"
+        )
+    return MemoryInfo(
+        bytes_used=sum(s.get("bytes_in_use", 0) for s in stats),
+        bytes_limit=sum(s.get("bytes_limit", 0) for s in stats),
+        peak_bytes_used=sum(s.get("peak_bytes_in_use", 0) for s in stats),
+    )
+
+
+def _backing_devices() -> list:
+    """The accelerators the xla device stands for: this replica's own inside ``launch``, else
+    every device of this process."""
+    replica = _engine.current().replica
+    return [replica.landing] if replica is not None else jax.local_devices()

@@ -1,1 +1,1 @@
-"""torch_xla.utils mirrors: serialization."""
+"""torch_xla.utils mirrors: utils (``xu``), serialization, checkpoint."""

@@ -2,6 +2,8 @@
 ``LOWERINGS``. Each table module registers its ops at import."""
 
 from . import (  # noqa: F401  (each module fills LOWERINGS at import)
+    amp,
+    barrier,
     collectives,
     elementwise,
     factories,

@@ -1,0 +1,1 @@
+"""torch_xla.test mirrors: test_utils (training/test progress lines, summaries, mp_test)."""

@@ -1,0 +1,81 @@
+"""The runtime (xr) names PyTorch/XLA scripts use beyond the core ones: set_device_type, the
+XLA_USE_SPMD variable use_spmd sets, device attributes, bf16 support, cached graph count."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import spmd_torch.core.xla_model as xm
+import spmd_torch.runtime as xr
+
+
+def test_use_spmd_sets_the_variable_and_reset_takes_it_back(monkeypatch):
+    monkeypatch.delenv("XLA_USE_SPMD", raising=False)
+    xr.use_spmd()
+    assert os.environ["XLA_USE_SPMD"] == "1"
+    xr.reset()
+    assert "XLA_USE_SPMD" not in os.environ
+    assert xr.is_spmd() is False
+
+
+def test_reset_keeps_a_variable_the_user_set(monkeypatch):
+    monkeypatch.setenv("XLA_USE_SPMD", "1")
+    xr.use_spmd()
+    xr.reset()
+    assert os.environ["XLA_USE_SPMD"] == "1"
+
+
+def test_set_device_type_sets_pjrt_device(monkeypatch):
+    monkeypatch.delenv("PJRT_DEVICE", raising=False)
+    xr.set_device_type("CPU")
+    assert os.environ["PJRT_DEVICE"] == "CPU"
+
+
+def test_set_device_type_refuses_another_kind_once_running(monkeypatch):
+    monkeypatch.delenv("PJRT_DEVICE", raising=False)
+    with pytest.raises(RuntimeError, match="Can't change device type to 'TPU'.*runs on CPU"):
+        xr.set_device_type("TPU")
+    assert "PJRT_DEVICE" not in os.environ
+
+
+def test_set_device_type_before_the_runtime_starts_picks_jax_platform():
+    script = (
+        "import os, jax\n"
+        "import spmd_torch.runtime as xr\n"
+        "xr.set_device_type('CPU')\n"
+        "print(jax.config.jax_platforms, os.environ['PJRT_DEVICE'], xr.device_type())\n"
+    )
+    env = dict(os.environ, JAX_PLATFORMS="")
+    env.pop("PJRT_DEVICE", None)
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["cpu", "CPU", "CPU"]
+
+
+def test_device_attributes_name_every_device():
+    attributes = xr.global_runtime_device_attributes()
+    assert [a["name"] for a in attributes] == [f"CPU:{i}" for i in range(8)]
+    assert all(a["device_kind"] == "cpu" and a["platform"] == "cpu" for a in attributes)
+    assert xr.runtime_device_attributes("CPU:3") == attributes[3]
+    with pytest.raises(RuntimeError, match="no device 'TPU:0'"):
+        xr.runtime_device_attributes("TPU:0")
+
+
+def test_is_bf16_supported_on_cpu():
+    assert xr.is_bf16_supported() is True
+
+
+def test_get_num_cached_compilation_graph_counts_new_programs():
+    before = xr.get_num_cached_compilation_graph()
+    x = torch.arange(5.0, device=xm.xla_device())
+    (x * 3 + 11).cpu()  # a program shape no other test compiles
+    assert xr.get_num_cached_compilation_graph() == before + 1
+    (x * 3 + 11).cpu()  # the same program again: cached
+    assert xr.get_num_cached_compilation_graph() == before + 1
