@@ -9,23 +9,33 @@ unwrapped, results are plain tensors), operators through forwarding dunders, and
 through ``__getattr__``. Autograd therefore sees the wrapped tensor and gradients reach it.
 ``isinstance(x, torch.Tensor)`` is False for the wrapper; pass ``x.global_tensor`` where a real
 tensor is required (``nn.Parameter``, ``torch.save``).
+
+Of PyTorch/XLA 2.9's DTensor subclass it keeps the DTensor surface scripts use: ``placements``,
+``device_mesh``, ``redistribute`` and ``to_local``. They are read from the tensor's sharding itself
+(device ids and axis names included), not from a mesh shape stored on the wrapper, so they also
+answer for a tensor wrapped after the fact. ``isinstance(x, DTensor)`` is False.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import EllipsisType
 
 import torch
 import torch.utils._pytree as pytree
+from jax.sharding import NamedSharding
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.placement_types import Partial, Placement
 
 from spmd_torch import runtime
-from spmd_torch._lazy import execute
+from spmd_torch._lazy import execute, placement
 from spmd_torch._lazy.transfer import to_torch
 
-from . import validate
+from . import _dtensor, validate
 from ._tiling import ShardingType, device_index, tiling_of
+from .mesh import Mesh, named_sharding
 
 
 @dataclass
@@ -36,8 +46,10 @@ class XLAShard:
         data: The shard's values as a CPU tensor, without padding (an uneven sharding pads the
             last shards on device; here they are cut back to the logical shape, so a device
             holding only padding has an empty shard).
-        indices: Where the shard lies in the global tensor: a tuple of slices, one per
-            dimension, or ``Ellipsis`` when the tensor is replicated (as in PyTorch/XLA).
+        indices: Where the shard lies in the global tensor: a list of slices (step 1), one per
+            dimension, or ``Ellipsis`` when the tensor is replicated, as PyTorch/XLA gives them
+            (index a tensor with ``t[tuple(shard.indices)]``: PyTorch deprecates indexing with a
+            list of slices).
         shard_device: The device holding it, e.g. ``'CPU:3'`` (``'<device_type>:<id>'``).
         replica_id: Replica within the shard's replication group: 0 for a tiled sharding, the
             position in the group for a partially replicated one, and the device id for a
@@ -46,11 +58,11 @@ class XLAShard:
     Example:
         >>> shard = xs.mark_sharding(t, mesh, (0, None)).local_shards[0]
         >>> shard.indices
-        (slice(0, 1, None), slice(0, 4, None))
+        [slice(0, 1, 1), slice(0, 4, 1)]
     """
 
     data: torch.Tensor
-    indices: tuple[slice, ...] | EllipsisType
+    indices: list[slice] | EllipsisType
     shard_device: str
     replica_id: int
 
@@ -58,6 +70,10 @@ class XLAShard:
     def unpadded_data(self) -> torch.Tensor:
         """``data``: already without padding (PyTorch/XLA's ``data`` keeps the padding)."""
         return self.data
+
+    @unpadded_data.setter
+    def unpadded_data(self, values: torch.Tensor) -> None:
+        self.data.copy_(values)
 
 
 def _unwrap(x):
@@ -154,6 +170,105 @@ class XLAShardedTensor:
         tiling = _annotated_tiling(self.global_tensor, "sharding_type")
         return None if tiling is None else tiling.type
 
+    def load_local_shards_(self, shards: list[XLAShard]) -> None:
+        """Write the given shards (one per device, as :attr:`local_shards` lays them out) into the
+        tensor on the devices; its sharding is kept.
+
+        Raises RuntimeError, as PyTorch/XLA does, when a device's shard is missing or of the
+        wrong shape, or when the tensor is replicated.
+
+        Args:
+            shards: One XLAShard per device, e.g. ``local_shards`` with edited ``data``.
+
+        Example:
+            >>> shards = xt.local_shards
+            >>> for s in shards:
+            ...     s.data *= -1
+            >>> xt.load_local_shards_(shards)  # xt is negated
+        """
+        _load_shards(self.global_tensor, shards)
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The tensor's mesh as a ``torch.distributed.DeviceMesh('xla', ...)`` (DTensor's view).
+
+        Device ids and axis names are those of the mesh the tensor was sharded over.
+
+        Example:
+            >>> xt = xs.mark_sharding(t, xs.Mesh(np.arange(8), (4, 2), ('x', 'y')), ('x', None))
+            >>> xt.device_mesh
+            DeviceMesh((x=4, y=2), 'xla', stride=(2, 1))
+        """
+        sharding = _own_sharding(self.global_tensor, "device_mesh")
+        return _dtensor.to_dtensor_layout(sharding, self.global_tensor.dim())[0]
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        """DTensor's description of the sharding: per mesh dimension, ``Shard(d)`` or
+        ``Replicate()``. Raises ValueError for a tensor without a sharding of its own.
+
+        Example:
+            >>> xt = xs.mark_sharding(t, xs.Mesh(np.arange(8), (4, 2), ('x', 'y')), (None, 'x'))
+            >>> xt.placements
+            (Shard(dim=1), Replicate())
+        """
+        sharding = _own_sharding(self.global_tensor, "placements")
+        return _dtensor.to_dtensor_layout(sharding, self.global_tensor.dim())[1]
+
+    def redistribute(
+        self,
+        device_mesh: DeviceMesh | Mesh,
+        placements: Sequence[Placement],
+        *,
+        async_op: bool = False,
+    ) -> XLAShardedTensor:
+        """Lay the tensor out anew as ``placements`` over ``device_mesh`` say; values unchanged.
+
+        As in PyTorch/XLA 2.9, the tensor itself takes the new sharding (data already on the
+        devices moves at once, a pending value is constrained in the graph); with
+        ``async_op=True`` a copy of it does and the tensor keeps its own.
+
+        Args:
+            device_mesh: A ``DeviceMesh('xla', ...)`` or an ``xs.Mesh`` spanning every device.
+            placements: One ``Shard(dim)`` or ``Replicate()`` per mesh dimension.
+            async_op: Redistribute a copy, leaving this tensor's sharding as it is.
+
+        Example:
+            >>> mesh = DeviceMesh('xla', np.arange(8))
+            >>> rows = xt.redistribute(mesh, [Shard(0)])
+            >>> rows.sharding_spec
+            '{devices=[8,1]0,1,2,3,4,5,6,7}'
+        """
+        if any(isinstance(p, Partial) for p in placements):
+            raise NotImplementedError(
+                f"redistribute: Partial placements are not supported ({tuple(placements)}); "
+                "use Shard and Replicate"
+            )
+        mesh = _dtensor.to_xla_mesh(device_mesh, "redistribute")
+        tensor = self.global_tensor
+        validate._check_xla_tensor(tensor, "redistribute")
+        _dtensor.check_placement_count(placements, mesh, "redistribute")
+        spec = _dtensor.to_partition_spec(tensor.dim(), placements, "redistribute")
+        if async_op:
+            tensor = tensor.clone()
+        if not runtime.is_spmd():
+            runtime.use_spmd()
+        placement.mark(tensor, named_sharding(mesh, spec))
+        return XLAShardedTensor(tensor)
+
+    def to_local(self) -> torch.Tensor:
+        """The tensor itself: in the SPMD model a program sees the global tensor, not a shard.
+
+        PyTorch/XLA 2.9 inherits DTensor's ``to_local``, which fails on an XLAShardedTensor; the
+        global tensor is what scripts written for it mean (use :attr:`local_shards` for the
+        per-device blocks). Gradients flow through it.
+
+        Example:
+            >>> xs.mark_sharding(t, mesh, (0, None)).to_local() is t
+            True
+        """
+        return self.global_tensor
+
 
 def _forward(name: str):
     def method(self, *args, **kwargs):
@@ -191,33 +306,88 @@ del _name
 
 def _local_shards(tensor: torch.Tensor) -> list[XLAShard]:
     """The shards of ``tensor``'s device array, cut back to its logical (unpadded) shape."""
-    validate._check_xla_tensor(tensor, "local_shards")
+    kind = runtime.device_type()
+    shards = []
+    for device, jax_shard, indices, replica_id in _shard_layout(tensor, "local_shards"):
+        if indices is Ellipsis:
+            data = to_torch(jax_shard.data, tensor.dtype, tuple(tensor.shape))
+        else:
+            logical = tuple(s.stop - s.start for s in indices)  # the shard without padding
+            data = to_torch(jax_shard.data, tensor.dtype, logical)
+        shards.append(XLAShard(data.contiguous(), indices, f"{kind}:{device}", replica_id))
+    return shards
+
+
+def _shard_layout(tensor: torch.Tensor, api: str) -> list[tuple]:
+    """(device, jax shard, indices, replica id) of each device's shard, in device order; indices
+    as PyTorch/XLA gives them (Ellipsis when replicated), clipped to the logical shape."""
+    validate._check_xla_tensor(tensor, api)
     array = execute.global_array(tensor)
     shape = tuple(tensor.shape)
     tiling = tiling_of(array.sharding, len(shape))
     index = device_index()
-    kind = runtime.device_type()
     replicated = tiling.type in (ShardingType.REPLICATED, ShardingType.MAXIMAL)
-    shards = []
-    for shard in sorted(array.addressable_shards, key=lambda s: index[s.device.id]):
-        device = index[shard.device.id]
+    layout = []
+    for jax_shard in sorted(array.addressable_shards, key=lambda s: index[s.device.id]):
+        device = index[jax_shard.device.id]
         if replicated:
-            indices = Ellipsis
-            data = to_torch(shard.data, tensor.dtype, shape)
             replica_id = device if tiling.type is ShardingType.REPLICATED else 0
+            layout.append((device, jax_shard, Ellipsis, replica_id))
         else:
-            indices = tuple(
-                _clipped(s, n, padded) for s, n, padded in zip(shard.index, shape, array.shape)
-            )
-            logical = tuple(s.stop - s.start for s in indices)  # the shard without padding
-            data = to_torch(shard.data, tensor.dtype, logical)
-            replica_id = tiling.replica_id(device)
-        shards.append(XLAShard(data.contiguous(), indices, f"{kind}:{device}", replica_id))
-    return shards
+            indices = [_clipped(s, n, p) for s, n, p in zip(jax_shard.index, shape, array.shape)]
+            layout.append((device, jax_shard, indices, tiling.replica_id(device)))
+    return layout
 
 
 def _clipped(s: slice, size: int, padded_size: int) -> slice:
     """A shard's slice of the padded array, clipped to the logical size (empty: all padding)."""
     start = 0 if s.start is None else s.start
     stop = padded_size if s.stop is None else s.stop
-    return slice(min(start, size), min(stop, size))
+    return slice(min(start, size), min(stop, size), 1)
+
+
+def _load_shards(tensor: torch.Tensor, shards: list[XLAShard]) -> None:
+    """Write each device's shard back into ``tensor``; its sharding stays as it is."""
+    layout = _shard_layout(tensor, "load_local_shards_")
+    if layout[0][2] is Ellipsis:
+        raise RuntimeError(
+            f"load_local_shards_: the tensor of shape {tuple(tensor.shape)} is replicated; "
+            "only a sharded tensor loads shards"
+        )
+    kind = runtime.device_type()
+    expected = {f"{kind}:{device}": indices for device, _, indices, _ in layout}
+    given = [s.shard_device for s in shards]
+    if sorted(given) != sorted(expected):
+        raise RuntimeError(
+            f"load_local_shards_ needs one shard per device {sorted(expected)}, got {given}"
+        )
+    full = torch.empty(tuple(tensor.shape), dtype=tensor.dtype)
+    for shard in shards:
+        indices = expected[shard.shard_device]
+        shape = tuple(s.stop - s.start for s in indices)
+        if tuple(shard.data.shape) != shape:
+            raise RuntimeError(
+                f"load_local_shards_: the shard for {shard.shard_device} has shape "
+                f"{tuple(shard.data.shape)}, but that device holds {indices} of a tensor of shape "
+                f"{tuple(tensor.shape)}, of shape {shape}"
+            )
+        full[tuple(indices)] = shard.data
+    with torch.no_grad():
+        tensor.copy_(full)
+
+
+def _own_sharding(tensor: torch.Tensor, api: str) -> NamedSharding:
+    """The mesh sharding ``tensor`` was given (marked, distributed, or propagated onto it)."""
+    validate._check_xla_tensor(tensor, api)
+    sharding = placement.sharding_of(tensor)
+    if sharding is None or sharding == placement.default_sharding():
+        raise ValueError(
+            f"{api}: the tensor of shape {tuple(tensor.shape)} has no sharding of its own; "
+            "shard it first (xs.mark_sharding or torch.distributed.tensor.distribute_tensor)"
+        )
+    if not isinstance(sharding, NamedSharding):
+        raise ValueError(
+            f"{api}: the tensor of shape {tuple(tensor.shape)} has a sharding the partitioner "
+            f"chose without a mesh ({sharding}); mark it to give it placements"
+        )
+    return sharding

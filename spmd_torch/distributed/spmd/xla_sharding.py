@@ -11,10 +11,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from jax.sharding import NamedSharding
 
 from spmd_torch import runtime
 from spmd_torch._lazy import manual, placement
+from spmd_torch.utils.checkpoint import optimization_barrier_
 
 from . import validate
 from ._tiling import ShardingType, Tiling, tiling_of
@@ -31,12 +33,18 @@ from .mesh import (
 from .xla_sharded_tensor import XLAShard, XLAShardedTensor
 
 __all__ = [
+    "EinsumLinear",
     "HybridMesh",
+    "MarkShardingFunction",
     "Mesh",
     "ShardingSpec",
     "ShardingType",
+    "XLAPatchedLinear",
     "XLAShard",
     "XLAShardedTensor",
+    "annotate_custom_sharding",
+    "apply_backward_optimization_barrier",
+    "apply_xla_patch_to_nn_linear",
     "clear_sharding",
     "disable_manual_sharding",
     "enable_manual_sharding",
@@ -44,10 +52,13 @@ __all__ = [
     "get_global_mesh",
     "get_xla_sharding_spec",
     "mark_sharding",
+    "mark_sharding_with_gradients",
     "set_global_mesh",
+    "shard_as",
     "unwrap_sharded_tensor",
     "wrap_as_sharded_tensor",
     "wrap_if_sharded",
+    "xla_patched_nn_linear_forward",
 ]
 
 
@@ -88,6 +99,164 @@ def mark_sharding(
         runtime.use_spmd()
     placement.mark(tensor, sharding)
     return wrap_as_sharded_tensor(t)
+
+
+def annotate_custom_sharding(
+    t: torch.Tensor | XLAShardedTensor, mesh: Mesh, partition_spec: PartitionSpecLike
+) -> XLAShardedTensor:
+    """Give an already sharded tensor another sharding from here on (a resharding hint).
+
+    PyTorch/XLA needs this because its ``mark_sharding`` refuses to change an existing
+    annotation; here any tensor may be re-marked, so this is :func:`mark_sharding`: a pending
+    value gets an in-graph sharding constraint, and data already on the devices is laid out anew
+    at once (PyTorch/XLA moves it inside the next program instead). Values never change.
+
+    Args:
+        t: A tensor on the xla device (or an XLAShardedTensor wrapping one).
+        mesh: The device mesh.
+        partition_spec: One entry per dimension of ``t`` (see :func:`mark_sharding`).
+
+    Example:
+        >>> xs.mark_sharding(w, mesh, ('fsdp', 'tp'))
+        >>> xs.annotate_custom_sharding(w, mesh, (None, 'tp'))  # gathered over fsdp from here on
+    """
+    return mark_sharding(t, mesh, partition_spec)
+
+
+def mark_sharding_with_gradients(
+    t: torch.Tensor | XLAShardedTensor, mesh: Mesh, partition_spec: PartitionSpecLike
+) -> torch.Tensor:
+    """A sharded copy of ``t`` whose gradient is sharded the same way in the backward pass.
+
+    Unlike :func:`mark_sharding` it leaves ``t`` as it is and returns a new tensor (an in-graph
+    sharding constraint on a copy), so it suits intermediate values inside a differentiated
+    function: the gradient flowing back through it is constrained to the same layout, which
+    keeps the partitioner from choosing another one (and extra collectives) in the backward.
+
+    Args:
+        t: A tensor on the xla device (or an XLAShardedTensor wrapping one).
+        mesh: The device mesh.
+        partition_spec: One entry per dimension of ``t`` (see :func:`mark_sharding`).
+
+    Returns:
+        The sharded copy, a plain tensor on the xla device.
+
+    Example:
+        >>> h = xs.mark_sharding_with_gradients(x @ w, mesh, ('data', None))
+        >>> h.sum().backward()  # the gradient reaching x @ w is sharded ('data', None) too
+    """
+    tensor = unwrap_sharded_tensor(t)
+    validate._check_xla_tensor(tensor, "mark_sharding_with_gradients")
+    validate._check_mesh(mesh)
+    validate._check_spec_container(partition_spec)
+    validate._check_spec_rank(tuple(tensor.shape), tuple(partition_spec))
+    return MarkShardingFunction.apply(tensor, mesh, partition_spec)
+
+
+def apply_backward_optimization_barrier(module: torch.nn.Module) -> None:
+    """Keep XLA from fusing ``module``'s backward pass with the rest of the backward.
+
+    A full backward hook puts the gradients of the module's parameters and of its inputs through
+    one optimization barrier, so the compiler cannot interleave this block's backward with its
+    neighbours' (which can otherwise hold very large buffers alive to synchronise gradients).
+    Values are unchanged.
+
+    Example:
+        >>> for block in model.blocks:
+        ...     xs.apply_backward_optimization_barrier(block)
+    """
+
+    def barrier(module: torch.nn.Module, grad_input: tuple, grad_output: tuple) -> None:
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        optimization_barrier_(grads + [g for g in grad_input if isinstance(g, torch.Tensor)])
+
+    module.register_full_backward_hook(barrier)
+
+
+class MarkShardingFunction(torch.autograd.Function):
+    """``mark_sharding`` on a copy of an intermediate tensor and on its gradient (autograd).
+
+    The function behind :func:`mark_sharding_with_gradients`; ``apply(t, mesh, spec)`` returns
+    the sharded copy, and the backward pass shards the incoming gradient the same way.
+
+    Example:
+        >>> h = xs.MarkShardingFunction.apply(x @ w, mesh, ('data', None))
+    """
+
+    @staticmethod
+    def forward(ctx, torch_tensor: torch.Tensor, mesh: Mesh, partition_spec: tuple) -> torch.Tensor:
+        ctx.mesh, ctx.partition_spec = mesh, partition_spec
+        return _sharded_copy(torch_tensor, mesh, partition_spec)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple:
+        return _sharded_copy(grad_output, ctx.mesh, ctx.partition_spec), None, None
+
+
+def _sharded_copy(t: torch.Tensor, mesh: Mesh, partition_spec: tuple) -> torch.Tensor:
+    return unwrap_sharded_tensor(mark_sharding(t.clone(), mesh, partition_spec))
+
+
+def shard_as(a: Any, b: Any) -> tuple[Any, Any]:
+    """Copies of ``a`` and ``b`` (matching pytrees of tensors) sharded alike, leaf by leaf.
+
+    Each pair of leaves takes the sharding one of them already has (``a``'s first); neither
+    input changes. PyTorch/XLA (``jax.experimental.shard_alike``) also lets the partitioner pick
+    a sharding when neither leaf has one; here one of them must have been sharded (marked,
+    distributed, or laid out by a previous program), else NotImplementedError says so.
+
+    Args:
+        a: A tensor, or a pytree of tensors (and Nones).
+        b: The same structure as ``a``; leaves of the same shapes, None where ``a`` has None.
+
+    Returns:
+        ``(a', b')``, the same structures, each pair of leaves with one sharding.
+
+    Example:
+        >>> xs.mark_sharding(x, mesh, ('data', None))
+        >>> x2, y2 = xs.shard_as(x, y)  # y2 is sharded ('data', None) like x
+    """
+    a_leaves, a_tree = pytree.tree_flatten(a)
+    b_leaves, b_tree = pytree.tree_flatten(b)
+    if a_tree != b_tree:
+        raise ValueError(
+            f"shard_as: a and b must have the same structure, got {a_tree} and {b_tree}"
+        )
+    pairs = [_shard_pair(x, y) for x, y in zip(a_leaves, b_leaves)]
+    return (
+        pytree.tree_unflatten([x for x, _ in pairs], a_tree),
+        pytree.tree_unflatten([y for _, y in pairs], b_tree),
+    )
+
+
+def _shard_pair(x: Any, y: Any) -> tuple[Any, Any]:
+    if x is None or y is None:
+        if x is not None or y is not None:
+            raise ValueError("shard_as: a leaf is None in one tree but not in the other")
+        return x, y
+    x, y = unwrap_sharded_tensor(x), unwrap_sharded_tensor(y)
+    validate._check_xla_tensor(x, "shard_as")
+    validate._check_xla_tensor(y, "shard_as")
+    if x.shape != y.shape:
+        raise ValueError(f"shard_as: leaves of shapes {tuple(x.shape)} and {tuple(y.shape)} differ")
+    sharding = _own_sharding(x) or _own_sharding(y)
+    if sharding is None:
+        raise NotImplementedError(
+            f"shard_as: neither tensor of shape {tuple(x.shape)} has a sharding yet; shard one "
+            "of them first (xs.mark_sharding)"
+        )
+    x, y = x.clone(), y.clone()
+    placement.mark(x, sharding)
+    placement.mark(y, sharding)
+    return x, y
+
+
+def _own_sharding(tensor: torch.Tensor) -> NamedSharding | None:
+    """The tensor's mesh sharding, or None when it has none of its own."""
+    sharding = placement.sharding_of(tensor)
+    if not isinstance(sharding, NamedSharding) or sharding == placement.default_sharding():
+        return None
+    return sharding
 
 
 def enable_manual_sharding(
@@ -347,3 +516,87 @@ class ShardingSpec:
             t: Any tensor.
         """
         return self.sharding if self.can_apply(t) else None
+
+
+class XLAPatchedLinear(torch.autograd.Function):
+    """``torch.nn.functional.linear`` written with ``einsum``, forward and backward.
+
+    PyTorch/XLA uses it so that matmuls keep the sharded batch dimensions instead of flattening
+    them away. Here ``einsum`` and ``linear`` reach the partitioner alike (both keep every
+    dimension), so it computes exactly what ``linear`` does; it is kept so scripts that patch
+    their models run unchanged. Inputs are cast as autocast('xla') says.
+
+    Example:
+        >>> y = xs.XLAPatchedLinear.apply(x, layer.weight, layer.bias)
+    """
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="xla", cast_inputs=torch.get_autocast_dtype("xla"))
+    def forward(ctx, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        ctx.save_for_backward(input, weight, bias)
+        product = torch.einsum("...n,mn->...m", input, weight)
+        return product if bias is None else product + bias
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="xla")
+    def backward(ctx, grad_output: torch.Tensor) -> tuple:
+        input, weight, bias = ctx.saved_tensors
+        needs_input, needs_weight, needs_bias = ctx.needs_input_grad
+        grad_input = torch.einsum("...m,mn->...n", grad_output, weight) if needs_input else None
+        grad_weight = torch.einsum("...m,...n->mn", grad_output, input) if needs_weight else None
+        grad_bias = None
+        if bias is not None and needs_bias:
+            grad_bias = torch.einsum("...m->m", grad_output)
+        return grad_input, grad_weight, grad_bias
+
+
+def xla_patched_nn_linear_forward(m: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    """``m(input)`` for an ``nn.Linear`` ``m``, through :class:`XLAPatchedLinear`.
+
+    Args:
+        m: A linear layer (its ``weight`` and ``bias`` are used).
+        input: The layer's input.
+
+    Example:
+        >>> y = xs.xla_patched_nn_linear_forward(layer, x)
+    """
+    return XLAPatchedLinear.apply(input, m.weight, m.bias)
+
+
+class EinsumLinear(torch.nn.Linear):
+    """An ``nn.Linear`` whose forward is :class:`XLAPatchedLinear` (same parameters, same values).
+
+    Example:
+        >>> layer = xs.EinsumLinear(32, 16).to(spmd_torch.device())
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return xla_patched_nn_linear_forward(self, input)
+
+
+def apply_xla_patch_to_nn_linear(module: torch.nn.Module) -> torch.nn.Module:
+    """Replace every ``nn.Linear`` inside ``module`` by an :class:`EinsumLinear` over the same
+    parameter data (shardings stay), as PyTorch/XLA's patch does.
+
+    The parameters become new ``Parameter`` objects: patch before building the optimizer.
+
+    Args:
+        module: Any module; its children are replaced in place at any depth.
+
+    Returns:
+        ``module`` itself (the root is never swapped, as in PyTorch/XLA).
+
+    Example:
+        >>> model = xs.apply_xla_patch_to_nn_linear(model)
+    """
+    for name, child in module.named_children():
+        if isinstance(child, torch.nn.Linear) and not isinstance(child, EinsumLinear):
+            with torch.device("meta"):
+                patched = EinsumLinear(
+                    child.in_features, child.out_features, bias=child.bias is not None
+                )
+            patched.load_state_dict(child.state_dict(), strict=True, assign=True)
+            setattr(module, name, patched)
+        else:
+            apply_xla_patch_to_nn_linear(child)
+    return module
