@@ -188,7 +188,7 @@ def _steps(program: Program) -> list[_Step]:
 def _node_step(program: Program, k: int) -> _Step:
     node = program.nodes[k]
     avals = tuple((a.shape, to_jax_dtype(a.dtype)) for a in node.avals)
-    call = partial(_lower, node.op, node.args, node.kwargs, avals)
+    call = partial(_lower, node.op, node.args, node.kwargs, avals, node.scope)
     return _Step(call, program.wiring(node), tuple(("n", k, i) for i in range(len(avals))))
 
 
@@ -215,12 +215,13 @@ def _region_step(program: Program, region: manual.Region) -> _Step:
     return _Step(call, inputs, tuple(("n", k, 0) for k in region.exits))
 
 
-def _lower(op, args, kwargs, avals: tuple, *sources) -> list:
-    """One node through its registered lowering, checked and cast against the meta kernel's avals."""
+def _lower(op, args, kwargs, avals: tuple, scope: str | None, *sources) -> list:
+    """One node through its registered lowering, checked and cast against the meta kernel's avals;
+    its ops are named ``<profiler Trace scopes>/<aten op>`` (HLO metadata, profiles)."""
     lowering = LOWERINGS[op]
     if lowering.random:
         sources = (wrap_key(sources[0]),) + sources[1:]
-    with jax.named_scope(str(op)):
+    with jax.named_scope(str(op) if scope is None else f"{scope}/{op}"):
         out = lowering.fn(*substitute(args, sources), **substitute(kwargs, sources))
     outs = [o for o in out if o is not None] if isinstance(out, (tuple, list)) else [out]
     if len(outs) != len(avals):
@@ -266,6 +267,7 @@ def lookup_or_compile(
         function = build_function(program, donated, out_shardings)
     else:
         function = build_replica_function(program, donated, replicas)
+    function.__name__ = f"SyncTensorsGraph_{digest}"  # profiles name the program by its key
     abstract_inputs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in arrays]
     kept = [a for a, d in zip(abstract_inputs, donated) if not d]
     given = [a for a, d in zip(abstract_inputs, donated) if d]
@@ -319,7 +321,7 @@ def explain_last_miss() -> str:
     return "unknown"
 
 
-_ROW_PARTS = ("op/args", "op/args", "op/args", "inputs")
+_ROW_PARTS = ("op/args", "op/args", "op/args", "inputs", "profiler scope")
 
 
 def explain_graph_change(old: tuple, new: tuple, ops: dict) -> str:
@@ -350,7 +352,7 @@ def debug_line(program: Program, executable: Executable, hit: bool) -> None:
     status = "hit" if hit else "MISS"
     line = f"compile key={executable.key} {status} {len(program.nodes)} nodes at {user_frame()}"
     if not hit:
-        compile_ns = counters.METRICS["CompileTime"][-1]
+        compile_ns = counters.METRICS["CompileTime"].recent[-1]
         line += f" {compile_ns / 1e9:.2f}s; reason: " + explain_last_miss()
     print(f"[spmd_torch] {line}", file=sys.stderr)
     if config.DEBUG_LEVEL.value >= 2:

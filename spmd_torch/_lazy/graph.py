@@ -8,6 +8,7 @@ whose arrays are known: device data, or results computed by an earlier partial r
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -37,6 +38,15 @@ class Aval(NamedTuple):
     dtype: torch.dtype
 
 
+class _Scope(threading.local):
+    """This thread's open profiler ``Trace`` names, joined by "/": recorded nodes carry them."""
+
+    name: str | None = None
+
+
+SCOPE = _Scope()
+
+
 class Node:
     __slots__ = (
         "op",
@@ -47,6 +57,7 @@ class Node:
         "arrays",
         "holders",
         "where",
+        "scope",
         "__weakref__",
     )
 
@@ -59,6 +70,7 @@ class Node:
         self.arrays: list | None = None  # per-output jax arrays once known
         self.holders = 0  # live storages whose value is this node (donation bookkeeping)
         self.where: str | None = None  # user file:line, captured only when debugging
+        self.scope = SCOPE.name
 
     @classmethod
     def data(cls, array: Any, aval: Aval) -> Node:
@@ -100,7 +112,7 @@ class Program:
     index: dict  # id(node) -> position among nodes; leaves: (id(node), i) -> input position
 
     def structure(self) -> tuple:
-        """The hashable structure of the program: ops, static args and wiring, not data.
+        """The hashable structure of the program: ops, static args, wiring and scopes, not data.
 
         Ops enter by ``id``: an OpOverload hashes in Python, and ops live as long as the process.
         Recorded args are hashable already (the walk made every list a tuple): no freezing here.
@@ -108,7 +120,7 @@ class Program:
         rows = []
         for node in self.nodes:
             kwargs = tuple(node.kwargs.items()) if node.kwargs else ()
-            rows.append((id(node.op), node.args, kwargs, self.wiring(node)))
+            rows.append((id(node.op), node.args, kwargs, self.wiring(node), node.scope))
         outs = tuple(self.locate(ref) for ref in self.outputs)
         return (tuple(rows), outs)
 

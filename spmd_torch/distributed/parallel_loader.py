@@ -15,6 +15,7 @@ closed, exhausted or garbage-collected (a loop left early) stops them.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import queue
 import threading
@@ -31,6 +32,7 @@ from jax.sharding import NamedSharding
 import spmd_torch
 from spmd_torch import runtime
 from spmd_torch._lazy import engine, layout, placement, replicas, transfer
+from spmd_torch.debug import profiler as xp
 from spmd_torch.distributed.spmd import ShardingSpec, validate
 
 __all__ = ["MpDeviceLoader", "ParallelLoader", "PerDeviceLoader"]
@@ -42,8 +44,9 @@ class PerDeviceLoader:
     """The iterator over one device's batches that :meth:`ParallelLoader.per_device_loader` gives.
 
     Each ``next`` first issues the barrier (``spmd_torch.sync()``, i.e. ``xm.mark_step()``) once
-    every ``batches_per_execution`` calls, then hands out the next batch, already on the device.
-    When the batches run out it issues one more barrier and stops, so the last step runs too.
+    every ``batches_per_execution`` calls, then hands out the next batch, already on the device;
+    a step whose barrier a profiler ``StepTrace`` issued is not given a second one. When the
+    batches run out it issues one more barrier and stops, so the last step runs too.
 
     Args:
         loader: The :class:`ParallelLoader` feeding this device.
@@ -71,14 +74,18 @@ class PerDeviceLoader:
         return self._loader.per_device_samples()
 
     def next(self) -> Any:
-        """The next batch on the device; the barrier first when ``batches_per_execution`` is due.
+        """The next batch on the device; the barrier first when ``batches_per_execution`` is due
+        and no ``StepTrace`` issued it.
 
         Raises:
             StopIteration: The host loader is exhausted (after a final barrier) or the loader
                 was closed.
             Exception: Whatever the host loader or an upload raised, with its traceback.
         """
-        if self._mark_step_batch_count <= self._batches_yielded:
+        if xp.get_tracer_marked_step():  # the step's StepTrace issued its barrier
+            xp.set_tracer_marked_step(False)
+            self._batches_yielded += 1
+        elif self._mark_step_batch_count <= self._batches_yielded:
             self._batches_yielded = 0
             spmd_torch.sync()
         else:
@@ -179,6 +186,8 @@ class ParallelLoader:
         ]
         # Dropping the loader (a loop left early) stops the threads; they never refer to it.
         weakref.finalize(self, self._pipeline.stop.set)
+        self._pipeline.threads = self._threads
+        _LIVE_PIPELINES.add(self._pipeline)
         for thread in self._threads:
             thread.start()
 
@@ -385,6 +394,23 @@ class _Pipeline:
         self.stop = threading.Event()
         self.cpu_queue: queue.Queue = queue.Queue(maxsize=cpu_size)
         self.device_queue: queue.Queue = queue.Queue(maxsize=device_size)
+        self.threads: list[threading.Thread] = []
+
+
+# The pipelines whose threads may still run. At exit they are stopped and joined before JAX's own
+# exit handlers (registered before this module's, so run after it) tear its runtime down: a
+# daemon thread caught in a transfer then would abort the process.
+_LIVE_PIPELINES: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_pipelines() -> None:
+    pipelines = list(_LIVE_PIPELINES)
+    for pipeline in pipelines:
+        pipeline.stop.set()
+    for pipeline in pipelines:
+        for thread in pipeline.threads:
+            thread.join(timeout=10)
 
 
 class _End:

@@ -1,4 +1,4 @@
-"""The SPMD examples run to completion (their own checks pass) and print their shardings."""
+"""The examples beyond MNIST run to completion: their own checks pass, their output is checked."""
 
 from __future__ import annotations
 
@@ -42,3 +42,10 @@ def test_checkpoint_resume_example_continues_the_uninterrupted_run_after_sigkill
     assert re.search(r"resumed from step [36] on mesh \{'data': 4, 'fsdp': 2\}", output)
     assert "[4x2] compilations 1" in output  # the resumed loop compiles once, AdamW state included
     assert "largest relative difference" in output and "FAILED" not in output
+
+
+@pytest.mark.slow
+def test_profile_mnist_example_captures_steps_regions_and_program(tmp_path):
+    output = _run("profile_mnist.py", "--logdir", str(tmp_path), "--steps", "4")
+    assert "host region train_step: 4" in output and "host region forward: 4" in output
+    assert re.search(r"device program jit_SyncTensorsGraph_[0-9a-f]{8}: 4 runs", output)

@@ -296,6 +296,17 @@ def test_breaking_early_and_dropping_the_loader_stops_its_threads():
     assert not any(thread.is_alive() for thread in threads)
 
 
+def test_exit_stops_and_joins_live_loader_threads_before_jax_shuts_down():
+    loader = pl.MpDeviceLoader(
+        Batches(xy_batches(40)), spmd_torch.device(), loader_prefetch_size=2, device_prefetch_size=2
+    )
+    next(iter(loader))
+    threads = list(loader._parallel_loader._threads)
+    assert any(thread.is_alive() for thread in threads)  # blocked on full queues
+    pl._stop_pipelines()  # what interpreter exit runs, before JAX's own exit handlers
+    assert not any(thread.is_alive() for thread in threads)
+
+
 def test_close_stops_the_threads_and_ends_iteration():
     para = pl.ParallelLoader(Batches(xy_batches(40)), [spmd_torch.device()], device_prefetch_size=2)
     it = para.per_device_loader(spmd_torch.device())
