@@ -236,3 +236,6 @@ def manual_seed(seed: int, device: torch.device | str | None = None) -> None:
         >>> spmd_torch.manual_seed(0)
     """
     _rng.manual_seed(seed)
+
+
+from . import _XLAC  # noqa: E402, F401  (``torch_xla._XLAC``, after the names it reads are set)

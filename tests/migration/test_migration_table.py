@@ -850,6 +850,25 @@ def check_profiler_capture_from_server(fn, tmp_path):
         fn(address, str(tmp_path), duration_ms=100, num_tracing_attempts=1, interval_s=0)
 
 
+def check_xlac_metrics_report(fn):
+    (_xla([1.0, 2.0]) * 2).cpu()
+    report = fn()
+    assert report == met.metrics_report() and "Metric: CompileTime" in report
+
+
+def check_xlac_tensors_text(fn):
+    y = _xla([1.0, 2.0]).sin()
+    text = fn([y])
+    assert "aten.sin.default" in text
+    spmd_torch.sync()
+
+
+def check_xlac_tensors_hlo(fn):
+    y = _xla([1.0, 2.0]).sin()
+    assert "stablehlo.sine" in fn([y])
+    spmd_torch.sync()
+
+
 def check_profiler_trace(cls):
     with cls("region"):
         y = _xla([1.0]) * 4
@@ -1193,6 +1212,9 @@ CHECKS: dict[str, Callable] = {
     "met.executed_fallback_ops": check_executed_fallback_ops,
     "xp.trace_files": check_profiler_trace_files,
     "xp.Trace": check_profiler_trace,
+    "xlac.metrics_report": check_xlac_metrics_report,
+    "xlac.tensors_text": check_xlac_tensors_text,
+    "xlac.tensors_hlo": check_xlac_tensors_hlo,
     "xp.start_server": check_profiler_start_server,
     "xp.trace": check_profiler_capture_from_server,
     "xp.StepTrace": check_profiler_step_trace,
