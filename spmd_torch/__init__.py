@@ -18,7 +18,7 @@ from ._lazy import rng as _rng
 from ._lazy.tensor import DEVICE as _DEVICE
 from .core import xla_model as _xla_model  # it reads this package's names only when called
 from .debug import metrics_saver as _metrics_saver
-from .distributed import dtensor_route as _dtensor_route
+from .distributed import _dtensor_route
 from .distributed import xla_multiprocessing as _xmp
 from .experimental.eager_mode import eager_mode as _eager_mode
 from .experimental.eager_mode import eager_mode_context as _eager_mode_context
@@ -44,7 +44,12 @@ def device(index: int | None = None) -> torch.device:
 
 
 def devices() -> list[torch.device]:
-    """The devices a program addresses: one logical device per process in the SPMD model."""
+    """The devices a program addresses: one logical device per process in the SPMD model.
+
+    Example:
+        >>> spmd_torch.devices()
+        [device(type='xla', index=0)]
+    """
     return [device()]
 
 

@@ -1110,7 +1110,13 @@ def reduce_scatter_bucketized(
 
 
 class MemoryInfo(TypedDict):
-    """Device memory in bytes, as :func:`get_memory_info` reports it."""
+    """Device memory in bytes, as :func:`get_memory_info` reports it.
+
+    Example:
+        >>> info = xm.get_memory_info()  # on a GPU or TPU
+        >>> info['bytes_used'] <= info['bytes_limit']
+        True
+    """
 
     bytes_used: int
     bytes_limit: int

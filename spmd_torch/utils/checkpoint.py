@@ -53,7 +53,15 @@ def optimization_barrier_(tensors: list[torch.Tensor]) -> None:
 
 
 class CheckpointFunction(torch.autograd.Function):
-    """The reentrant checkpoint: forward without saving activations, recompute them in backward."""
+    """The reentrant checkpoint: forward without saving activations, recompute them in backward.
+
+    :func:`checkpoint` is the usual entry; ``apply`` takes the function, whether to replay the
+    RNG state, then the function's arguments.
+
+    Example:
+        >>> out = CheckpointFunction.apply(block, True, x)
+        >>> out.sum().backward()  # block runs again here, behind an optimization barrier
+    """
 
     @staticmethod
     def forward(ctx, run_function: Callable, preserve_rng_state: bool, *args: Any) -> Any:

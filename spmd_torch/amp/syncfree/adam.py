@@ -9,7 +9,7 @@ import torch
 from ._functional import adam_update, grads_of, skip_flag
 
 
-def adam_step(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor | None) -> None:
+def _adam_step(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor | None) -> None:
     """Every param group's Adam/AdamW update, skipped on the device where ``found_inf`` is set."""
     name = type(optimizer).__name__
     skip = skip_flag(found_inf, name)
@@ -52,5 +52,5 @@ class Adam(torch.optim.Adam):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        adam_step(self, found_inf)
+        _adam_step(self, found_inf)
         return loss

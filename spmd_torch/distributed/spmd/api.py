@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from spmd_torch import runtime
-from spmd_torch.distributed import dtensor_route
+from spmd_torch.distributed import _dtensor_route
 
 from . import _dtensor
 from ._tiling import ShardingType
@@ -61,7 +61,7 @@ def register_dtensor_route() -> bool:
     """
     if importlib.util.find_spec("torch_xla") is not None:
         return False
-    sys.modules[dtensor_route.TORCH_XLA_SPMD] = sys.modules[__name__.rpartition(".")[0]]
+    sys.modules[_dtensor_route.TORCH_XLA_SPMD] = sys.modules[__name__.rpartition(".")[0]]
     return True
 
 
