@@ -850,6 +850,16 @@ def check_profiler_capture_from_server(fn, tmp_path):
         fn(address, str(tmp_path), duration_ms=100, num_tracing_attempts=1, interval_s=0)
 
 
+def check_flash_attention(fn):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 4, dtype=torch.float64) for _ in range(3))
+    scores = (q @ k.transpose(-1, -2)) * 0.5
+    scores = scores.masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
+    expected = scores.softmax(-1) @ v
+    out = fn(*(t.float().to(_device()) for t in (q, k, v)), causal=True, sm_scale=0.5)
+    assert_close(out.cpu().double(), expected, rtol=1e-5, atol=1e-5)
+
+
 def check_xlac_metrics_report(fn):
     (_xla([1.0, 2.0]) * 2).cpu()
     report = fn()
@@ -1212,6 +1222,7 @@ CHECKS: dict[str, Callable] = {
     "met.executed_fallback_ops": check_executed_fallback_ops,
     "xp.trace_files": check_profiler_trace_files,
     "xp.Trace": check_profiler_trace,
+    "flash_attention": check_flash_attention,
     "xlac.metrics_report": check_xlac_metrics_report,
     "xlac.tensors_text": check_xlac_tensors_text,
     "xlac.tensors_hlo": check_xlac_tensors_hlo,

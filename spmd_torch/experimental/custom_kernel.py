@@ -1,0 +1,211 @@
+"""torch_xla.experimental.custom_kernel on JAX: ``flash_attention`` written as ordinary ops.
+
+PyTorch/XLA runs a Pallas TPU kernel here. On JAX's CPU and GPU backends no such kernel exists, so
+the same function is spelled in ops the engine traces (matmul, mask, softmax, matmul): it computes
+the kernel's values on every platform, autograd differentiates it, and XLA fuses what it can. Its
+memory is that of plain attention (the ``[..., q_seq_len, kv_seq_len]`` scores are materialised),
+not the blockwise O(seq) of a flash kernel.
+
+The inference kernels of the same module (``paged_attention``, ``multi_queries_paged_attention``,
+``ragged_paged_attention``) are not provided.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+import spmd_torch.distributed.spmd as xs
+
+__all__ = ["DEFAULT_MASK_VALUE", "flash_attention"]
+
+DEFAULT_MASK_VALUE = -0.7 * float(torch.finfo(torch.float32).max)
+"""What the kernel adds to a masked score: finite, so a row with every key masked stays finite."""
+
+
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    q_segment_ids: torch.Tensor | None = None,
+    kv_segment_ids: torch.Tensor | None = None,
+    sm_scale: float = 1.0,
+    *,
+    ab: torch.Tensor | None = None,
+    partition_spec: Sequence | None = None,
+    mesh: xs.Mesh | None = None,
+) -> torch.Tensor:
+    """Attention ``softmax((q @ k^T + ab) * sm_scale + mask) @ v``, as PyTorch/XLA's TPU kernel.
+
+    Scripts written for TPU (Llama, FSDPv2 recipes) call this kernel; here it is ordinary traced
+    ops rather than a Pallas kernel, so it runs on every backend and gradients come from autograd
+    (for ``q``, ``k``, ``v`` and ``ab``). It holds the full score matrix in memory, as plain
+    attention does. The scores, softmax and products are computed in float32 (float64 for float64
+    inputs) and the result is cast to ``q``'s dtype, as the kernel accumulates.
+
+    A masked score gets :data:`DEFAULT_MASK_VALUE` added, as in the kernel: a query whose every
+    key is masked (segment ids, with ``causal`` or not) attends to all keys evenly, i.e. its output
+    is the mean of ``v`` over the keys. (The kernel with ``causal`` and a sequence longer than one
+    512-long block averages only over the key blocks it visits.)
+
+    Args:
+        q: ``[batch, heads, q_seq_len, head_dim]``; more leading batch dimensions are allowed.
+        k: ``[batch, heads, kv_seq_len, head_dim]``.
+        v: ``[batch, heads, kv_seq_len, head_dim]``.
+        causal: Query ``i`` sees keys ``0..i`` only (aligned at the first position when the two
+            lengths differ).
+        q_segment_ids: ``[batch, q_seq_len]`` integer ids; a query sees only keys of its own id
+            (packed sequences, padding). Given together with ``kv_segment_ids``.
+        kv_segment_ids: ``[batch, kv_seq_len]`` integer ids.
+        sm_scale: Multiplies the scores (after ``ab`` is added), e.g. ``head_dim ** -0.5``.
+        ab: ``[batch, heads, q_seq_len, kv_seq_len]`` attention bias added to ``q @ k^T``.
+        partition_spec: Under SPMD, how ``q``, ``k``, ``v``, ``ab`` and the output are sharded
+            over ``mesh`` (one entry per dimension of ``q``); segment ids take its batch and
+            sequence entries. Inputs, output and their gradients are marked so; the attention
+            itself is partitioned by the compiler.
+        mesh: The mesh for ``partition_spec``; the global mesh when omitted.
+
+    Returns:
+        The attention output, shaped and typed like ``q``.
+
+    Example:
+        >>> q, k, v = (torch.randn(2, 4, 128, 64, device='xla') for _ in range(3))
+        >>> o = flash_attention(q, k, v, causal=True, sm_scale=64 ** -0.5)
+        >>> mesh = xs.Mesh(np.arange(8), (8, 1), ('fsdp', 'tensor'))
+        >>> o = flash_attention(q, k, v, partition_spec=('fsdp', 'tensor', None, None), mesh=mesh)
+    """
+    _check_arguments(q, k, v, q_segment_ids, kv_segment_ids, ab)
+    if partition_spec is None:
+        return _attention(q, k, v, causal, q_segment_ids, kv_segment_ids, sm_scale, ab)
+    spec = tuple(partition_spec)
+    if len(spec) != q.dim():
+        raise ValueError(
+            f"flash_attention: partition_spec {spec} has {len(spec)} entries but q has "
+            f"{q.dim()} dimensions {tuple(q.shape)}: give one entry per dimension"
+        )
+    mesh = xs.get_global_mesh() if mesh is None else mesh
+    if mesh is None:
+        raise ValueError(
+            "flash_attention: partition_spec given but no mesh (pass mesh= or xs.set_global_mesh)"
+        )
+    segment_spec = spec[:-3] + (spec[-2],)
+
+    def shard(t: torch.Tensor | None, t_spec: tuple) -> torch.Tensor | None:
+        return None if t is None else xs.mark_sharding_with_gradients(t, mesh, t_spec)
+
+    out = _attention(
+        shard(q, spec),
+        shard(k, spec),
+        shard(v, spec),
+        causal,
+        shard(q_segment_ids, segment_spec),
+        shard(kv_segment_ids, segment_spec),
+        sm_scale,
+        shard(ab, spec),
+    )
+    return shard(out, spec)
+
+
+def _attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    q_segment_ids: torch.Tensor | None,
+    kv_segment_ids: torch.Tensor | None,
+    sm_scale: float,
+    ab: torch.Tensor | None,
+) -> torch.Tensor:
+    """The kernel's arithmetic: scores in float32 or wider, bias, scale, additive mask."""
+    wide = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    wide = torch.promote_types(wide, torch.float32)
+    scores = torch.matmul(q.to(wide), k.to(wide).transpose(-2, -1))
+    if ab is not None:
+        scores = scores + ab.to(wide)
+    if sm_scale != 1.0:
+        scores = scores * sm_scale
+    visible = _visible(q, k, causal, q_segment_ids, kv_segment_ids)
+    if visible is not None:
+        scores = scores + torch.where(visible, 0.0, DEFAULT_MASK_VALUE).to(wide)
+    return torch.matmul(torch.softmax(scores, dim=-1), v.to(wide)).to(q.dtype)
+
+
+def _visible(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    causal: bool,
+    q_segment_ids: torch.Tensor | None,
+    kv_segment_ids: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """Which keys each query may see, broadcastable to the scores; None when all of them."""
+    visible = None
+    if q_segment_ids is not None:
+        same = q_segment_ids.unsqueeze(-1) == kv_segment_ids.unsqueeze(-2)
+        visible = same.unsqueeze(-3)  # [*batch, 1 (heads), q_seq_len, kv_seq_len]
+    if causal:
+        rows = torch.arange(q.shape[-2], device=q.device).unsqueeze(-1)
+        below = torch.arange(k.shape[-2], device=q.device) <= rows
+        visible = below if visible is None else visible & below
+    return visible
+
+
+def _check_arguments(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_segment_ids: torch.Tensor | None,
+    kv_segment_ids: torch.Tensor | None,
+    ab: torch.Tensor | None,
+) -> None:
+    """The Pallas kernel's checks (ValueError; NotImplementedError for a v head_dim of its own),
+    PyTorch/XLA's AssertionError for a lone segment-ids tensor, TypeError for non-float inputs."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("ab", ab)):
+        if t is not None and not t.is_floating_point():
+            raise TypeError(f"flash_attention: {name} must be a floating tensor, got {t.dtype}")
+    if q.dim() < 3 or k.dim() != q.dim() or v.dim() != q.dim():
+        raise ValueError(
+            "flash_attention: q, k and v must be [batch, heads, seq_len, head_dim] (of equal "
+            f"rank, at least 3), got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    batch_heads = q.shape[:-2]
+    if k.shape[:-2] != batch_heads or v.shape[:-2] != batch_heads:
+        raise ValueError(
+            "flash_attention: batch and head dimensions differ: q "
+            f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(
+            f"flash_attention: head_dim mismatch: q has {q.shape[-1]}, k has {k.shape[-1]}"
+        )
+    if v.shape[-2] != k.shape[-2]:
+        raise ValueError(
+            f"flash_attention: kv_seq_len mismatch: k has {k.shape[-2]}, v has {v.shape[-2]}"
+        )
+    if v.shape[-1] != k.shape[-1]:
+        raise NotImplementedError(
+            f"flash_attention: v's head_dim {v.shape[-1]} differs from k's {k.shape[-1]}; "
+            "the kernel supports equal head dims only"
+        )
+    q_seq_len, kv_seq_len = q.shape[-2], k.shape[-2]
+    if ab is not None and tuple(ab.shape) != (*batch_heads, q_seq_len, kv_seq_len):
+        raise ValueError(
+            f"flash_attention: ab must be {(*batch_heads, q_seq_len, kv_seq_len)} "
+            f"[batch, heads, q_seq_len, kv_seq_len], got {tuple(ab.shape)}"
+        )
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        given = "q_segment_ids" if kv_segment_ids is None else "kv_segment_ids"
+        raise AssertionError(
+            f"flash_attention: both q_segment_ids and kv_segment_ids must be given; got only {given}"
+        )
+    batch = tuple(q.shape[:-3])
+    for name, ids, seq_len in (
+        ("q_segment_ids", q_segment_ids, q_seq_len),
+        ("kv_segment_ids", kv_segment_ids, kv_seq_len),
+    ):
+        if ids is not None and tuple(ids.shape) != (*batch, seq_len):
+            raise ValueError(
+                f"flash_attention: {name} must be {(*batch, seq_len)} [batch, seq_len], "
+                f"got {tuple(ids.shape)}"
+            )

@@ -1,0 +1,268 @@
+"""flash_attention (torch_xla.experimental.custom_kernel) as traced ops: values and gradients
+against a float64 eager-CPU attention written out here, masks, SPMD sharding, argument errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import spmd_torch
+import spmd_torch.distributed.spmd as xs
+import spmd_torch.runtime as xr
+from spmd_torch._lazy import counters
+from spmd_torch.experimental.custom_kernel import DEFAULT_MASK_VALUE, flash_attention
+from tests.helpers import assert_close, assert_compiles, reference, to_cpu, tolerance
+
+dev = spmd_torch.device()
+
+
+def attention_float64(q, k, v, causal=False, q_ids=None, kv_ids=None, sm_scale=1.0, ab=None):
+    """softmax((q k^T + ab) * sm_scale, masked keys at -inf) v, in float64 on CPU."""
+    q, k, v = (t.double() for t in (q, k, v))
+    scores = q @ k.transpose(-2, -1)
+    if ab is not None:
+        scores = scores + ab.double()
+    scores = scores * sm_scale
+    allowed = torch.ones(scores.shape, dtype=torch.bool)
+    if causal:
+        allowed &= torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+    if q_ids is not None:
+        allowed &= (q_ids[..., :, None] == kv_ids[..., None, :]).unsqueeze(-3)
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ v
+
+
+def _randn(*shape, dtype=torch.float32, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def _qkv(shape=(2, 3, 16, 8), kv_seq_len=None, dtype=torch.float32):
+    kv_shape = (*shape[:-2], kv_seq_len or shape[-2], shape[-1])
+    return (
+        _randn(*shape, dtype=dtype, seed=1),
+        _randn(*kv_shape, dtype=dtype, seed=2),
+        _randn(*kv_shape, dtype=dtype, seed=3),
+    )
+
+
+def _padding_ids(batch: int, seq_len: int, lengths: list[int]) -> torch.Tensor:
+    """Segment id 1 on each sequence's tokens, 0 on its padding."""
+    ids = torch.zeros(batch, seq_len, dtype=torch.int32)
+    for row, length in enumerate(lengths):
+        ids[row, :length] = 1
+    return ids
+
+
+def check_against_float64(q, k, v, ab=None, **options):
+    """Forward values and the gradients of q, k, v (and ab) match the float64 reference within
+    float32's tolerance; returns the device output."""
+    cpu_tensors = {"q": q, "k": k, "v": v} | ({} if ab is None else {"ab": ab})
+    cotangent = _randn(*q.shape, seed=9)
+
+    leaves64 = {n: t.double().requires_grad_() for n, t in cpu_tensors.items()}
+    expected = attention_float64(**leaves64, **options)
+    grads64 = torch.autograd.grad(expected, list(leaves64.values()), cotangent.double())
+
+    leaves = {n: t.to(dev).requires_grad_() for n, t in cpu_tensors.items()}
+    moved = {n: o.to(dev) if isinstance(o, torch.Tensor) else o for n, o in options.items()}
+    renamed = {"q_ids": "q_segment_ids", "kv_ids": "kv_segment_ids"}
+    actual = flash_attention(**leaves, **{renamed.get(n, n): o for n, o in moved.items()})
+    grads = torch.autograd.grad(actual, list(leaves.values()), cotangent.to(dev))
+
+    assert_close(actual, expected.float())
+    grad_tol = tolerance(torch.float32, "grad")
+    assert_close(
+        dict(zip(leaves, grads)), {n: g.float() for n, g in zip(leaves, grads64)}, **grad_tol
+    )
+    return actual
+
+
+def test_plain_attention_matches_float64():
+    check_against_float64(*_qkv())
+
+
+def test_causal_attention_matches_float64():
+    check_against_float64(*_qkv(), causal=True)
+
+
+def test_causal_mask_starts_at_the_first_key_when_lengths_differ():
+    check_against_float64(*_qkv((2, 2, 8, 4), kv_seq_len=20), causal=True)
+
+
+def test_padding_segment_ids_match_float64():
+    ids = _padding_ids(2, 16, [11, 16])
+    check_against_float64(*_qkv(), q_ids=ids, kv_ids=ids)
+
+
+def test_packed_segments_with_causal_match_float64():
+    ids = torch.tensor([[1] * 5 + [2] * 7 + [3] * 4, [4] * 16], dtype=torch.int32)
+    check_against_float64(*_qkv(), causal=True, q_ids=ids, kv_ids=ids)
+
+
+def test_attention_bias_and_its_gradient_match_float64():
+    check_against_float64(*_qkv(), ab=_randn(2, 3, 16, 16, seed=4))
+
+
+def test_sm_scale_multiplies_the_biased_scores():
+    check_against_float64(*_qkv(), ab=_randn(2, 3, 16, 16, seed=4), sm_scale=8**-0.5)
+
+
+def test_more_leading_batch_dimensions_match_float64():
+    q, k, v = _qkv((2, 2, 3, 12, 4))
+    ids = torch.tensor([[1] * 8 + [0] * 4, [1] * 12]).expand(2, 2, 12).contiguous()
+    check_against_float64(q, k, v, causal=True, q_ids=ids, kv_ids=ids)
+
+
+def test_fully_masked_query_averages_all_values():
+    # Query 0 has segment 2, which no key has: every score gets the mask value, as in the kernel,
+    # and the softmax is even over all keys.
+    q, k, v = _qkv((1, 2, 6, 4))
+    q_ids = torch.tensor([[2, 1, 1, 1, 1, 1]])
+    kv_ids = torch.ones(1, 6, dtype=torch.int64)
+    out = flash_attention(
+        q.to(dev), k.to(dev), v.to(dev), True, q_ids.to(dev), kv_ids.to(dev)
+    ).cpu()
+    assert_close(out[:, :, 0], v.double().mean(-2).float())
+    assert_close(out[:, :, 1:], attention_float64(q, k, v, True, q_ids, kv_ids)[:, :, 1:].float())
+
+
+def test_fully_masked_query_backpropagates_as_the_kernel():
+    # The kernel adds the mask value to the scores, so their gradient is the softmax's (at even
+    # probabilities) rather than zero: here, scores that are 0 in value and the scores in gradient.
+    q, k, v = _qkv((1, 2, 6, 4))
+    q_ids, kv_ids = torch.tensor([[2, 1, 1, 3, 1, 1]]), torch.ones(1, 6, dtype=torch.int64)
+    cotangent = _randn(1, 2, 6, 4, seed=9)
+    leaves64 = [t.double().requires_grad_() for t in (q, k, v)]
+    scores = leaves64[0] @ leaves64[1].transpose(-2, -1) * 0.5
+    masked_row = (q_ids != 1)[..., None, :, None]
+    visible = torch.ones(6, 6, dtype=torch.bool).tril() & masked_row.logical_not()
+    scores = torch.where(masked_row, scores - scores.detach(), scores.masked_fill(~visible, -1e300))
+    expected = torch.softmax(scores, -1) @ leaves64[2]
+    expected_grads = torch.autograd.grad(expected, leaves64, cotangent.double())
+
+    leaves = [t.to(dev).requires_grad_() for t in (q, k, v)]
+    out = flash_attention(*leaves, True, q_ids.to(dev), kv_ids.to(dev), 0.5)
+    grads = torch.autograd.grad(out, leaves, cotangent.to(dev))
+    assert_close(out, expected.float())
+    assert_close(
+        list(grads), [g.float() for g in expected_grads], **tolerance(torch.float32, "grad")
+    )
+
+
+def test_bfloat16_output_is_the_float64_result_rounded_once():
+    q, k, v = _qkv(dtype=torch.bfloat16)
+    ids = _padding_ids(2, 16, [9, 16])
+    out = flash_attention(q.to(dev), k.to(dev), v.to(dev), True, ids.to(dev), ids.to(dev), 0.5)
+    assert out.dtype == torch.bfloat16
+    # reference() runs it on the inputs upcast to float64 and rounds the result once to bf16.
+    expected = reference(
+        lambda *args: attention_float64(*args).to(q.dtype), q, k, v, True, ids, ids, 0.5
+    )
+    assert_close(out, expected)
+
+
+def test_a_new_sm_scale_reuses_the_compiled_program():
+    q, k, v = (t.to(dev) for t in _qkv())
+    outputs = []
+    with assert_compiles(1):
+        for sm_scale in (0.5, 0.25):
+            outputs.append(flash_attention(q, k, v, sm_scale=sm_scale))
+            spmd_torch.sync()
+    for out, sm_scale in zip(outputs, (0.5, 0.25)):
+        assert_close(out, attention_float64(*_qkv(), sm_scale=sm_scale).float())
+
+
+def test_sharded_attention_matches_and_keeps_the_spec():
+    xr.use_spmd()
+    mesh = xs.Mesh(np.arange(8), (8,), ("data",))
+    spec = ("data", None, None, None)
+    q, k, v = _qkv((8, 2, 16, 4))
+    ids = _padding_ids(8, 16, [16, 3, 9, 12, 16, 1, 7, 16])
+    leaves = [t.to(dev).requires_grad_() for t in (q, k, v)]
+    out = flash_attention(
+        *leaves, True, ids.to(dev), ids.to(dev), 0.5, partition_spec=spec, mesh=mesh
+    )
+    out.sum().backward()
+    spmd_torch.sync()
+    sharded = "{devices=[8,1,1,1]0,1,2,3,4,5,6,7}"
+    assert xs.get_xla_sharding_spec(out) == sharded
+    assert [xs.get_xla_sharding_spec(t.grad) for t in leaves] == [sharded] * 3
+
+    cpu = [t.double().requires_grad_() for t in (q, k, v)]
+    expected = attention_float64(*cpu, True, ids, ids, 0.5)
+    expected.sum().backward()
+    assert_close(out, expected.float())
+    grads = to_cpu([t.grad for t in leaves])
+    assert_close(grads, [t.grad.float() for t in cpu], **tolerance(torch.float32, "grad"))
+    xr.reset()
+
+
+def test_sharded_attention_takes_the_global_mesh():
+    xr.use_spmd()
+    xs.set_global_mesh(xs.Mesh(np.arange(8), (2, 4), ("data", "model")))
+    try:
+        q, k, v = _qkv((2, 4, 8, 4))
+        ab = _randn(2, 4, 8, 8, seed=4)
+        spec = ("data", "model", None, None)
+        out = flash_attention(q.to(dev), k.to(dev), v.to(dev), ab=ab.to(dev), partition_spec=spec)
+        spmd_torch.sync()
+    finally:
+        xs.set_global_mesh(None)
+    assert xs.get_xla_sharding_spec(out) == "{devices=[2,4,1,1]0,1,2,3,4,5,6,7}"
+    assert_close(out, attention_float64(q, k, v, ab=ab).float())
+    xr.reset()
+
+
+def test_forward_and_backward_are_one_program_without_cpu_fallback():
+    q, k, v = (t.to(dev).requires_grad_() for t in _qkv())
+    ids = _padding_ids(2, 16, [5, 16]).to(dev)
+    ab = _randn(2, 3, 16, 16).to(dev).requires_grad_()
+    spmd_torch.sync()
+    fallbacks_before = {n: c for n, c in counters.COUNTERS.items() if n.startswith("aten::")}
+    with assert_compiles(1):
+        flash_attention(q, k, v, True, ids, ids, 0.5, ab=ab).sum().backward()
+        spmd_torch.sync()
+    fallbacks = {n: c for n, c in counters.COUNTERS.items() if n.startswith("aten::")}
+    assert fallbacks == fallbacks_before
+
+
+def test_mask_value_is_the_kernels():
+    assert DEFAULT_MASK_VALUE == -0.7 * float(np.finfo(np.float32).max)
+
+
+_Q = torch.zeros(2, 3, 16, 8)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"k": torch.zeros(1, 3, 16, 8)}, ValueError, "batch and head"),
+        ({"v": torch.zeros(2, 4, 16, 8)}, ValueError, "batch and head"),
+        ({"k": torch.zeros(2, 3, 16, 4)}, ValueError, "head_dim mismatch"),
+        ({"v": torch.zeros(2, 3, 12, 8)}, ValueError, "kv_seq_len mismatch"),
+        ({"v": torch.zeros(2, 3, 16, 4)}, NotImplementedError, "v's head_dim"),
+        ({"q": torch.zeros(16, 8)}, ValueError, "at least 3"),
+        ({"q": torch.zeros(2, 3, 16, 8, dtype=torch.int32)}, TypeError, "q must be a floating"),
+        ({"ab": torch.zeros(2, 3, 16, 8)}, ValueError, "ab must be"),
+        ({"q_segment_ids": torch.ones(2, 16)}, AssertionError, "got only q_segment_ids"),
+        ({"kv_segment_ids": torch.ones(2, 16)}, AssertionError, "got only kv_segment_ids"),
+        (
+            {"q_segment_ids": torch.ones(2, 15), "kv_segment_ids": torch.ones(2, 16)},
+            ValueError,
+            "q_segment_ids must be",
+        ),
+        (
+            {"q_segment_ids": torch.ones(2, 16), "kv_segment_ids": torch.ones(3, 16)},
+            ValueError,
+            "kv_segment_ids must be",
+        ),
+        ({"partition_spec": ("data", None, None)}, ValueError, "partition_spec"),
+        ({"partition_spec": ("data", None, None, None)}, ValueError, "no mesh"),
+    ],
+    ids=lambda x: x if isinstance(x, str) else None,
+)
+def test_bad_arguments_raise(kwargs, error, match):
+    arguments = {"q": _Q, "k": _Q, "v": _Q} | kwargs
+    arguments = {n: t.to(dev) if isinstance(t, torch.Tensor) else t for n, t in arguments.items()}
+    with pytest.raises(error, match=match):
+        flash_attention(**arguments)
