@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -15,16 +13,7 @@ from spmd_torch.debug import graph
 DEV = torch.device("xla:0")
 
 
-@pytest.fixture(autouse=True)
-def _isolated_store():
-    """Tests here clear or fill the store: give each a copy and put the original back."""
-    saved_counters = dict(counters.COUNTERS)
-    saved_metrics = copy.deepcopy(dict(counters.METRICS))
-    yield
-    spmd_torch.sync()
-    counters.clear()
-    counters.COUNTERS.update(saved_counters)
-    counters.METRICS.update(saved_metrics)
+pytestmark = pytest.mark.usefixtures("isolated_metrics")  # tests here clear the store
 
 
 def _step(columns: int) -> torch.Tensor:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -17,16 +15,7 @@ from spmd_torch.distributed.spmd import Mesh, mark_sharding
 dev = spmd_torch.device()
 
 
-@pytest.fixture(autouse=True)
-def _isolated_store():
-    """Tests here clear the store: give each a copy and put the original back."""
-    saved_counters = dict(counters.COUNTERS)
-    saved_metrics = copy.deepcopy(dict(counters.METRICS))
-    yield
-    spmd_torch.sync()
-    counters.clear()
-    counters.COUNTERS.update(saved_counters)
-    counters.METRICS.update(saved_metrics)
+pytestmark = pytest.mark.usefixtures("isolated_metrics")  # tests here clear the store
 
 
 def _samples(name: str) -> list[float]:
