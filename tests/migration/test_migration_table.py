@@ -30,6 +30,7 @@ import spmd_torch.debug.metrics as met
 import spmd_torch.distributed.parallel_loader as pl
 import spmd_torch.distributed.spmd as xs
 import spmd_torch.runtime as xr
+import spmd_torch.test.test_utils as test_utils
 import spmd_torch.utils.serialization as xser
 from tests.helpers import assert_close
 
@@ -1065,12 +1066,14 @@ def check_print_test_update(fn, capsys):
     assert "91.5" in out
 
 
-def check_mp_test(fn):
-    @fn
-    def body():
-        return 7
+@test_utils.mp_test  # the child process imports it by name: decorated at module level
+def _sums_on_the_device_in_a_child(value):
+    assert torch.ones(2).to(_device()).sum().item() == value
 
-    body()
+
+def check_mp_test(fn):
+    assert fn is test_utils.mp_test
+    assert _sums_on_the_device_in_a_child(2.0) == 0  # the child's exit code
 
 
 def check_get_summary_writer(fn):
