@@ -1024,6 +1024,10 @@ def _spmd_uncached() -> int:
     return int(met.counter_value("UncachedCompile") or 0)
 
 
+# A program's run on one device, and over the SPMD mesh (PyTorch/XLA's names).
+_EXECUTE_METRICS = ("ExecuteTime", "ExecuteReplicatedTime")
+
+
 class _Probes:
     """perf_counter_ns totals and call counts of wrapped engine functions: the host-time
     breakdown. Patched in for one window only and taken out again, so the timed windows run the
@@ -1081,7 +1085,7 @@ class _Probes:
         from spmd_torch._lazy import compile as compiler
         from spmd_torch._lazy import counters, execute, replicas
 
-        self._execute_seen = len(counters.METRICS["ExecuteTime"])
+        self._execute_seen = {name: len(counters.METRICS[name]) for name in _EXECUTE_METRICS}
         for attr in ("sync", "live_pending", "linearize", "_bind"):
             self.wrap(execute, attr, attr)
         self.wrap(compiler, "lookup_or_compile", "lookup")
@@ -1101,7 +1105,11 @@ class _Probes:
         for owner, attr, original in reversed(self._undo):
             setattr(owner, attr, original)
         self._undo.clear()
-        executed = counters.METRICS["ExecuteTime"][self._execute_seen :]
+        executed = [
+            ns
+            for name, seen in self._execute_seen.items()
+            for ns in counters.METRICS[name].since(seen)
+        ]
         self.ns["execute"], self.calls["execute"] = sum(executed), len(executed)
 
 
