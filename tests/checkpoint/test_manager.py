@@ -163,6 +163,7 @@ def expected_w(step: int) -> torch.Tensor:
     return worker.base() + step
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_sigkill_in_the_middle_of_a_save_leaves_the_earlier_checkpoints(tmp_path, mode):
     process = spawn(tmp_path, mode)
@@ -186,6 +187,7 @@ def test_sigkill_in_the_middle_of_a_save_leaves_the_earlier_checkpoints(tmp_path
         assert saved_step == step and torch.equal(values, expected_w(step))
 
 
+@pytest.mark.multiprocess
 def test_sigterm_saves_the_current_step_and_exits_cleanly(tmp_path):
     process = spawn(tmp_path, "preempt")
     try:
@@ -203,6 +205,7 @@ def test_sigterm_saves_the_current_step_and_exits_cleanly(tmp_path):
     assert step == last and torch.equal(values, expected_w(last))
 
 
+@pytest.mark.multiprocess
 def test_running_out_of_file_space_names_the_checkpoint_and_keeps_the_others(tmp_path):
     process = spawn(tmp_path, "disk-full")
     out, _ = process.communicate(timeout=300)

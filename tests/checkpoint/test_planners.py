@@ -111,12 +111,12 @@ def _load_error(state, path) -> BaseException:
 def _assert_loaded(model, opt, state, expected) -> None:
     """``state`` (and, in place, the model's parameters and the optimizer's moments) equal the
     saved values bit for bit; Python values (the learning rate) are the saved ones."""
-    assert_close(state, expected, rtol=0, atol=0)
-    assert_close(dict(model.named_parameters()), dict(expected["model"]), rtol=0, atol=0)
+    assert_close(state, expected, tol="exact")
+    assert_close(dict(model.named_parameters()), dict(expected["model"]), tol="exact")
     for index, param in enumerate(model.parameters()):
         for moment in ("exp_avg", "exp_avg_sq"):
             saved = expected["optim"]["state"][index][moment]
-            assert_close(opt.state[param][moment], saved, rtol=0, atol=0)
+            assert_close(opt.state[param][moment], saved, tol="exact")
     assert state["optim"]["param_groups"][0]["lr"] == 0.1
 
 
@@ -204,7 +204,7 @@ def test_each_distinct_shard_is_written_once(spmd_mode, tmp_path, case):
     # The chunks hold the right values: read back by DCP's default planner into CPU tensors.
     target = {"w": torch.zeros(shape), "step": 0}
     dist_cp.load(target, storage_reader=dist_cp.FileSystemReader(tmp_path))
-    assert_close(target, {"w": values, "step": 3}, rtol=0, atol=0)
+    assert_close(target, {"w": values, "step": 3}, tol="exact")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int64, torch.bool], ids=str)
@@ -218,7 +218,7 @@ def test_values_keep_their_dtype_bit_for_bit(spmd_mode, tmp_path, dtype):
 
     _load({"w": target}, tmp_path)
 
-    assert_close(target, values, rtol=0, atol=0)
+    assert_close(target, values, tol="exact")
 
 
 def test_each_distinct_target_shard_reads_only_the_chunks_it_overlaps(spmd_mode, tmp_path):
@@ -237,7 +237,7 @@ def test_each_distinct_target_shard_reads_only_the_chunks_it_overlaps(spmd_mode,
     got = sorted((r.dest_index.offset[0], r.storage_index.offset[0]) for r in reads)
     assert got == [(shard, shard + row) for shard in (0, 2, 4, 6) for row in (0, 1)]
     _load({"w": wrapped}, tmp_path)
-    assert_close(target, values, rtol=0, atol=0)
+    assert_close(target, values, tol="exact")
 
 
 def test_a_planner_keeps_nothing_from_its_last_checkpoint(spmd_mode, tmp_path):
@@ -255,7 +255,7 @@ def test_a_planner_keeps_nothing_from_its_last_checkpoint(spmd_mode, tmp_path):
 
     metadata = dist_cp.FileSystemReader(tmp_path / "2").read_metadata()
     assert list(metadata.state_dict_metadata) == ["b"]
-    assert_close(target, {"b": second}, rtol=0, atol=0)
+    assert_close(target, {"b": second}, tol="exact")
 
 
 def test_plain_filesystem_writer_saves_through_the_xla_stream(spmd_mode, tmp_path):
@@ -267,7 +267,7 @@ def test_plain_filesystem_writer_saves_through_the_xla_stream(spmd_mode, tmp_pat
     )
     target = {"w": torch.zeros(8, 4)}
     dist_cp.load(target, storage_reader=dist_cp.FileSystemReader(tmp_path))
-    assert_close(target, {"w": values}, rtol=0, atol=0)
+    assert_close(target, {"w": values}, tol="exact")
 
 
 def _target_and_reference(extra: dict):
@@ -290,7 +290,7 @@ def test_missing_key_raises_and_leaves_the_target_untouched(spmd_mode, tmp_path)
     assert "Missing key in checkpoint state_dict: 'zz_extra.w'" in str(error)
     assert "shape (4, 4)" in str(error)
 
-    assert_close(state, before, rtol=0, atol=0)
+    assert_close(state, before, tol="exact")
     assert _layouts(state) == layouts
 
 
@@ -315,5 +315,5 @@ def test_shape_mismatch_raises_and_leaves_the_target_untouched(spmd_mode, tmp_pa
         "(6, 5)"
     )
 
-    assert_close(state, before, rtol=0, atol=0)
+    assert_close(state, before, tol="exact")
     assert _layouts(state) == layouts

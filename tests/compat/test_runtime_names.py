@@ -43,6 +43,7 @@ def test_set_device_type_refuses_another_kind_once_running(monkeypatch):
     assert "PJRT_DEVICE" not in os.environ
 
 
+@pytest.mark.multiprocess  # a fresh interpreter, before the runtime starts
 def test_set_device_type_before_the_runtime_starts_picks_jax_platform():
     script = (
         "import os, jax\n"

@@ -4,13 +4,13 @@ BatchNorm's; bad input is named."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 import spmd_torch
 import spmd_torch.core.functions as xf
 import spmd_torch.core.xla_model as xm
+from tests.helpers import assert_close
 
 WORLD = 8
 CHANNELS = 3
@@ -57,20 +57,16 @@ def test_sync_batch_norm_under_launch_matches_batch_norm_over_the_global_batch()
         xm.all_reduce(xm.REDUCE_SUM, grads)  # each replica holds its loss's share
         xm.mark_step()
         return [
-            t.detach().cpu().numpy()
-            for t in (out, x.grad, *grads, norm.running_mean, norm.running_var)
+            t.detach().cpu() for t in (out, x.grad, *grads, norm.running_mean, norm.running_var)
         ]
 
     results = spmd_torch.launch(body)
     out, grad, norm = eager_reference()
     for index, (y, gx, gw, gb, mean, var) in results.items():
         rows = slice(2 * index, 2 * index + 2)
-        np.testing.assert_allclose(y, out[rows].numpy(), rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(gx, grad[rows].numpy(), rtol=1e-4, atol=1e-5)
-        np.testing.assert_allclose(gw, norm.weight.grad.numpy(), rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(gb, norm.bias.grad.numpy(), rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(mean, norm.running_mean.numpy(), rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(var, norm.running_var.numpy(), rtol=1e-5, atol=1e-6)
+        assert_close((y, mean, var), (out[rows], norm.running_mean, norm.running_var))
+        expected_grads = (grad[rows], norm.weight.grad, norm.bias.grad)
+        assert_close((gx, gw, gb), expected_grads, kind="grad")
 
 
 def test_sync_batch_norm_in_one_program_is_batch_norm():
@@ -83,12 +79,11 @@ def test_sync_batch_norm_in_one_program_is_batch_norm():
     eager(x).square().sum().backward()
     norm(xd).square().sum().backward()
     xm.mark_step()
-    torch.testing.assert_close(xd.grad.cpu(), x.grad, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(norm.weight.grad.cpu(), eager.weight.grad, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(norm.running_var.cpu(), eager.running_var)
+    assert_close((xd.grad, norm.weight.grad), (x.grad, eager.weight.grad), kind="grad")
+    assert_close(norm.running_var, eager.running_var)
     norm.eval()
     eager.eval()
-    torch.testing.assert_close(norm(batch.to(device)).cpu(), eager(batch), rtol=1e-5, atol=1e-5)
+    assert_close(norm(batch.to(device)), eager(batch))
 
 
 def test_sync_batch_norm_names_a_wrong_input():

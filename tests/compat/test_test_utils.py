@@ -100,6 +100,7 @@ class MpCase(unittest.TestCase):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_mp_test_runs_the_function_in_a_child_process():
     assert _passes_in_its_own_process(2.0) == 0
     assert _fails_in_its_own_process() != 0

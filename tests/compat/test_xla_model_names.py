@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import collections
 
-import numpy as np
 import pytest
 import torch
 
@@ -14,6 +13,7 @@ import spmd_torch.core.xla_model as xm
 import spmd_torch.distributed.spmd as xs
 import spmd_torch.runtime as xr
 import spmd_torch.utils.utils as xu
+from tests.helpers import assert_close
 
 DEV = xm.xla_device()
 
@@ -70,15 +70,14 @@ def test_send_cpu_data_to_device_moves_every_cpu_tensor_keeping_the_structure():
     assert moved["batch"].x.device.type == "xla" and moved["batch"].y.device.type == "xla"
     assert moved["extra"][0] is moved["batch"].x  # one tensor held twice moves once
     assert moved["extra"][1:] == ["label", 3] and moved["ready"] is z
-    torch.testing.assert_close(moved["batch"].x.cpu(), x)
-    torch.testing.assert_close(moved["batch"].y.cpu(), y)
+    assert_close((moved["batch"].x, moved["batch"].y), (x, y), tol="exact")
     assert data["batch"].x.device.type == "cpu"  # the input is left as it was
 
 
 def test_send_cpu_data_to_device_wraps_a_single_tensor_in_a_list():
     (moved,) = xm.send_cpu_data_to_device(torch.tensor([1.0, 2.0]), DEV)
     assert moved.device.type == "xla"
-    torch.testing.assert_close(moved.cpu(), torch.tensor([1.0, 2.0]))
+    assert_close(moved, torch.tensor([1.0, 2.0]), tol="exact")
 
 
 def test_send_cpu_data_to_device_refuses_a_cpu_device():
@@ -96,8 +95,7 @@ def test_send_cpu_data_to_device_shards_with_input_sharding():
     assert xs.get_xla_sharding_spec(moved_batch) == xs.get_xla_sharding_spec(
         xs.mark_sharding(torch.zeros(8, 4, device=DEV), mesh, ("data", None))
     )
-    torch.testing.assert_close(moved_batch.cpu(), batch)
-    torch.testing.assert_close(moved_labels.cpu(), labels)
+    assert_close((moved_batch, moved_labels), (batch, labels), tol="exact")
     xr.reset()
 
 
@@ -166,18 +164,22 @@ def test_bucketized_collectives_match_the_plain_ones_inside_launch():
         scattered = xm.reduce_scatter_bucketized(xm.REDUCE_SUM, [a, b], 0.5, 0, 8)
         grads = [a.clone(), b.clone()]
         xm.all_reduce_bucketized_gradients(grads, 1.0 / 8, None, False, bucket_cap_mb=1)
-        return [t.cpu().numpy() for t in (*gathered, *scattered, *grads)]
+        return [t.cpu() for t in (*gathered, *scattered, *grads)]
 
     results = spmd_torch.launch(body)
-    a = [np.full((8, 2), float(k), np.float32) for k in range(8)]
-    b = [np.arange(16.0, dtype=np.float32).reshape(8, 2) + k for k in range(8)]
-    for index, (ga, gb, sa, sb, ra, rb) in results.items():
-        np.testing.assert_allclose(ga, np.concatenate(a, axis=1))
-        np.testing.assert_allclose(gb, np.concatenate(b, axis=1))
-        np.testing.assert_allclose(sa, 0.5 * sum(a)[index : index + 1])
-        np.testing.assert_allclose(sb, 0.5 * sum(b)[index : index + 1])
-        np.testing.assert_allclose(ra, sum(a) / 8)
-        np.testing.assert_allclose(rb, sum(b) / 8)
+    a = [torch.full((8, 2), float(k)) for k in range(8)]
+    b = [torch.arange(16.0).reshape(8, 2) + k for k in range(8)]
+    for index, got in results.items():
+        expected = [
+            torch.cat(a, dim=1),
+            torch.cat(b, dim=1),
+            0.5 * sum(a)[index : index + 1],
+            0.5 * sum(b)[index : index + 1],
+            sum(a) / 8,
+            sum(b) / 8,
+        ]
+        # small integers, halves and eighths: exact in float32
+        assert_close(got, expected, tol="exact")
 
 
 def test_all_gather_bucketized_refuses_pin_layout():

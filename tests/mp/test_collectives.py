@@ -13,6 +13,7 @@ import torch
 import spmd_torch
 import spmd_torch.core.functions as xf
 import spmd_torch.core.xla_model as xm
+from tests.helpers import assert_close
 
 WORLD = 8
 BLOCKS = ((0, 1, 2, 3), (4, 5, 6, 7))
@@ -21,7 +22,8 @@ GROUPINGS = {"all": None, "blocks": BLOCKS, "strided": STRIDED}
 
 
 def value(k: int, shape=(2, 4), dtype=np.float32) -> np.ndarray:
-    """Replica k's input: distinct per replica, small enough that products stay exact."""
+    """Replica k's input: distinct per replica, small enough that sums and products, scaled by
+    powers of two, stay exact (floating results are compared bit for bit)."""
     base = (np.arange(int(np.prod(shape))) % 5).reshape(shape) - 2
     if dtype == np.bool_:
         return ((base + k) % 3) == 0
@@ -97,11 +99,11 @@ def test_all_reduce_of_a_list_is_in_place_and_scaled():
 
     for k, (a, b, twice) in launch_each(fn).items():
         total = np.sum([value(j) for j in range(WORLD)], axis=0)
-        np.testing.assert_allclose(a, total * 0.5, rtol=1e-6)
+        assert_close(torch.from_numpy(a), torch.from_numpy(total * 0.5), tol="exact")
         # PyTorch/XLA scales in the tensor's dtype: an int32 result times 0.5 is multiplied by 0
         np.testing.assert_array_equal(b, np.zeros(3, np.int32))
         want = np.max([total * 0.5 * 2 for _ in group_of(k, BLOCKS)], axis=0)
-        np.testing.assert_allclose(twice, want, rtol=1e-6)
+        assert_close(torch.from_numpy(twice), torch.from_numpy(want), tol="exact")
 
 
 @pytest.mark.parametrize("grouping", list(GROUPINGS))
@@ -149,7 +151,7 @@ def test_reduce_scatter_keeps_this_replicas_chunk(grouping, dim):
         total = np.sum([value(j, shape) for j in members], axis=0) * 0.25
         want = np.split(total, count, axis=dim)[members.index(k)]
         assert got.shape == want.shape
-        np.testing.assert_allclose(got, want, rtol=1e-6)
+        assert_close(torch.from_numpy(got), torch.from_numpy(want), tol="exact")
 
 
 @pytest.mark.parametrize("grouping", list(GROUPINGS))
@@ -212,4 +214,4 @@ def test_differentiable_all_reduce_and_all_gather():
         members = group_of(k, BLOCKS)
         want = 0.5 * np.sum(weights, axis=0)  # every replica's w reaches x_k through the sum
         want += len(members) * 2 * 9 * value(k)  # each member's gathered copy of 3*x_k, squared
-        np.testing.assert_allclose(grad, want, rtol=1e-6)
+        assert_close(torch.from_numpy(grad), torch.from_numpy(want), tol="exact")

@@ -73,9 +73,9 @@ def test_data_parallel_trains_as_sgd_on_the_averaged_gradient_across_calls():
     assert len(first) == len(second) == DEVICES
     for index in range(DEVICES):
         losses = torch.cat([first[index], second[index]])
-        assert_close(losses, expected_losses[:, index], rtol=1e-5, atol=1e-6)
+        assert_close(losses, expected_losses[:, index])
         state = {k: v.cpu() for k, v in model_parallel.models[index].state_dict().items()}
-        assert_close(state, expected_state, rtol=1e-5, atol=1e-6)
+        assert_close(state, expected_state)
 
 
 def test_batches_are_dealt_in_turn_and_an_incomplete_round_is_dropped():
@@ -95,7 +95,7 @@ def test_device_ids_pick_the_replicas_and_each_runs_on_its_own_copy():
     models = model_parallel.models
     assert len(models) == 2 and models[0] is not models[1] and network not in models
     for copy_ in models:
-        assert_close(copy_.state_dict(), network.state_dict(), rtol=0, atol=0)
+        assert_close(copy_.state_dict(), network.state_dict(), tol="exact")
 
     def loop(model, loader, device, context):
         return str(device), str(next(model.parameters()).device), context.device == device

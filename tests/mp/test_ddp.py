@@ -117,7 +117,7 @@ def test_new_group_over_every_replica_reduces_like_the_world():
     expected = torch.from_numpy(_all_inputs().sum(0))
     for result, name in _launch(fn):
         assert name == "1"  # after the default group, "0"
-        assert_close(result, expected, rtol=1e-5, atol=1e-6)
+        assert_close(result, expected, tol="single_op")
 
 
 def test_new_group_over_some_replicas_is_not_supported():
@@ -151,7 +151,7 @@ def test_all_reduce_matches_numpy(op):
     inputs = _all_inputs()
     expected = torch.from_numpy(reference(inputs / 3 if op == "PRODUCT" else inputs))
     for result in _launch(fn):
-        assert_close(result, expected, rtol=1e-5, atol=1e-6)
+        assert_close(result, expected, tol="single_op")
 
 
 @pytest.mark.parametrize("op", ["BAND", "BOR"])
@@ -240,7 +240,7 @@ def test_reduce_scatter_tensor_matches_numpy(api, op, layout):
 
     reduced = reference(_all_inputs(shape=in_shape)).reshape(REPLICAS, 2, 3)
     for index, result in enumerate(_launch(fn)):
-        assert_close(result, torch.from_numpy(reduced[index]), rtol=1e-5, atol=1e-6)
+        assert_close(result, torch.from_numpy(reduced[index]), tol="single_op")
 
 
 def test_reduce_scatter_of_a_list_matches_numpy():
@@ -252,7 +252,7 @@ def test_reduce_scatter_of_a_list_matches_numpy():
 
     reduced = _all_inputs(shape=(REPLICAS, 3)).sum(0)
     for index, result in enumerate(_launch(fn)):
-        assert_close(result, torch.from_numpy(reduced[index]), rtol=1e-5, atol=1e-6)
+        assert_close(result, torch.from_numpy(reduced[index]), tol="single_op")
 
 
 @pytest.mark.parametrize("root", [0, 5])
@@ -272,7 +272,7 @@ def test_broadcast_copies_the_roots_tensor_exactly(root, dtype):
         return tensor.cpu()
 
     for result in _launch(fn):
-        assert_close(result, torch.from_numpy(value(root)), rtol=0, atol=0)
+        assert_close(result, torch.from_numpy(value(root)), tol="exact")
 
 
 def test_barrier_waits_for_every_replica():
@@ -307,7 +307,7 @@ def test_all_reduce_of_a_cpu_tensor_writes_the_result_back():
     expected = torch.from_numpy(_all_inputs().sum(0))
     for result in _launch(fn):
         assert result.device.type == "cpu"
-        assert_close(result, expected, rtol=1e-5, atol=1e-6)
+        assert_close(result, expected, tol="single_op")
 
 
 def test_async_work_waits_and_its_future_holds_the_result():
@@ -320,7 +320,7 @@ def test_async_work_waits_and_its_future_holds_the_result():
 
     expected = torch.from_numpy(_all_inputs().sum(0))
     for result in _launch(fn):
-        assert_close(result, expected, rtol=1e-5, atol=1e-6)
+        assert_close(result, expected, tol="single_op")
 
 
 # --- DistributedDataParallel ---------------------------------------------------------------------
@@ -384,8 +384,8 @@ def test_ddp_training_matches_sgd_on_the_averaged_gradient(bucket_view):
 
     expected_losses, expected_state = _reference(initial, lr=0.1)
     for index, (losses, state) in enumerate(_launch(fn)):
-        assert_close(losses, expected_losses[:, index], rtol=1e-5, atol=1e-6)
-        assert_close(state, expected_state, rtol=1e-5, atol=1e-6)
+        assert_close(losses, expected_losses[:, index])
+        assert_close(state, expected_state)
 
 
 def test_ddp_broadcasts_rank_0s_buffers_before_each_forward():
@@ -423,7 +423,7 @@ def test_ddp_broadcasts_rank_0s_buffers_before_each_forward():
 
     results = _launch(fn)
     for index, (losses, state) in enumerate(results):
-        assert_close(losses, expected_losses[:, index], rtol=1e-5, atol=1e-6)
+        assert_close(losses, expected_losses[:, index])
         for name, value in model.named_parameters():
-            assert_close(state[name], value.detach(), rtol=1e-5, atol=1e-6)
-    assert_close(results[0][1], dict(model.state_dict()), rtol=1e-5, atol=1e-6)
+            assert_close(state[name], value.detach())
+    assert_close(results[0][1], dict(model.state_dict()))

@@ -8,6 +8,9 @@ import pytest
 
 from tests.helpers import run_example as _run
 
+# Each test runs an example as a script, in a process of its own.
+pytestmark = pytest.mark.multiprocess
+
 DEVICES = ",".join(map(str, range(8)))
 
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import jax
+import pytest
 import torch
 
 import spmd_torch
@@ -38,6 +39,7 @@ def test_data_from_before_spmd_joins_the_mesh_on_first_use():
     assert_close(total, torch.arange(6.0) + 1)
 
 
+@pytest.mark.multiprocess  # a fresh interpreter imports spmd_torch
 def test_xla_use_spmd_variable_turns_spmd_on_at_import():
     env = dict(os.environ, XLA_USE_SPMD="1", JAX_PLATFORMS="cpu")
     code = (

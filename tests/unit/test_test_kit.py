@@ -1,13 +1,22 @@
-"""The test kit itself: assert_matches_eager fails on a wrong forward, dtype or gradient, and the
-low-precision reference is the float64 result rounded once, never CPU's bf16 kernel."""
+"""The test kit itself: assert_matches_eager fails on a wrong forward, dtype or gradient, the
+low-precision reference is the float64 result rounded once, never CPU's bf16 kernel, and
+assert_close takes the table's row, its "grad" row or a named override for each dtype."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import assert_matches_eager, reference, tolerance
+from tests.helpers import (
+    TOLERANCE_OVERRIDES,
+    assert_close,
+    assert_matches_eager,
+    reference,
+    tolerance,
+)
 
 bf16 = torch.bfloat16
 _gen = torch.Generator().manual_seed(0)
@@ -95,3 +104,53 @@ def test_bf16_convolution_backward_matches_the_rounded_float64_reference():
     x, w, b = _t(2, 4, 6, 6, dtype=bf16), _t(3, 4, 3, 3, dtype=bf16), _t(3, dtype=bf16)
     assert tolerance(bf16, "grad")["rtol"] < 2 * 2**-7  # less than two ulps
     assert_matches_eager(F.conv2d, x, w, b, stride=(2, 1), padding=(1, 0), grad=True)
+
+
+def _ulps_up(x: torch.Tensor, n: int) -> torch.Tensor:
+    for _ in range(n):
+        x = torch.nextafter(x, torch.full_like(x, math.inf))
+    return x
+
+
+def test_assert_close_uses_the_table_row_of_each_dtype():
+    x = torch.tensor([1.0, -2.0, 3.0])
+    assert_close(x * (1 + 5e-5), x)  # within float32's "fwd" rtol 1e-4
+    with pytest.raises(AssertionError, match="not close"):
+        assert_close(x * (1 + 5e-4), x)
+
+
+def test_assert_close_kind_grad_takes_the_grad_row():
+    x = torch.tensor([1.0, -2.0, 3.0])
+    slightly_off = x * (1 + 1.5e-4)  # past "fwd" (1e-4), within "grad" (2e-4)
+    assert_close(slightly_off, x, kind="grad")
+    with pytest.raises(AssertionError, match="not close"):
+        assert_close(slightly_off, x)
+
+
+def test_assert_close_named_override_is_looked_up_per_dtype():
+    x, h = torch.tensor([1.0, 3.0]), torch.tensor([1.0, 3.0], dtype=bf16)
+    assert_close((x, h), (x.clone(), h.clone()), tol="exact")
+    for off in ((_ulps_up(x, 1), h), (x, _ulps_up(h, 1))):  # one ulp in either dtype
+        assert_close(off, (x, h))  # the table lets one ulp pass
+        with pytest.raises(AssertionError, match="not equal"):
+            assert_close(off, (x, h), tol="exact")
+
+
+def test_assert_close_override_falls_back_to_the_table_for_dtypes_it_leaves_out():
+    assert bf16 not in TOLERANCE_OVERRIDES["resharded"]
+    h = torch.tensor([1.0, 3.0], dtype=bf16)
+    assert_close(_ulps_up(h, 1), h, tol="resharded")  # bf16's own row: one ulp passes
+    x = torch.tensor([1.0, 3.0])
+    assert_close(_ulps_up(x, 8), x, tol="resharded")  # a few float32 ulps pass
+    with pytest.raises(AssertionError, match="not close"):
+        assert_close(x * (1 + 1e-5), x, tol="resharded")  # the table's 1e-4 would not catch it
+
+
+def test_assert_close_refuses_unknown_names_kinds_and_both_forms():
+    x = torch.ones(2)
+    with pytest.raises(KeyError, match="no tolerance override 'nope'"):
+        assert_close(x, x, tol="nope")
+    with pytest.raises(ValueError, match="tolerance kind must be 'fwd' or 'grad'"):
+        assert_close(x, x, kind="backward")
+    with pytest.raises(TypeError, match="not both"):
+        assert_close(x, x, tol="exact", rtol=0, atol=0)
