@@ -1,7 +1,9 @@
-"""Every environment switch of the engine, declared once.
+"""Every environment variable spmd_torch reads, declared once, with one parser for each kind.
 
 A flag that changes the compiled program says so with ``in_cache_key``: its value is part of the
 compile-cache key, so flipping it recompiles instead of reusing a program built for another value.
+``value`` is read when spmd_torch is imported; ``read()`` reads the environment again, for the
+variables PyTorch/XLA reads at each use.
 """
 
 from __future__ import annotations
@@ -10,32 +12,60 @@ import contextlib
 import os
 from dataclasses import dataclass
 
+TRUE_WORDS = ("1", "on", "yes", "true", "y")
+FALSE_WORDS = ("0", "off", "no", "false", "n", "")
+
+
+def truthy(text: str) -> bool:
+    """Whether a variable's text reads as on: 1, on, yes, true or y, in any case."""
+    return text.strip().lower() in TRUE_WORDS
+
+
+def parse(text: str, kind: type, name: str) -> object:
+    """``text`` as ``kind``; booleans also read integers (``'2'``: on). Bad text raises an error
+    naming the variable."""
+    try:
+        if kind is bool:
+            word = text.strip().lower()
+            return word in TRUE_WORDS if word in TRUE_WORDS + FALSE_WORDS else bool(int(word))
+        return kind(text)
+    except ValueError:
+        kind_name = getattr(kind, "__name__", kind)
+        raise ValueError(
+            f"environment variable {name}={text!r} is not a valid {kind_name}"
+        ) from None
+
 
 @dataclass
 class Flag:
     name: str
     default: object
     help: str
+    kind: type
     in_cache_key: bool = False
     value: object = None
     aliases: tuple = ()  # older names of the same switch (the lazy-tensor-core guide's LTC_*)
 
     def read(self) -> object:
+        """The variable's value in the environment now (its default when unset)."""
         raw = next((os.environ[n] for n in (self.name, *self.aliases) if n in os.environ), None)
         if raw is None:
             return self.default
-        if isinstance(self.default, bool):
-            return raw.strip().lower() in ("1", "true", "yes", "on")
-        return type(self.default)(raw)
+        return truthy(raw) if self.kind is bool else parse(raw, self.kind, self.name)
 
 
 FLAGS: dict[str, Flag] = {}
 
 
 def _flag(
-    name: str, default: object, help: str, in_cache_key: bool = False, aliases: tuple = ()
+    name: str,
+    default: object,
+    help: str,
+    kind: type | None = None,
+    in_cache_key: bool = False,
+    aliases: tuple = (),
 ) -> Flag:
-    flag = Flag(name, default, help, in_cache_key, aliases=aliases)
+    flag = Flag(name, default, help, kind or type(default), in_cache_key, aliases=aliases)
     flag.value = flag.read()
     FLAGS[name] = flag
     return flag
@@ -59,8 +89,6 @@ DEBUG_LEVEL = _flag(
     0,
     "1: one line per compile or cache hit with the reason for each recompilation; 2: also the graph.",
 )
-
-
 MAT_MUL_PRECISION = _flag(
     "XLA_MAT_MUL_PRECISION",
     "highest",
@@ -71,6 +99,27 @@ EAGER = _flag(
     "XLA_USE_EAGER_DEBUG_MODE",
     False,
     "Eager mode: run each op as soon as it is issued (see spmd_torch.experimental.eager_mode).",
+)
+USE_SPMD = _flag(
+    "XLA_USE_SPMD",
+    False,
+    "SPMD mode from the start (runtime.use_spmd() sets it too, for scripts and subprocesses).",
+)
+METRICS_FILE = _flag(
+    "XLA_METRICS_FILE",
+    None,
+    "Append the metrics report to this file at every barrier ('STDOUT'/'STDERR' print it).",
+    kind=str,
+)
+RATE_TRACKER_SMOOTHING = _flag(
+    "RATE_TRACKER_SMOOTHING",
+    0.4,
+    "xm.RateTracker's default weight of the previous rate (read when a tracker is made).",
+)
+DEBUG = _flag(
+    "DEBUG",
+    0,
+    "utils.get_print_fn() prints when this integer is nonzero (read at each call).",
 )
 
 

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 from jax._src import xla_bridge  # backends_are_initialized: JAX has no public query for it
 
-from ._lazy import engine, placement
+from . import config
+from ._lazy import engine, modes
 
 _PLATFORM_NAMES = {"cpu": "CPU", "tpu": "TPU", "gpu": "CUDA", "cuda": "CUDA", "rocm": "ROCM"}
 _JAX_PLATFORMS = {"CPU": "cpu", "TPU": "tpu", "CUDA": "cuda", "GPU": "cuda", "ROCM": "rocm"}
@@ -192,8 +193,7 @@ def local_ordinal() -> int:
         >>> xr.local_ordinal()
         0
     """
-    replica = engine.current().replica
-    return 0 if replica is None else replica.ordinal
+    return engine.current().mode.local_ordinal
 
 
 def process_index() -> int:
@@ -204,8 +204,7 @@ def process_index() -> int:
         >>> xr.process_index()
         0
     """
-    replica = engine.current().replica
-    return jax.process_index() if replica is None else replica.ordinal
+    return engine.current().mode.ordinal
 
 
 def process_count() -> int:
@@ -215,8 +214,7 @@ def process_count() -> int:
         >>> xr.process_count()
         1
     """
-    replica = engine.current().replica
-    return jax.process_count() if replica is None else replica.world.size
+    return engine.current().mode.world_size
 
 
 def host_index() -> int:
@@ -236,8 +234,7 @@ def local_process_count() -> int:
         >>> xr.local_process_count()
         1
     """
-    replica = engine.current().replica
-    return 1 if replica is None else replica.world.size
+    return engine.current().mode.local_world_size
 
 
 def addressable_device_count() -> int:
@@ -321,7 +318,7 @@ def use_spmd(auto: bool = False) -> None:
             "use_spmd(auto=True): automatic sharding is not supported; annotate tensors with "
             "mark_sharding instead"
         )
-    placement.enable_spmd(jax.devices())
+    modes.use_spmd(jax.devices())
     global _SPMD_VARIABLE_SET_BY_USE_SPMD
     if "XLA_USE_SPMD" not in os.environ:
         _SPMD_VARIABLE_SET_BY_USE_SPMD = True
@@ -336,15 +333,16 @@ def is_spmd() -> bool:
         >>> xr.is_spmd()
         False
     """
-    flag = os.environ.get("XLA_USE_SPMD", "").strip().lower() in ("1", "true", "yes", "on")
-    return placement.spmd_enabled() or flag
+    return engine.current().mode.replicated is not None or config.USE_SPMD.read()
 
 
 def reset() -> None:
     """Start the calling thread's engine over; no PyTorch/XLA counterpart (tests, notebooks).
 
     Pending computations are dropped (tensors whose values were computed keep them), SPMD mode
-    ends (``XLA_USE_SPMD`` is removed again if :func:`use_spmd` set it), manual-region
+    ends (``XLA_USE_SPMD`` is removed again if :func:`use_spmd` set it), and so do open profiler
+    ``Trace`` names, compile regions, a ``StepTrace``'s marked step, the global mesh and queued
+    step closures; eager mode goes back to ``XLA_USE_EAGER_DEBUG_MODE``, manual-region
     bookkeeping is forgotten and the device RNG goes back to its default seed. Compiled programs
     stay cached. Data already laid out on the mesh stays there.
 
@@ -354,9 +352,11 @@ def reset() -> None:
         >>> xr.is_spmd()
         False
     """
-    engine.current().reset()
+    own = engine.current()
+    was_spmd = own.mode.replicated is not None
+    own.reset()
     global _SPMD_VARIABLE_SET_BY_USE_SPMD
-    if _SPMD_VARIABLE_SET_BY_USE_SPMD and engine.current().replica is None:
+    if was_spmd and _SPMD_VARIABLE_SET_BY_USE_SPMD:
         os.environ.pop("XLA_USE_SPMD", None)
         _SPMD_VARIABLE_SET_BY_USE_SPMD = False
 

@@ -15,6 +15,7 @@ import pytest  # noqa: E402
 
 import spmd_torch.debug.graph as graph  # noqa: E402
 import spmd_torch.runtime as xr  # noqa: E402
+from spmd_torch._lazy import engine  # noqa: E402
 
 _HANG_SECONDS = 300
 _SPMD_FROM_ENV = "XLA_USE_SPMD" in os.environ  # xr.use_spmd() sets it too, as PyTorch/XLA does
@@ -29,10 +30,15 @@ def _hang_guard():
 
 
 def engine_leaks(spmd_expected: bool = False) -> list[str]:
-    """What the engine still holds that a finished test should have let go of."""
-    leaks = []
-    if xr.is_spmd() and not spmd_expected and not _SPMD_FROM_ENV:
-        leaks.append("SPMD mode is still on (call spmd_torch.runtime.reset())")
+    """What the engine still holds that a finished test should have let go of: every switch user
+    code left changed (``Engine.leftovers``: mode, profiler scope, compile region, eager mode,
+    marked step, global mesh, step closures) and pending tensors."""
+    own = engine.current()
+    leaks = [
+        f"{what} (call spmd_torch.runtime.reset())"
+        for what in own.leftovers()
+        if not (what.startswith("mode ") and (spmd_expected or _SPMD_FROM_ENV))
+    ]
     if graph.pending_count():
         gc.collect()  # cycles (autograd graphs) may hold tensors the test no longer reaches
     pending = graph.pending_count()

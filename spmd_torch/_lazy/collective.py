@@ -1,8 +1,9 @@
 """Replica collectives recorded as graph nodes: PyTorch/XLA's all_reduce, all_gather, ...
 
-Only a replica of ``launch`` records them (``Engine.replica``): they lower to jax collectives over
-the replicas' mesh axis (lowering/collectives.py), inside the one program every replica runs at
-the barrier (replicas.py). Arguments are checked here, where the error can name the call; the
+Each node carries the mesh axis its engine's mode gives it: in a replica of ``launch`` the
+replicas' axis, lowered to jax collectives inside the one program every replica runs at the
+barrier (replicas.py); in a world of one, none, and each collective is its own value
+(lowering/collectives.py). Arguments are checked here, where the error can name the call; the
 results are fresh tensors (callers reducing in place copy them back).
 """
 
@@ -28,9 +29,9 @@ COLLECTIVES = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, COLLECTIVE_PE
 
 
 def world_size() -> int:
-    """How many replicas the calling thread's world has; 0 outside ``launch``."""
-    replica = current().replica
-    return 0 if replica is None else replica.world.size
+    """How many programs the calling engine's world has: the replicas of ``launch``, else the
+    job's processes."""
+    return current().mode.world_size
 
 
 def all_reduce(
@@ -42,7 +43,7 @@ def all_reduce(
     tensors = [_checked("all_reduce", t) for t in tensors]
     args = (tuple(Arg(i) for i in range(len(tensors))), reduce_type, float(scale), groups)
     avals = tuple(Aval(tuple(t.shape), t.dtype) for t in tensors)
-    return _record(ALL_REDUCE, tensors, args, avals)
+    return _record("all_reduce", ALL_REDUCE, tensors, args, avals)
 
 
 def all_gather(value: torch.Tensor, dim: int, groups) -> LazyTensor:
@@ -52,7 +53,8 @@ def all_gather(value: torch.Tensor, dim: int, groups) -> LazyTensor:
     dim = _dim("all_gather", dim, value)
     shape = list(value.shape)
     shape[dim] *= _group_size(groups)
-    (out,) = _record(ALL_GATHER, [value], (Arg(0), dim, groups), (Aval(tuple(shape), value.dtype),))
+    aval = Aval(tuple(shape), value.dtype)
+    (out,) = _record("all_gather", ALL_GATHER, [value], (Arg(0), dim, groups), (aval,))
     return out
 
 
@@ -69,7 +71,9 @@ def reduce_scatter(
     shape = list(value.shape)
     shape[dim] //= shard_count
     args = (Arg(0), reduce_type, float(scale), dim, shard_count, groups)
-    (out,) = _record(REDUCE_SCATTER, [value], args, (Aval(tuple(shape), value.dtype),))
+    (out,) = _record(
+        "reduce_scatter", REDUCE_SCATTER, [value], args, (Aval(tuple(shape), value.dtype),)
+    )
     return out
 
 
@@ -87,7 +91,7 @@ def all_to_all(
     shape[split_dim] //= split_count
     shape[concat_dim] *= split_count
     args = (Arg(0), split_dim, concat_dim, split_count, groups)
-    (out,) = _record(ALL_TO_ALL, [value], args, (Aval(tuple(shape), value.dtype),))
+    (out,) = _record("all_to_all", ALL_TO_ALL, [value], args, (Aval(tuple(shape), value.dtype),))
     return out
 
 
@@ -106,18 +110,18 @@ def collective_permute(value: torch.Tensor, pairs) -> LazyTensor:
                 f"{size} replicas (0..{size - 1})"
             )
     aval = Aval(tuple(value.shape), value.dtype)
-    (out,) = _record(COLLECTIVE_PERMUTE, [value], (Arg(0), pairs), (aval,))
+    (out,) = _record("collective_permute", COLLECTIVE_PERMUTE, [value], (Arg(0), pairs), (aval,))
     return out
 
 
-def _record(op, tensors: list, args: tuple, avals: tuple) -> list[LazyTensor]:
+def _record(api: str, op, tensors: list, args: tuple, avals: tuple) -> list[LazyTensor]:
+    """The collective's node, its last argument the mode's axis (None: a world of one)."""
+    args += (current().mode.collective_axis(api),)
     node = Node(op, tuple(t._ref() for t in tensors), args, {}, avals)
     return [wrap((node, i), aval) for i, aval in enumerate(avals)]
 
 
 def _checked(api: str, t) -> LazyTensor:
-    if world_size() == 0:
-        raise RuntimeError(f"{api}: replica collectives run inside launch/spawn only")
     if not isinstance(t, LazyTensor):
         device = getattr(t, "device", type(t).__name__)
         raise ValueError(f"{api} needs tensors on the xla device, got one on {device}")

@@ -23,9 +23,11 @@ import numpy as np
 from jax._src.lax.lax import _convert_element_type  # weak-typed casts have no public API
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from . import config, counters, manual, placement
+from spmd_torch import config
+
+from . import counters, manual, placement
 from .engine import current
-from .graph import Program, substitute, to_text
+from .graph import STRUCTURES, Program, substitute, to_text
 from .layout import crop, padded
 from .lowering import LOWERINGS
 from .lowering.collectives import REPLICA_AXIS
@@ -55,6 +57,7 @@ class LoweringError(RuntimeError):
 class Executable:
     compiled: Any
     key: str  # short hex digest, for debug lines
+    devices: int  # how many devices the program spans
 
     def __call__(self, arrays: list, donated: tuple, scalars) -> list:
         """Run on ``arrays`` (the donated ones given up) and the packed scalars."""
@@ -66,7 +69,7 @@ class Executable:
 class CacheKey(NamedTuple):
     """What makes two programs the same executable; the debug line diffs these parts."""
 
-    structure: tuple
+    structure: int  # the program's identity (graph.STRUCTURES holds the structure itself)
     inputs: tuple
     donated: tuple
     n_scalars: int
@@ -75,24 +78,23 @@ class CacheKey(NamedTuple):
     flags: tuple
 
 
-def cache_key(
-    program: Program,
-    arrays: list,
-    donated: tuple,
-    out_shardings: tuple | None = None,
-    replicas: Mesh | None = None,
-    structure: tuple | None = None,
-) -> CacheKey:
-    """Inputs enter as (stored shape, dtype, sharding, logical shape): uneven ones are padded.
-    ``structure``: the program's, when the caller computed it already."""
+def cache_key(run) -> CacheKey:
+    """Inputs enter as (stored shape, dtype, sharding, logical shape): uneven ones are padded."""
+    program = run.program
     inputs = tuple(
         (a.shape, a.dtype, placement.key_of(a.sharding), node.avals[i].shape)
-        for a, (node, i) in zip(arrays, program.leaves)
+        for a, (node, i) in zip(run.arrays, program.leaves)
     )
-    scalars, flags = len(program.scalars), config.cache_key()
-    devices = None if replicas is None else tuple(d.id for d in replicas.devices.flat)
-    structure = program.structure() if structure is None else structure
-    return CacheKey(structure, inputs, donated, scalars, out_shardings, devices, flags)
+    replicas = None if run.replicas is None else tuple(d.id for d in run.replicas.devices.flat)
+    return CacheKey(
+        program.identity,
+        inputs,
+        run.donated,
+        len(program.scalars),
+        run.out_shardings,
+        replicas,
+        config.cache_key(),
+    )
 
 
 # --- the program as a JAX function ---------------------------------------------------------------
@@ -243,30 +245,25 @@ def _laid_out(value: jax.Array, sharding) -> jax.Array:
 # --- the cache -----------------------------------------------------------------------------------
 
 
-def lookup_or_compile(
-    program: Program,
-    arrays: list,
-    donated: tuple,
-    out_shardings: tuple | None = None,
-    replicas: Mesh | None = None,
-    structure: tuple | None = None,
-) -> tuple[Executable, bool]:
-    """The executable for ``program`` on these inputs (for every replica on the ``replicas`` mesh,
-    when given); compiles on a miss. Returns (exe, was_hit)."""
-    key = cache_key(program, arrays, donated, out_shardings, replicas, structure)
+def lookup_or_compile(run) -> tuple[Executable, bool]:
+    """The executable of ``run`` (a ``run.Run``); compiles on a miss. Returns (exe, was_hit)."""
     cache = current().cache
-    executable = cache.executables.get(key)
+    with counters.timed("CacheLookupTime"):
+        key = cache_key(run)
+        executable = cache.executables.get(key)
     if executable is not None:
         counters.bump("CachedCompile")
         return executable, True
     counters.bump("UncachedCompile")
+    program, donated, arrays = run.program, run.donated, run.arrays
     cache.ops.update((id(node.op), node.op) for node in program.nodes)
-    digest = hashlib.sha1(repr(_named(key.structure[0], cache.ops)).encode()).hexdigest()[:8]
+    structure = STRUCTURES[key.structure]
+    digest = hashlib.sha1(repr(_named(structure[0], cache.ops)).encode()).hexdigest()[:8]
     start = time.perf_counter_ns()
-    if replicas is None:
-        function = build_function(program, donated, out_shardings)
+    if run.replicas is None:
+        function = build_function(program, donated, run.out_shardings)
     else:
-        function = build_replica_function(program, donated, replicas)
+        function = build_replica_function(program, donated, run.replicas)
     function.__name__ = f"SyncTensorsGraph_{digest}"  # profiles name the program by its key
     abstract_inputs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in arrays]
     kept = [a for a, d in zip(abstract_inputs, donated) if not d]
@@ -275,10 +272,12 @@ def lookup_or_compile(
     with warnings.catch_warnings():
         # Donating a dead input no output can reuse still frees it early; that is the point.
         warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-        scalars = _scalars_aval(len(program.scalars), replicas)
+        scalars = _scalars_aval(len(program.scalars), run.replicas)
         compiled = jitted.lower(given, kept, scalars).compile()
     counters.record("CompileTime", time.perf_counter_ns() - start)
-    executable = cache.executables[key] = Executable(compiled, digest)
+    shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
+    devices = len({d for s in shardings for d in s.device_set})
+    executable = cache.executables[key] = Executable(compiled, digest, devices)
     cache.history.append(key)
     del cache.history[:-16]
     return executable, False
@@ -289,6 +288,13 @@ def _named(rows: tuple, ops: dict) -> list:
     return [(ops[row[0]],) + row[1:] for row in rows]
 
 
+# The parts of a CacheKey, as a recompilation's reason names them.
+_KEY_PARTS = (
+    "graph|input shapes/dtypes/shardings|donated inputs|lifted scalars|output shardings|"
+    "replica devices|flags"
+).split("|")
+
+
 def explain_last_miss() -> str:
     """Why the last compiled key missed: the first part differing from the most similar key."""
     cache = current().cache
@@ -296,20 +302,11 @@ def explain_last_miss() -> str:
     previous = cache.history[:-1]
     if not previous:
         return "first compilation"
-    names = (
-        "graph",
-        "input shapes/dtypes/shardings",
-        "donated inputs",
-        "lifted scalars",
-        "output shardings",
-        "replica devices",
-        "flags",
-    )
     best = max(previous, key=lambda p: sum(a == b for a, b in zip(p, key)))
-    for name, old, new in zip(names, best, key):
+    for name, old, new in zip(_KEY_PARTS, best, key):
         if old != new:
             if name == "graph":
-                return explain_graph_change(old, new, cache.ops)
+                return explain_graph_change(STRUCTURES[old], STRUCTURES[new], cache.ops)
             if name.startswith("input") and len(old) == len(new):
                 diffs = [
                     f"input {i}: {o[:3]} -> {n[:3]}"

@@ -22,9 +22,10 @@ class Samples:
         self.count, self.total, self.recent = 0, 0, deque(maxlen=1024)
 
     def append(self, value: float) -> None:
-        self.count += 1
-        self.total += value
-        self.recent.append(value)
+        with _LOCK:  # loader threads record uploads while the main thread traces
+            self.count += 1
+            self.total += value
+            self.recent.append(value)
 
     def __len__(self) -> int:
         return self.count
@@ -40,7 +41,7 @@ class Samples:
 
 COUNTERS: dict[str, int] = defaultdict(int)
 METRICS: dict[str, Samples] = defaultdict(Samples)
-_LOCK = threading.Lock()  # loader threads count their uploads too; appends need no lock
+_LOCK = threading.Lock()
 
 
 def bump(name: str, amount: int = 1) -> None:
@@ -63,5 +64,6 @@ def timed(name: str):
 
 
 def clear() -> None:
-    COUNTERS.clear()
-    METRICS.clear()
+    with _LOCK:
+        COUNTERS.clear()
+        METRICS.clear()

@@ -13,13 +13,11 @@ import contextlib
 import numpy as np
 import torch
 
-from . import (
-    dispatch,  # noqa: F401  (importing it connects the dispatcher to tensor.py)
-    rng,
-)
+from . import rng
+from .dispatch import issue
 from .execute import rng_words, wait_device_ops
 from .lowering.amp import AUTOCAST_KEY, AUTOCAST_POLICY, autocast_kernel
-from .tensor import DEVICE, _rebuild_on_device, connected
+from .tensor import DEVICE, _rebuild_on_device
 
 
 class _Stream:
@@ -138,7 +136,7 @@ _BACKEND_OPS = [
 
 def _factory_kernel(op):
     def kernel(*args, **kwargs):
-        return connected()(op, args, kwargs)  # eager mode wraps the dispatcher
+        return issue(op, args, kwargs)
 
     return kernel
 

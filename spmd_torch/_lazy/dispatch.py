@@ -3,6 +3,7 @@
 Lookup order, cached per overload: engine specials (transfers, scalars) -> foreach -> aliases ->
 a lowering (views keep aliasing) -> CompositeImplicit decomposition -> in-place/out through the
 functional op -> PyTorch's decomposition -> CPU fallback (counted as ``aten::<op>``, warned once).
+In eager mode (per engine) each op issued by user code then runs at once.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ import torch
 from torch._decomp import decomposition_table
 
 from . import counters, placement, rng, views
-from .execute import to_cpu
+from .engine import current
+from .execute import sync, to_cpu
 from .graph import Aval, Value
 from .lowering import LOWERINGS, amp
 from .record import DeviceMismatchError, NoStaticShape, emit, emit_value
 from .tensor import DEVICE, LazyTensor, connect, wrap, wrap_data
-from .transfer import HostData, host_copy, to_device_array
+from .transfer import host_copy, to_device_array, upload
 
 aten = torch.ops.aten
 
@@ -32,6 +34,22 @@ _DECOMPOSITIONS = {
     for op, fn in decomposition_table.items()
     if not getattr(fn, "__module__", "").startswith("torch._refs")
 } | amp.DECOMPOSITIONS
+
+
+def issue(func, args: tuple, kwargs: dict) -> Any:
+    """An aten call on xla tensors, from user code: traced, and in eager mode also run at once
+    (what an op issues itself, a decomposition's ops, runs with it)."""
+    engine = current()
+    if not engine.eager:
+        return dispatch(func, args, kwargs)
+    engine.eager_depth += 1
+    try:
+        out = dispatch(func, args, kwargs)
+    finally:
+        engine.eager_depth -= 1
+    if engine.eager_depth == 0:
+        sync()
+    return out
 
 
 def dispatch(func, args: tuple, kwargs: dict) -> Any:
@@ -273,15 +291,8 @@ def _assign(target: LazyTensor, value: Any, func) -> None:
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
-    return {
-        torch.float32: "Float",
-        torch.int64: "Long",
-        torch.int32: "Int",
-        torch.bool: "Bool",
-        torch.float64: "Double",
-        torch.bfloat16: "BFloat16",
-        torch.float16: "Half",
-    }.get(dtype, str(dtype))
+    """PyTorch's name for the dtype in errors: Float, Long, BFloat16..."""
+    return torch.empty(0, dtype=dtype).type().removeprefix("torch.").removesuffix("Tensor")
 
 
 def _copy_(func, args: tuple, kwargs: dict) -> LazyTensor:
@@ -292,16 +303,11 @@ def _copy_(func, args: tuple, kwargs: dict) -> LazyTensor:
     if isinstance(src, LazyTensor):
         value = emit_value(aten.copy.default, dst, src)
     else:
-        cpu = src.detach().to(dst.dtype).expand(dst.shape).contiguous()
+        host = host_copy(src.detach().to(dst.dtype).expand(dst.shape).contiguous())
         sharding = dst._storage.sharding if dst._view is None else None  # keep a marked layout
-        if sharding is None and placement.spmd_enabled():  # wait: a mark may come next
-            array = HostData(host_copy(cpu))
-            if dst._view is None:
-                dst._storage.sharding = placement.default_sharding()
-        else:
-            array = to_device_array(cpu, sharding)
-            if dst._view is None:
-                placement.remember(dst._storage, array)
+        array = current().mode.stage(host) if sharding is None else upload(host, sharding)
+        if dst._view is None:
+            placement.remember(dst._storage, array)
         value = Value(wrap_data(array, Aval(tuple(dst.shape), dst.dtype))._ref())
     dst._write(value.ref)
     return dst
@@ -495,6 +501,6 @@ SPECIALS: dict = {
     aten._unique2.default: _cpu_fallback,
 }
 
-connect(dispatch)
+connect(issue)
 
 __all__ = ["dispatch", "DeviceMismatchError"]

@@ -8,11 +8,12 @@ whose arrays are known: device data, or results computed by an earlier partial r
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+
+from .engine import current
 
 DATA = "data"  # a leaf holding device arrays
 SCALAR = "scalar"  # a Python float lifted to a program input, so changing it never recompiles
@@ -38,15 +39,6 @@ class Aval(NamedTuple):
     dtype: torch.dtype
 
 
-class _Scope(threading.local):
-    """This thread's open profiler ``Trace`` names, joined by "/": recorded nodes carry them."""
-
-    name: str | None = None
-
-
-SCOPE = _Scope()
-
-
 class Node:
     __slots__ = (
         "op",
@@ -70,7 +62,7 @@ class Node:
         self.arrays: list | None = None  # per-output jax arrays once known
         self.holders = 0  # live storages whose value is this node (donation bookkeeping)
         self.where: str | None = None  # user file:line, captured only when debugging
-        self.scope = SCOPE.name
+        self.scope = current().scope  # the profiler Trace names open on the engine
 
     @classmethod
     def data(cls, array: Any, aval: Aval) -> Node:
@@ -80,6 +72,12 @@ class Node:
 
     def is_leaf(self, index: int) -> bool:
         return self.arrays is not None and self.arrays[index] is not None
+
+    def keep(self, index: int, array: Any) -> None:
+        """Leave a computed value on the node: references to it read it from there."""
+        if self.arrays is None:
+            self.arrays = [None] * len(self.avals)
+        self.arrays[index] = array
 
     def __repr__(self) -> str:
         return f"Node({self.op}, {len(self.src)} src)"
@@ -110,6 +108,19 @@ class Program:
     scalars: list[Node]  # lifted Python scalars, in first-use order
     outputs: list[Ref]
     index: dict  # id(node) -> position among nodes; leaves: (id(node), i) -> input position
+    rows: list  # per node: (id(op), args, kwargs, wiring, scope), built by the walk itself
+    _identity: int | None = None
+
+    @property
+    def identity(self) -> int:
+        """The number of its structure, shared by every program of that structure (replicas',
+        step after step): keys and comparisons hash one int, not the structure."""
+        if self._identity is None:
+            structure = self.structure()
+            self._identity = _IDENTITIES.setdefault(structure, len(STRUCTURES))
+            if self._identity == len(STRUCTURES):
+                STRUCTURES.append(structure)
+        return self._identity
 
     def structure(self) -> tuple:
         """The hashable structure of the program: ops, static args, wiring and scopes, not data.
@@ -117,15 +128,11 @@ class Program:
         Ops enter by ``id``: an OpOverload hashes in Python, and ops live as long as the process.
         Recorded args are hashable already (the walk made every list a tuple): no freezing here.
         """
-        rows = []
-        for node in self.nodes:
-            kwargs = tuple(node.kwargs.items()) if node.kwargs else ()
-            rows.append((id(node.op), node.args, kwargs, self.wiring(node), node.scope))
-        outs = tuple(self.locate(ref) for ref in self.outputs)
-        return (tuple(rows), outs)
+        return (tuple(self.rows), tuple(self.locate(ref) for ref in self.outputs))
 
     def wiring(self, node: Node) -> tuple:
-        return tuple(self.locate(ref) for ref in node.src)
+        """Where each source of ``node`` comes from (``locate``'s answers)."""
+        return self.rows[self.index[id(node)]][3]
 
     def locate(self, ref: Ref) -> tuple:
         node, i = ref
@@ -136,35 +143,42 @@ class Program:
         return ("n", self.index[id(node)], i)
 
 
+_IDENTITIES: dict[tuple, int] = {}  # structure -> its number
+STRUCTURES: list[tuple] = []  # number -> structure (what a recompilation's reason diffs)
+
+
 def linearize(outputs: list[Ref]) -> Program:
     """Topologically sort everything ``outputs`` need, stopping at leaves; iterative DFS.
 
-    Leaves and lifted scalars are numbered as they are met among a node's sources, so only
-    computed nodes ever go on the stack (this runs over every node at every barrier).
+    Only computed nodes go on the stack (this runs over every node at every barrier). A node's row
+    of the structure is written when it is placed, its sources already placed; leaves and lifted
+    scalars are numbered there, on first use.
     """
     nodes: list[Node] = []
     leaves: list[Ref] = []
     scalars: list[Node] = []
+    rows: list = []
     index: dict = {}
 
-    def is_computed(ref: Ref) -> bool:
-        """Number ``ref`` if it is a leaf or scalar; True if it is a node to compute."""
+    def where(ref: Ref) -> tuple:
         node, i = ref
         if node.op == SCALAR:
-            if id(node) not in index:
-                index[id(node)] = len(scalars)
+            k = index.get(id(node))
+            if k is None:
+                k = index[id(node)] = len(scalars)
                 scalars.append(node)
-            return False
+            return ("s", k)
         arrays = node.arrays
-        if arrays is not None and arrays[i] is not None:
-            if (id(node), i) not in index:
-                index[(id(node), i)] = len(leaves)
-                leaves.append(ref)
-            return False
-        return True
+        if arrays is None or arrays[i] is None:
+            return ("n", index.get(id(node)), i)
+        k = index.get((id(node), i))
+        if k is None:
+            k = index[(id(node), i)] = len(leaves)
+            leaves.append(ref)
+        return ("in", k)
 
     for root in outputs:
-        if not is_computed(root):
+        if where(root)[0] != "n":
             continue
         stack = [(root[0], False)]
         while stack:
@@ -172,14 +186,19 @@ def linearize(outputs: list[Ref]) -> Program:
             if id(node) in index:
                 continue
             if expanded:
+                kwargs = tuple(node.kwargs.items()) if node.kwargs else ()
+                wiring = tuple([where(ref) for ref in node.src])
                 index[id(node)] = len(nodes)
                 nodes.append(node)
+                rows.append((id(node.op), node.args, kwargs, wiring, node.scope))
                 continue
             stack.append((node, True))
-            for ref in reversed(node.src):
-                if is_computed(ref) and id(ref[0]) not in index:
-                    stack.append((ref[0], False))
-    return Program(nodes, leaves, scalars, list(outputs), index)
+            for source, i in reversed(node.src):  # inlined: a computed source not yet placed
+                arrays = source.arrays
+                if (arrays is None or arrays[i] is None) and source.op != SCALAR:
+                    if id(source) not in index:
+                        stack.append((source, False))
+    return Program(nodes, leaves, scalars, list(outputs), index, rows)
 
 
 _DTYPE_NAMES = {

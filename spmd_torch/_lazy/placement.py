@@ -1,8 +1,8 @@
 """Where device data lives: one device, or (in SPMD mode) the devices of the mesh, sharded as marked.
 
-Outside SPMD mode every array sits on JAX's default device. ``enable_spmd`` (the engine's placement
-mode) makes uploads land replicated over all devices and moves any array still on one device onto
-them the first time a program uses it (PyTorch/XLA's one-time replication when SPMD starts).
+Outside SPMD mode every array sits on JAX's default device. In SPMD mode (modes.SpmdMesh) uploads
+land replicated over all devices, and any array still on one device moves onto them the first time
+a program uses it (PyTorch/XLA's one-time replication when SPMD starts).
 
 A tensor's sharding belongs to its storage: ``mark`` places data or constrains a pending value
 (a ``CONSTRAIN`` node), and the barrier constrains every later value written to that storage the
@@ -17,11 +17,10 @@ shape, programs slice padded inputs and pad outputs back.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from . import transfer
 from .engine import current
@@ -31,36 +30,10 @@ from .lowering.sharding import CONSTRAIN
 from .tensor import LazyTensor, Storage, wrap_data
 
 
-def enable_spmd(devices: Sequence[jax.Device]) -> None:
-    """Run every later program of this engine over ``devices``; new data is replicated there."""
-    _refuse_in_replica("SPMD mode (use_spmd, mark_sharding)")
-    mesh = jax.sharding.Mesh(np.array(list(devices)), ("devices",))
-    current().replicated = NamedSharding(mesh, PartitionSpec())
-
-
-def spmd_enabled() -> bool:
-    return current().replicated is not None
-
-
-def default_sharding():
-    """Where uploads land: replicated over the SPMD devices, a replica's device (OnReplica), or
-    JAX's default device (None)."""
-    return transfer.landing()
-
-
-def _refuse_in_replica(what: str) -> None:
-    replica = current().replica
-    if replica is not None:
-        raise RuntimeError(
-            f"{what} inside replica {replica.ordinal} of launch/spawn: a replica owns one device; "
-            "shard over a mesh from a single process instead (see docs/multiprocessing.md)"
-        )
-
-
 def onto_spmd_devices(leaves: list, arrays: list) -> list:
     """Program inputs with host-held data uploaded and every single-device array replicated
     onto the SPMD devices, once."""
-    replicated = current().replicated
+    replicated = current().mode.replicated
     for k, array in enumerate(arrays):
         if type(array) is transfer.HostData or array.sharding.num_devices != replicated.num_devices:
             node, index = leaves[k]
@@ -72,7 +45,7 @@ def resolve(node: Node, index: int) -> jax.Array:
     """A leaf's device array: host-held data is uploaded (replicated) first."""
     array = node.arrays[index]
     if type(array) is transfer.HostData:
-        array = node.arrays[index] = _replicate(array, current().replicated)
+        array = node.arrays[index] = transfer.upload(array.host, array.sharding)
     elif type(array) is transfer.ReplicaShard:
         return array.local()  # the handle stays: the next program takes the stacked array whole
     return array
@@ -93,15 +66,17 @@ def output_sharding(storage: Storage, aval: Aval):
 
 
 def remember(storage: Storage, array: jax.Array) -> None:
-    """Keep the layout the partitioner chose for an output, so the next step reuses it."""
-    if storage.sharding is None and array.sharding.num_devices > 1:
-        storage.sharding = key_of(array.sharding)
+    """Keep the layout the partitioner chose for an output, so the next step reuses it (a
+    replica's block has none)."""
+    sharding = getattr(array, "sharding", None)  # a replica's block has none
+    if storage.sharding is None and sharding is not None and sharding.num_devices > 1:
+        storage.sharding = key_of(sharding)
 
 
 def key_of(sharding):
     """``sharding`` as compile keys see it: replicated over every device is one layout, whichever
     mesh object it names (uploads use ours, program outputs the user's)."""
-    replicated = current().replicated
+    replicated = current().mode.replicated
     if replicated is not None and sharding.num_devices > 1 and sharding.is_fully_replicated:
         return replicated
     return sharding
@@ -111,7 +86,7 @@ def mark(t: LazyTensor, sharding: NamedSharding) -> None:
     """Give ``t`` this sharding: data moves onto the mesh, a pending value gets a constraint."""
     sharding = canonical(sharding)
     _check_device(t, "mark_sharding")
-    _refuse_in_replica("mark_sharding")
+    current().mode.refuse_per_replica("mark_sharding")
     node, index = ref = t._ref()
     if t._view is not None and not node.is_leaf(index):
         t._remember(_constrained(ref, sharding))  # a pending view: this value only, as PyTorch/XLA
@@ -190,10 +165,7 @@ def layout_of(t: LazyTensor):
     node, index = t._ref()
     if not node.is_leaf(index):
         return None
-    array = node.arrays[index]
-    if type(array) is transfer.HostData:
-        return current().replicated
-    return array.sharding
+    return node.arrays[index].sharding
 
 
 def logical(array: jax.Array, shape: tuple) -> jax.Array:

@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 
-from . import config, counters
+from spmd_torch import config
+
+from . import counters
 from .graph import SCALAR, Arg, Aval, Node, Ref, Value
 from .lowering.dtypes import to_jax_dtype
 from .tensor import DEVICE, LazyTensor, wrap_data

@@ -1,39 +1,36 @@
-"""The replicas of ``launch``: threads that each trace their own graph, and the barrier that runs
-all their graphs as one program.
+"""The world of ``launch``'s replicas: threads that take turns at running Python, and meet at
+barriers and rendezvous.
 
-Each replica is a thread running its own ``Engine`` (``Engine.replica``) on its own device.
-Replicas take turns running Python, as the processes they stand for would run side by side: one
-holds the turn and hands it on, round-robin, whenever it waits (at a barrier, a rendezvous, or for
-data). The torch CPU RNG travels with the turn, so each replica draws from its own stream as a
-process would, and a run is deterministic.
+Each replica is a thread running its own ``Engine`` in replica mode (modes.Replica) on its own
+device. Replicas take turns running Python, as the processes they stand for would run side by
+side: one holds the turn and hands it on, round-robin, whenever it waits (at a barrier, a
+rendezvous, or for data). The torch CPU RNG travels with the turn, so each replica draws from its
+own stream as a process would, and a run is deterministic.
 
-At a barrier each replica hands in its linearised program. Once no replica runs, the world
-resolves the waits in the last one's thread: replicas whose programs share a key run as ONE
-``jax.shard_map`` over the mesh of their devices, compiled once whatever their number. An input
-is the replicas' arrays stacked along the mesh axis (free when they are the blocks of one earlier
-output), an output the replicas' results stacked (``transfer.ReplicaShard``). Collectives
-(lowering/collectives.py) are jax collectives over that axis, so a program holding one runs only
-when every replica traced it; anything else is an error naming the replicas and the collective,
-never a hang. A replica that raises ends every other replica's wait with ``ReplicaAborted``.
+At a barrier each replica hands in its run (run.Run). Once no replica runs, the world resolves the
+waits in the last one's thread: runs that share a key become ONE run over the mesh of their
+devices (``run.stacked``), compiled once whatever their number. Collectives
+(lowering/collectives.py) are jax collectives over that mesh's axis, so a program holding one runs
+only when every replica traced it; anything else is an error naming the replicas and the
+collective, never a hang. A replica that raises ends every other replica's wait with
+``ReplicaAborted``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 
-import jax
 import numpy as np
 import torch
 from jax.sharding import Mesh
 
 from . import compile as compiler
-from . import config, counters
-from .collective import COLLECTIVES
-from .engine import CompileCache, Engine, current
-from .graph import DATA, Program
+from . import run as runs
+from .engine import CompileCache
 from .lowering.collectives import REPLICA_AXIS
-from .transfer import OnReplica, ReplicaShard
+from .transfer import ReplicaShard
 
 
 class ReplicaAborted(BaseException):
@@ -49,43 +46,11 @@ class RendezvousError(RuntimeError):
     """Replicas met at different rendezvous, or one left the world while others waited."""
 
 
-class Replica:
-    """One replica: its ordinal, its device (where its uploads land) and its torch CPU RNG."""
-
-    __slots__ = ("world", "ordinal", "landing", "cpu_rng")
-
-    def __init__(self, world: World, ordinal: int, device: jax.Device, cpu_rng: torch.Tensor):
-        self.world = world
-        self.ordinal = ordinal
-        self.landing = OnReplica(device)
-        self.cpu_rng = cpu_rng
-
-
-@dataclass
-class _Barrier:
-    """A replica's program at a barrier, with everything the merged run needs of it."""
-
-    program: Program
-    arrays: list  # the leaves' stacked arrays or ReplicaShards
-    donated: tuple
-    scalars: np.ndarray
-    key: tuple  # programs with equal keys run as one
-    collectives: list  # names of the collectives it runs, in order
-
-
 @dataclass
 class _Rendezvous:
     tag: str
     payload: object
     participants: tuple
-
-
-def _barrier_of(program: Program, donated: tuple) -> _Barrier:
-    arrays = [node.arrays[i] for node, i in program.leaves]
-    scalars = np.array([node.args[0] for node in program.scalars], dtype=np.float64)
-    key = (program.structure(), tuple(n.avals[i] for n, i in program.leaves), donated)
-    collectives = [str(node.op) for node in program.nodes if node.op in COLLECTIVES]
-    return _Barrier(program, arrays, donated, scalars, key, collectives)
 
 
 class World:
@@ -102,33 +67,27 @@ class World:
         self.last_turn = -1
         self.ready = set(range(self.size))  # replicas wanting the turn: all, at the start
         self.away: set = set()  # replicas waiting for something outside (data); they come back
-        self.waits: dict = {}  # ordinal -> _Barrier | _Rendezvous
+        self.waits: dict = {}  # ordinal -> run.Run | _Rendezvous
         self.answers: dict = {}  # ordinal -> the result of its wait, or an error to raise
         self.done: set = set()
         self.failure: tuple | None = None  # (ordinal, exception) of the first replica to fail
 
-    def engine(self, ordinal: int) -> Engine:
-        """A fresh engine for replica ``ordinal``, starting from the caller's CPU RNG state."""
-        device = self.mesh.devices.flat[ordinal]
-        replica = Replica(self, ordinal, device, torch.get_rng_state())
-        return Engine(cache=self.cache, replica=replica)
-
     # --- turns ---------------------------------------------------------------------------------
 
-    def start(self, replica: Replica) -> None:
+    def start(self, replica) -> None:
         """Wait for the replica's first turn (every replica is ready from the start)."""
         with self.lock:
             self._pass_turn()
             self._await_turn(replica)
 
-    def finish(self, replica: Replica) -> None:
+    def finish(self, replica) -> None:
         with self.lock:
             self.done.add(replica.ordinal)
             self._give_turn(replica)
             self._resolve()
             self._pass_turn()
 
-    def fail(self, replica: Replica, error: BaseException) -> None:
+    def fail(self, replica, error: BaseException) -> None:
         with self.lock:
             if self.failure is None:
                 self.failure = (replica.ordinal, error)
@@ -138,21 +97,23 @@ class World:
             for wakeup in self.wakeups:
                 wakeup.notify()
 
-    def step_away(self, replica: Replica) -> None:
-        """Give the turn up while waiting outside the world (for data), without leaving it."""
+    @contextlib.contextmanager
+    def stepped_away(self, replica):
+        """Around a wait outside the world (for data): the turn goes on, the replica stays in."""
         with self.lock:
             self.away.add(replica.ordinal)
             self._give_turn(replica)
             self._pass_turn()
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.away.discard(replica.ordinal)
+                self.ready.add(replica.ordinal)
+                self._pass_turn()
+                self._await_turn(replica)
 
-    def come_back(self, replica: Replica) -> None:
-        with self.lock:
-            self.away.discard(replica.ordinal)
-            self.ready.add(replica.ordinal)
-            self._pass_turn()
-            self._await_turn(replica)
-
-    def _give_turn(self, replica: Replica) -> None:
+    def _give_turn(self, replica) -> None:
         replica.cpu_rng = torch.get_rng_state()
         self.turn = None
 
@@ -165,7 +126,7 @@ class World:
         self.turn = self.last_turn = following
         self.wakeups[following].notify()
 
-    def _await_turn(self, replica: Replica) -> None:
+    def _await_turn(self, replica) -> None:
         while self.turn != replica.ordinal:
             if self.failure is not None:
                 ordinal, error = self.failure
@@ -178,11 +139,7 @@ class World:
 
     # --- waits ---------------------------------------------------------------------------------
 
-    def barrier(self, replica: Replica, program: Program, donated: tuple) -> list:
-        """Run ``program`` with the other replicas' programs; this replica's outputs."""
-        return self._wait(replica, _barrier_of(program, donated))
-
-    def rendezvous(self, replica: Replica, tag: str, payload, participants: list) -> list:
+    def rendezvous(self, replica, tag: str, payload, participants: list) -> list:
         """Every participant's payload, in ordinal order, once all of them arrived at ``tag``."""
         participants = tuple(sorted(participants)) if participants else tuple(range(self.size))
         if replica.ordinal not in participants:
@@ -190,14 +147,15 @@ class World:
                 f"rendezvous {tag!r}: replica {replica.ordinal} is not among its replicas "
                 f"{list(participants)}"
             )
-        return self._wait(replica, _Rendezvous(tag, payload, participants))
+        return self.wait(replica, _Rendezvous(tag, payload, participants))
 
-    def run_alone(self, replica: Replica, program: Program) -> list:
-        """Run a collective-free program of this replica's on its own device, now."""
-        wait = _barrier_of(program, (False,) * len(program.leaves))
-        return self._run([(replica.ordinal, wait)], {replica.ordinal: 0})[replica.ordinal]
+    def run_alone(self, replica, run: runs.Run) -> list:
+        """Run a collective-free run of this replica's on its own device, now."""
+        return self._run([(replica.ordinal, run)])[replica.ordinal]
 
-    def _wait(self, replica: Replica, wait) -> object:
+    def wait(self, replica, wait) -> object:
+        """Hand in a run (a barrier: this replica's outputs, once every replica's ran) or a
+        rendezvous; the answer once the other replicas' waits resolve it."""
         with self.lock:
             self.waits[replica.ordinal] = wait
             self._give_turn(replica)
@@ -221,8 +179,8 @@ class World:
         self._meet_rendezvous()
         if self.turn is not None or self.ready or self.away or not self.waits:
             return  # someone still runs: it may join the waits
-        barriers = {k: w for k, w in self.waits.items() if type(w) is _Barrier}
-        others = {k: w for k, w in self.waits.items() if type(w) is not _Barrier}
+        barriers = {k: w for k, w in self.waits.items() if type(w) is runs.Run}
+        others = {k: w for k, w in self.waits.items() if type(w) is not runs.Run}
         if barriers:
             blocking = [k for k, w in barriers.items() if w.collectives]
             if blocking and (others or self.done):
@@ -304,86 +262,26 @@ class World:
             return
         for group in groups.values():
             try:
-                results = self._run(group, {k: p for p, (k, _) in enumerate(group)})
+                results = self._run(group)
             except Exception as error:  # a compile or run error: every replica raises it
                 results = {k: error for k, _ in group}
             for ordinal, result in results.items():
                 self._answer(ordinal, result)
 
-    def _run(self, group: list, position: dict) -> dict:
-        """One program for the replicas of ``group`` (equal keys), on the mesh of their devices."""
+    def _run(self, group: list) -> dict:
+        """One run for the replicas of ``group`` (equal keys), on the mesh of their devices."""
         ordinals = [k for k, _ in group]
         mesh = self.mesh if len(group) == self.size else self._submesh(ordinals)
-        layout = compiler.stacked(mesh)
-        waits = [w for _, w in group]
-        first = waits[0]
-        arrays = [
-            _stacked([w.arrays[i] for w in waits], mesh, layout) for i in range(len(first.arrays))
-        ]
-        donated = tuple(all(w.donated[i] for w in waits) for i in range(len(arrays)))
-        scalars = jax.device_put(np.stack([w.scalars for w in waits]), layout)
-        structure = first.key[0]  # computed once, at the barrier
-        executable, hit = compiler.lookup_or_compile(
-            first.program, arrays, donated, replicas=mesh, structure=structure
-        )
-        if config.DEBUG_LEVEL.value:
-            compiler.debug_line(first.program, executable, hit)
-        with counters.timed("ExecuteTime"):
-            outputs = executable(arrays, donated, scalars)
-        return {k: [ReplicaShard(out, position[k]) for out in outputs] for k in ordinals}
+        outputs = runs.execute(runs.stacked([run for _, run in group], mesh))
+        return {k: [ReplicaShard(out, p) for out in outputs] for p, k in enumerate(ordinals)}
 
     def _submesh(self, ordinals: list) -> Mesh:
         return Mesh(np.array([self.mesh.devices.flat[k] for k in ordinals]), (REPLICA_AXIS,))
 
 
-def _difference(a: _Barrier, b: _Barrier) -> str:
+def _difference(a: runs.Run, b: runs.Run) -> str:
     """Where two replicas' programs part: the first differing node (by op and static args)."""
     ops = {id(node.op): node.op for node in a.program.nodes + b.program.nodes}
     if a.key[0] != b.key[0]:
-        return compiler.explain_graph_change(a.key[0], b.key[0], ops)
+        return compiler.explain_graph_change(a.program.structure(), b.program.structure(), ops)
     return "the inputs' shapes or dtypes, or which inputs are donated"
-
-
-def _stacked(blocks: list, mesh: Mesh, layout) -> jax.Array:
-    """The replicas' arrays of one input as one array stacked over ``mesh``: the earlier output
-    itself when they are its blocks in order, else assembled from the blocks (no copy)."""
-    first = blocks[0]
-    if type(first) is ReplicaShard:
-        whole = first.stacked
-        if whole.sharding.mesh == mesh and all(
-            type(b) is ReplicaShard and b.stacked is whole and b.position == p
-            for p, b in enumerate(blocks)
-        ):
-            return whole
-    local = [b.local() if type(b) is ReplicaShard else b for b in blocks]
-    shape = (len(local),) + tuple(local[0].shape[1:])
-    return jax.make_array_from_single_device_arrays(shape, layout, local)
-
-
-# --- what a replica's thread calls --------------------------------------------------------------
-
-
-def barrier(program: Program, donate: bool) -> list:
-    """The calling replica's part in a barrier: its outputs once every replica's program ran."""
-    replica = current().replica
-    donated = tuple(donate and node.op == DATA and node.holders == 0 for node, _ in program.leaves)
-    return replica.world.barrier(replica, program, donated)
-
-
-def run_alone(program: Program) -> list:
-    replica = current().replica
-    return replica.world.run_alone(replica, program)
-
-
-class away:
-    """``with away():`` around a wait for something outside the world (a loader's next batch)
-    lets the other replicas run meanwhile; a no-op outside a replica."""
-
-    def __enter__(self):
-        self.replica = current().replica
-        if self.replica is not None:
-            self.replica.world.step_away(self.replica)
-
-    def __exit__(self, *exc):
-        if self.replica is not None:
-            self.replica.world.come_back(self.replica)

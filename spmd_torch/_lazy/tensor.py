@@ -185,11 +185,6 @@ def connect(dispatcher: Callable) -> None:
     _dispatch = dispatcher
 
 
-def connected() -> Callable:
-    """The dispatcher aten calls on xla tensors go to now (eager mode wraps it)."""
-    return _dispatch
-
-
 def _rebuild_on_device(cpu: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     return cpu.to(DEVICE).requires_grad_(requires_grad)
 

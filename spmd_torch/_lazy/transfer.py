@@ -49,10 +49,9 @@ def upload(host: np.ndarray, sharding=None) -> jax.Array:
 
 
 def landing():
-    """Where the calling thread's engine puts new data: a replica's device, replicated over the
-    SPMD devices, or (None) JAX's default device."""
-    engine = current()
-    return engine.replicated if engine.replica is None else engine.replica.landing
+    """Where the calling thread's engine puts new data (its mode says): a replica's device,
+    replicated over the SPMD devices, or (None) JAX's default device."""
+    return current().mode.landing
 
 
 class OnReplica(NamedTuple):
@@ -66,7 +65,7 @@ class ReplicaShard:
     """Replica ``position``'s block of an array stacked over a mesh of replicas: a program output
     read lazily, so that the next program takes the stacked array back whole."""
 
-    __slots__ = ("stacked", "position")
+    __slots__ = ("stacked", "position", "__weakref__")
 
     def __init__(self, stacked: jax.Array, position: int):
         self.stacked = stacked
@@ -76,15 +75,21 @@ class ReplicaShard:
         """The block on the replica's own device, shape (1, *logical shape)."""
         return self.stacked.addressable_data(self.position)
 
+    def block_until_ready(self) -> ReplicaShard:
+        self.stacked.block_until_ready()
+        return self
+
 
 class HostData:
     """Data moved to the device in SPMD mode, still on the host: the first program uploads it
-    replicated, or ``mark_sharding`` uploads it straight into its layout (no full copy per device)."""
+    replicated (``sharding``), or ``mark_sharding`` uploads it straight into its layout (no full
+    copy per device)."""
 
-    __slots__ = ("host",)
+    __slots__ = ("host", "sharding")
 
-    def __init__(self, host: np.ndarray):
+    def __init__(self, host: np.ndarray, sharding):
         self.host = host
+        self.sharding = sharding
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         return self.host

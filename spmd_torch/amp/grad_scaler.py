@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-import spmd_torch
+from spmd_torch import _barrier
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -80,7 +80,7 @@ class GradScaler(torch.amp.GradScaler):
                     if param.grad is not None:
                         param.grad.nan_to_num_().mul_(keep.to(param.grad.dtype))
             return optimizer.step(*args, **kwargs)
-        spmd_torch.sync()
+        _barrier.barrier()
         if not sum(v.item() for v in found_inf_per_device.values()):
             return optimizer.step(*args, **kwargs)
         return None

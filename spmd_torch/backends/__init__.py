@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Literal
 
-from spmd_torch._lazy import config as _config
+from spmd_torch import config as _config
 
 __all__ = ["get_mat_mul_precision", "set_mat_mul_precision"]
 

@@ -134,7 +134,7 @@ class SyncBatchNorm(torch.nn.Module):
         channels = [1, -1] + [1] * (batch.dim() - 2)
         if self.training:
             dims = [0, *range(2, batch.dim())]
-            replicas = max(runtime.world_size(), 1) if xm.is_xla_tensor(batch) else 1
+            replicas = runtime.world_size() if xm.is_xla_tensor(batch) else 1
             count = batch.numel() // self.num_features * replicas
             mean = all_reduce(xm.REDUCE_SUM, batch.sum(dims)) / count
             centered = batch - mean.reshape(channels)

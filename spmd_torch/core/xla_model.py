@@ -16,21 +16,21 @@ import copy
 import itertools
 import re
 import sys
-import threading
 import time
 from collections.abc import Callable
-from concurrent import futures
 from typing import Any, TypedDict
 
 import jax
 import torch
 
-import spmd_torch
-from spmd_torch import runtime
+from spmd_torch import _barrier, runtime
+from spmd_torch import config as _config
 from spmd_torch._lazy import collective as _collective
 from spmd_torch._lazy import engine as _engine
 from spmd_torch._lazy import execute as _execute
 from spmd_torch._lazy import rng as _rng
+from spmd_torch._lazy.tensor import DEVICE as _DEVICE
+from spmd_torch.debug import graph as _graph
 from spmd_torch.utils import utils as xu
 from spmd_torch.utils.checkpoint import optimization_barrier_  # noqa: F401  (xm's name for it)
 
@@ -77,7 +77,7 @@ def xla_device(n: int | None = None, devkind: str | None = None) -> torch.device
         raise RuntimeError(
             f"xla_device(devkind={devkind!r}): this program runs on {runtime.device_type()}"
         )
-    return spmd_torch.device()
+    return _DEVICE
 
 
 def get_xla_supported_devices(
@@ -96,7 +96,7 @@ def get_xla_supported_devices(
     """
     if devkind is not None and devkind.upper() != runtime.device_type():
         return None
-    devices = [str(d) for d in spmd_torch.devices()]
+    devices = [str(_DEVICE)]
     return devices[:max_devices] if max_devices else devices
 
 
@@ -272,44 +272,10 @@ def mark_step(wait: bool = False, reset_scope: bool = True) -> None:
         >>> loss = model(x).sum(); loss.backward(); opt.step()
         >>> xm.mark_step()
     """
-    spmd_torch.sync(wait=wait)
+    _barrier.barrier(wait=wait)
 
 
 # --- step closures -------------------------------------------------------------------------------
-
-
-class _AsyncClosureRunner:
-    """Runs asynchronous step closures one at a time, in order, on one background thread; a
-    closure's error stops the ones queued after it and is raised at the next step."""
-
-    def __init__(self) -> None:
-        self._executor = futures.ThreadPoolExecutor(1, thread_name_prefix="xm-step-closure")
-        self._lock = threading.Lock()
-        self._error: BaseException | None = None
-
-    def submit(self, closures: list[Callable[[], Any]]) -> None:
-        with self._lock:
-            error, self._error = self._error, None
-        if error is not None:
-            raise RuntimeError(
-                "Cannot run asynchronous step closures: an earlier one raised "
-                f"{type(error).__name__}: {error}"
-            ) from error
-        for closure in closures:
-            self._executor.submit(self._run, closure)
-
-    def _run(self, closure: Callable[[], Any]) -> None:
-        with self._lock:
-            if self._error is not None:
-                return
-        try:
-            closure()
-        except Exception as error:  # kept for the next step, as PyTorch/XLA does
-            with self._lock:
-                self._error = error
-
-
-_ASYNC_CLOSURES = xu.LazyProperty(_AsyncClosureRunner)
 
 
 def add_step_closure(
@@ -336,7 +302,7 @@ def add_step_closure(
         >>> xm.mark_step()
         loss 0.6931
     """
-    _engine.current().step_closures.append((lambda: closure(*args), run_async))
+    _barrier.add_step_closure(lambda: closure(*args), run_async)
 
 
 def run_step_closures() -> None:
@@ -350,14 +316,7 @@ def run_step_closures() -> None:
         >>> spmd_torch.sync()
         >>> xm.run_step_closures()
     """
-    engine = _engine.current()
-    closures, engine.step_closures = engine.step_closures, []
-    asynchronous = [closure for closure, run_async in closures if run_async]
-    if asynchronous:
-        _ASYNC_CLOSURES.value.submit(asynchronous)
-    for closure, run_async in closures:
-        if not run_async:
-            closure()
+    _barrier.run_step_closures()
 
 
 def wait_device_ops(devices: list | None = None) -> None:
@@ -407,7 +366,7 @@ def reduce_gradients(
         >>> xm.reduce_gradients(optimizer)
     """
     count = _collective.world_size()
-    if count < 2:
+    if count == 1:  # a world of one: its gradients are the global gradients
         return
     gradients = [
         p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None
@@ -479,12 +438,7 @@ def all_reduce(
     """
     single = isinstance(inputs, torch.Tensor)
     tensors = [inputs] if single else list(inputs)
-    if _collective.world_size() == 0:
-        _check_world_of_one("all_reduce")
-        _collective.check_reduce_type("all_reduce", reduce_type)
-        reduced = [t * scale if scale != 1.0 else t.clone() for t in tensors]
-    else:
-        reduced = _collective.all_reduce(reduce_type, tensors, scale, groups)
+    reduced = _collective.all_reduce(reduce_type, tensors, scale, groups)
     if single:
         return reduced[0]
     with torch.no_grad():
@@ -516,13 +470,7 @@ def all_gather(
         >>> everyone = xm.all_gather(torch.tensor([index], device=device))  # [0, 1, ..., 7]
     """
 
-    def gather(t):
-        if _collective.world_size() == 0:
-            _check_world_of_one("all_gather")
-            return t.clone()
-        return _collective.all_gather(t, dim, groups)
-
-    return _each(value, output, gather)
+    return _each(value, output, lambda t: _collective.all_gather(t, dim, groups))
 
 
 def reduce_scatter(
@@ -555,12 +503,6 @@ def reduce_scatter(
     """
 
     def scatter(t):
-        if _collective.world_size() == 0:
-            _check_world_of_one("reduce_scatter")
-            _collective.check_reduce_type("reduce_scatter", reduce_type)
-            if shard_count != 1:
-                raise ValueError(f"reduce_scatter: shard_count={shard_count} in a world of one")
-            return t * scale if scale != 1.0 else t.clone()
         return _collective.reduce_scatter(reduce_type, t, scale, scatter_dim, shard_count, groups)
 
     return _each(input, output, scatter)
@@ -589,9 +531,6 @@ def all_to_all(
     Example:
         >>> swapped = xm.all_to_all(x, 0, 1, xr.world_size())
     """
-    if _collective.world_size() == 0:
-        _check_world_of_one("all_to_all")
-        return value.clone()
     return _collective.all_to_all(value, split_dimension, concat_dimension, split_count, groups)
 
 
@@ -607,10 +546,6 @@ def collective_permute(value: torch.Tensor, pairs: list) -> torch.Tensor:
         >>> n = xr.world_size()
         >>> from_left = xm.collective_permute(x, [[i, (i + 1) % n] for i in range(n)])
     """
-    if _collective.world_size() == 0:
-        _check_world_of_one("collective_permute")
-        keeps = any(tuple(pair) == (0, 0) for pair in pairs)
-        return value.clone() if keeps else torch.zeros_like(value)
     return _collective.collective_permute(value, pairs)
 
 
@@ -628,7 +563,7 @@ def collective_broadcast(
     Example:
         >>> xm.collective_broadcast(list(model.parameters()))
     """
-    if _collective.world_size() == 0:
+    if _collective.world_size() == 1:  # a world of one holds the root's values already
         return
     ordinal = runtime.global_ordinal()
     if groups:
@@ -657,11 +592,7 @@ def rendezvous(tag: str, payload: Any = b"", replicas: list | None = None) -> li
     Example:
         >>> xm.rendezvous('epoch_end')
     """
-    replica = _engine.current().replica
-    if replica is None:
-        _check_world_of_one("rendezvous")
-        return [payload]
-    return replica.world.rendezvous(replica, tag, payload, list(replicas or []))
+    return _engine.current().mode.rendezvous(tag, payload, list(replicas or []))
 
 
 def mesh_reduce(tag: str, data: Any, reduce_fn: Callable[[list], Any]) -> Any:
@@ -694,15 +625,6 @@ def _each(value, output, collective: Callable):
     return output
 
 
-def _check_world_of_one(api: str) -> None:
-    """Outside ``launch`` there is one replica per process; across hosts, shard a mesh instead."""
-    if runtime.process_count() > 1:
-        raise NotImplementedError(
-            f"xm.{api} across {runtime.process_count()} hosts outside launch/spawn: in the SPMD "
-            "model collectives come from sharding; mark tensors over a global mesh instead"
-        )
-
-
 def save(data: Any, file_or_path, master_only: bool = True, global_master: bool = False) -> None:
     """Save ``data`` with ``torch.save``, every xla tensor in it moved to the CPU first.
 
@@ -727,8 +649,7 @@ def save(data: Any, file_or_path, master_only: bool = True, global_master: bool 
     if should_write:
         cpu_data = rewrite_instances(data, _is_xla_value, lambda t, i: to_cpu_tensor(t))
         torch.save(cpu_data, file_or_path)
-    if _collective.world_size():
-        rendezvous("spmd_torch.core.xla_model.save")
+    rendezvous("spmd_torch.core.xla_model.save")
 
 
 def to_cpu_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -809,7 +730,7 @@ def get_stablehlo(tensors: list[torch.Tensor] | None = None) -> str:
         >>> y = x * 2 + 1
         >>> print(xm.get_stablehlo([y]))
     """
-    return _execute.pending_hlo(list(tensors) if tensors else None)
+    return _graph.pending_hlo(list(tensors) if tensors else None)
 
 
 def _check_device(device, api: str) -> None:
@@ -866,7 +787,7 @@ class RateTracker:
         self, smooth_factor: float | None = None, clock: Callable[[], float] = time.time
     ) -> None:
         if smooth_factor is None:
-            smooth_factor = xu.getenv_as("RATE_TRACKER_SMOOTHING", float, 0.4)
+            smooth_factor = _config.RATE_TRACKER_SMOOTHING.read()
         self._smooth_factor = smooth_factor
         self._clock = clock
         self._start_time = clock()
@@ -1156,5 +1077,4 @@ def get_memory_info(device: str | torch.device | None = None) -> MemoryInfo:
 def _backing_devices() -> list:
     """The accelerators the xla device stands for: this replica's own inside ``launch``, else
     every device of this process."""
-    replica = _engine.current().replica
-    return [replica.landing] if replica is not None else jax.local_devices()
+    return _engine.current().mode.local_devices()

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from spmd_torch._lazy import execute as _execute
+from spmd_torch._lazy import compile as _compile
+from spmd_torch._lazy import engine as _engine
+from spmd_torch._lazy import placement as _placement
+from spmd_torch._lazy.graph import Program, linearize, to_text
+from spmd_torch._lazy.tensor import live_pending
 
 
 def pending_text(tensors: list[torch.Tensor] | None = None) -> str:
@@ -21,7 +25,7 @@ def pending_text(tensors: list[torch.Tensor] | None = None) -> str:
         >>> y = torch.ones(2, device=dev) * 3
         >>> print(graph.pending_text([y]))
     """
-    return _execute.pending_text(None if tensors is None else list(tensors))
+    return to_text(pending_program(tensors))
 
 
 def pending_hlo(tensors: list[torch.Tensor] | None = None) -> str:
@@ -33,7 +37,9 @@ def pending_hlo(tensors: list[torch.Tensor] | None = None) -> str:
     Example:
         >>> print(graph.pending_hlo([y]))
     """
-    return _execute.pending_hlo(None if tensors is None else list(tensors))
+    program = pending_program(tensors)
+    arrays = [_placement.resolve(node, i) for node, i in program.leaves]
+    return _compile.stablehlo_text(program, arrays)
 
 
 def pending_count() -> int:
@@ -44,7 +50,8 @@ def pending_count() -> int:
         >>> graph.pending_count()
         1
     """
-    return _execute.pending_count()
+    key = _engine.current().rng  # the engine's own PRNG key is not a tensor
+    return sum(1 for s in live_pending() if s is not key and not s.ref[0].is_leaf(s.ref[1]))
 
 
 def get_tensors_text(tensors: list[torch.Tensor]) -> str:
@@ -56,7 +63,7 @@ def get_tensors_text(tensors: list[torch.Tensor]) -> str:
     Example:
         >>> print(graph.get_tensors_text([y]))
     """
-    return _execute.pending_text(_checked(tensors, "get_tensors_text"))
+    return pending_text(_checked(tensors, "get_tensors_text"))
 
 
 def get_tensors_hlo(tensors: list[torch.Tensor]) -> str:
@@ -68,7 +75,7 @@ def get_tensors_hlo(tensors: list[torch.Tensor]) -> str:
     Example:
         >>> print(graph.get_tensors_hlo([y]))
     """
-    return _execute.pending_hlo(_checked(tensors, "get_tensors_hlo"))
+    return pending_hlo(_checked(tensors, "get_tensors_hlo"))
 
 
 def _checked(tensors, api: str) -> list[torch.Tensor]:
@@ -78,3 +85,16 @@ def _checked(tensors, api: str) -> list[torch.Tensor]:
             where = t.device if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{api}: tensors[{i}] is not an xla tensor ({where})")
     return tensors
+
+
+def pending_program(tensors: list[torch.Tensor] | None = None) -> Program:
+    """The linearised graph computing ``tensors`` (default: every pending tensor); nothing runs.
+
+    Example:
+        >>> program = graph.pending_program([y])
+    """
+    if tensors is None:
+        refs = [s.ref for s in live_pending() if not s.ref[0].is_leaf(s.ref[1])]
+    else:
+        refs = [t._ref() for t in tensors]
+    return linearize(list({(id(n), i): (n, i) for n, i in refs}.values()))

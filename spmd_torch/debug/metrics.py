@@ -15,6 +15,17 @@ import math
 
 from spmd_torch._lazy import counters as _store
 
+# The barrier's phases and the metrics that time them: the structure walk, the program's identity,
+# gathering its inputs, the cache key and lookup (a compile on a miss is CompileTime), the
+# dispatch, binding the outputs to their tensors.
+BARRIER_PHASES = {
+    "linearize": ("LinearizeTime",),
+    "key": ("ProgramKeyTime",),
+    "gather": ("GatherTime",),
+    "lookup": ("CacheLookupTime",),
+    "dispatch": ("ExecuteTime", "ExecuteReplicatedTime"),
+    "bind": ("BindTime",),
+}
 _PERCENTILES = (1, 5, 10, 20, 50, 80, 90, 95, 99)
 _TIME_PARTS = (("d", 86400e9, 2), ("h", 3600e9, 2), ("m", 60e9, 2), ("s", 1e9, 2), ("ms", 1e6, 3))
 _BYTE_UNITS = ("B", "KB", "MB", "GB", "TB", "PB")
@@ -84,6 +95,20 @@ def metric_data(name: str) -> tuple[int, float, list[tuple[float, float]]] | Non
     if not samples:
         return None
     return samples.count, float(samples.total), [(0.0, float(v)) for v in samples]
+
+
+def barrier_phases() -> dict[str, tuple[int, float]]:
+    """Per phase of the barrier, its (samples, total nanoseconds) so far.
+
+    Example:
+        >>> met.barrier_phases()['linearize']
+        (12, 3456789.0)
+    """
+    phases = {}
+    for phase, names in BARRIER_PHASES.items():
+        samples = [_store.METRICS[name] for name in names if name in _store.METRICS]
+        phases[phase] = (sum(s.count for s in samples), float(sum(s.total for s in samples)))
+    return phases
 
 
 def clear_counters() -> None:

@@ -7,15 +7,14 @@ report. ``STDOUT`` and ``STDERR`` print it instead.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 
+from spmd_torch import config as _config
 from spmd_torch.debug import metrics as _metrics
 
 __all__ = ["save_metrics"]
 
-_STEP_METRICS_FILE = os.environ.get("XLA_METRICS_FILE")
 _LOCK = threading.Lock()
 
 
@@ -30,7 +29,7 @@ def save_metrics(metrics_file: str | None = None) -> None:
         >>> import spmd_torch.debug.metrics_saver as ms
         >>> ms.save_metrics('/tmp/metrics.txt')
     """
-    metrics_file = metrics_file or _STEP_METRICS_FILE
+    metrics_file = metrics_file or _config.METRICS_FILE.value
     if metrics_file is None:
         return
     report = _metrics.metrics_report()

@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 import jax
 
 import spmd_torch.core.xla_model as xm
-from spmd_torch._lazy import graph as _graph
+from spmd_torch._lazy import engine as _engine
 
 try:
     import grpc
@@ -72,20 +72,11 @@ _RETRY_CODES = ("UNAVAILABLE", "ALREADY_EXISTS")  # worth another attempt: not u
 # ---- the step the tracer marked -----------------------------------------------------------------
 
 
-class _MarkedStep(threading.local):
-    """Per thread: each replica of ``launch`` runs its own loop and its own loader."""
-
-    value = False
-
-
-_MARKED_STEP = _MarkedStep()
-
-
 def set_tracer_marked_step(value: bool) -> None:
     """Say whether a ``StepTrace`` has issued (or is about to issue) this step's barrier.
 
     ``StepTrace`` sets it on entry; a ``MpDeviceLoader``/``PerDeviceLoader`` reads and clears it
-    in ``next()``, skipping its own barrier once. Per thread, so each replica of ``launch`` keeps
+    in ``next()``, skipping its own barrier once. Per engine, so each replica of ``launch`` keeps
     its own.
 
     Args:
@@ -96,7 +87,7 @@ def set_tracer_marked_step(value: bool) -> None:
         >>> xp.get_tracer_marked_step()
         False
     """
-    _MARKED_STEP.value = bool(value)
+    _engine.current().marked_step = bool(value)
 
 
 def get_tracer_marked_step() -> bool:
@@ -107,7 +98,7 @@ def get_tracer_marked_step() -> bool:
         ...     xp.get_tracer_marked_step()
         True
     """
-    return _MARKED_STEP.value
+    return _engine.current().marked_step
 
 
 # ---- capturing from a server --------------------------------------------------------------------
@@ -541,12 +532,13 @@ class Trace(jax.profiler.TraceAnnotation):
         super().__init__(name, **kwargs)
 
     def __enter__(self) -> Trace:
-        self._outer_scope = outer = _graph.SCOPE.name
-        _graph.SCOPE.name = self.name if outer is None else f"{outer}/{self.name}"
+        own = _engine.current()
+        self._outer_scope = outer = own.scope
+        own.scope = self.name if outer is None else f"{outer}/{self.name}"
         return super().__enter__()
 
     def __exit__(self, *exc_info: Any) -> None:
-        _graph.SCOPE.name = self._outer_scope
+        _engine.current().scope = self._outer_scope
         super().__exit__(*exc_info)
 
 
@@ -575,7 +567,7 @@ class StepTrace(Trace):
         return super().__enter__()
 
     def __exit__(self, *exc_info: Any) -> None:
-        _graph.SCOPE.name = self._outer_scope  # the barrier records nothing of the step's own
+        _engine.current().scope = self._outer_scope  # the barrier records nothing of the step's
         try:
             xm.mark_step()
         finally:

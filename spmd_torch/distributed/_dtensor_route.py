@@ -5,8 +5,8 @@
 ``import spmd_torch`` enters a stand-in module under that dotted name (only when no real
 torch_xla is installed); the import finds it in ``sys.modules`` without importing its parents, so
 ``import torch_xla`` still fails, as libraries detecting a real PyTorch/XLA expect. Its first
-attribute read loads our sharding package, which then takes the stand-in's place
-(``spmd_torch.distributed.spmd.api.register_dtensor_route``).
+attribute read loads our sharding package, which then takes the stand-in's place (``enter``, also
+reached through ``spmd_torch.distributed.spmd.api.register_dtensor_route``).
 """
 
 from __future__ import annotations
@@ -23,8 +23,17 @@ class _Route(types.ModuleType):
     def __getattr__(self, name: str):
         if name.startswith("__"):  # import machinery probing (__path__, __spec__, ...)
             raise AttributeError(name)
-        importlib.import_module("spmd_torch.distributed.spmd.api").register_dtensor_route()
+        enter(importlib.import_module("spmd_torch.distributed.spmd"))
         return getattr(sys.modules[TORCH_XLA_SPMD], name)
+
+
+def enter(package: types.ModuleType) -> bool:
+    """Make the sharding package what the DTensor API's import finds; False when a real
+    torch_xla is installed (nothing entered then)."""
+    if importlib.util.find_spec("torch_xla") is not None:
+        return False
+    sys.modules[TORCH_XLA_SPMD] = package
+    return True
 
 
 def register() -> None:

@@ -29,9 +29,9 @@ import torch
 import torch.utils._pytree as pytree
 from jax.sharding import NamedSharding
 
-import spmd_torch
-from spmd_torch import runtime
-from spmd_torch._lazy import engine, layout, placement, replicas, transfer
+from spmd_torch import _barrier, runtime
+from spmd_torch._lazy import engine, layout, placement, transfer
+from spmd_torch._lazy.tensor import DEVICE
 from spmd_torch.debug import profiler as xp
 from spmd_torch.distributed.spmd import ShardingSpec, validate
 
@@ -87,12 +87,12 @@ class PerDeviceLoader:
             self._batches_yielded += 1
         elif self._mark_step_batch_count <= self._batches_yielded:
             self._batches_yielded = 0
-            spmd_torch.sync()
+            _barrier.barrier()
         else:
             self._batches_yielded += 1
         item = self._loader.next_item(self._device)
         if item is None:
-            spmd_torch.sync()
+            _barrier.barrier()
             raise StopIteration
         return item
 
@@ -285,7 +285,7 @@ class ParallelLoader:
         try:
             return self._pipeline.device_queue.get_nowait()
         except queue.Empty:
-            with replicas.away():
+            with engine.current().mode.away():
                 return self._take()
 
     def _take(self) -> tuple | None:
@@ -546,7 +546,7 @@ def _note(error: BaseException, text: str) -> None:
 
 def _plan(input_sharding: Any) -> _Plan:
     """Check ``input_sharding`` and resolve each spec to the sharding the engine stores."""
-    landing = placement.default_sharding()
+    landing = transfer.landing()
     if input_sharding is None:
         return _Plan(landing=landing)
     if isinstance(input_sharding, ShardingSpec):
@@ -573,8 +573,6 @@ def _batches(loader: Iterable) -> Iterator:
     is read here, so a shuffling sampler draws its seed from the replica's own CPU RNG stream
     (as in a process of its own) rather than from whichever replica holds the turn."""
     batches = iter(loader)
-    if engine.current().replica is None:
-        return batches
     try:
         first = next(batches)
     except StopIteration:
@@ -601,7 +599,7 @@ def _check_device(device: Any, api: str) -> torch.device:
             f"xla:0, spanning the {runtime.global_runtime_device_count()} accelerators (spread "
             "batches over them with input_sharding)"
         )
-    return spmd_torch.device()
+    return DEVICE
 
 
 def _check_devices(devices: Iterable) -> list[torch.device]:

@@ -131,8 +131,9 @@ _REPLICA_WORLDS = _ReplicaWorlds()
 
 
 class _WorldPerReplica:
-    """Stands in for ``distributed_c10d._world``: in a replica thread, that replica's own world
-    (created on first use); in any other thread, the original."""
+    """Stands in for ``distributed_c10d._world``: each engine of its own (a replica of
+    ``launch``, standing for a process) gets its own world, on first use; the default engine
+    keeps the original."""
 
     __slots__ = ("_original", "_local")
 
@@ -141,13 +142,13 @@ class _WorldPerReplica:
         object.__setattr__(self, "_local", threading.local())
 
     def current(self) -> c10d._World:
-        """The calling thread's world."""
-        replica = engine.current().replica
-        if replica is None:
+        """The calling engine's world."""
+        own = engine.current()
+        if own is engine.DEFAULT:
             return self._original
         local = self._local
-        if getattr(local, "replica", None) is not replica:  # a new replica (or a reused thread)
-            local.replica, local.world = replica, _REPLICA_WORLDS.new()
+        if getattr(local, "engine", None) is not own:  # a new replica (or a reused thread)
+            local.engine, local.world = own, _REPLICA_WORLDS.new()
         return local.world
 
     def __getattr__(self, name: str) -> object:

@@ -18,7 +18,7 @@ import jax
 import torch
 
 from spmd_torch import runtime
-from spmd_torch._lazy import engine
+from spmd_torch._lazy import engine, modes
 from spmd_torch._lazy.replicas import ReplicaAborted, World
 
 __all__ = ["MpModelWrapper", "spawn"]
@@ -75,8 +75,7 @@ def spawn(
         raise ValueError("spawn(join=False): replicas are threads of this process; use join=True")
     if start_method not in ("spawn", "fork", "forkserver"):
         raise ValueError(f"spawn: unknown start_method {start_method!r}")
-    if engine.current().replica is not None:
-        raise RuntimeError("spawn/launch called inside a replica of launch/spawn")
+    engine.current().mode.refuse_per_replica("spawn/launch", "replicas do not nest")
     if runtime.is_spmd():
         raise RuntimeError(
             "Runtime is already initialized. Do not use the XLA device before calling xmp.spawn. "
@@ -143,8 +142,8 @@ def _replica_main(
     world: World, ordinal: int, fn: Callable, args: tuple, outcomes: dict, autocast_dtype
 ) -> None:
     torch.set_autocast_dtype("xla", autocast_dtype)
-    own = world.engine(ordinal)
-    replica = own.replica
+    replica = modes.Replica(world, ordinal, torch.get_rng_state())
+    own = engine.Engine(replica, cache=world.cache)
     # Backward passes on this thread, not autograd's device thread, which runs no engine of its
     # own (the switch is per thread).
     with engine.running(own), torch.autograd.set_multithreading_enabled(False):

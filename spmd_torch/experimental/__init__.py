@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 
-import spmd_torch
+from spmd_torch import _regions
 
 from .eager_mode import eager_mode, eager_mode_context, is_eager_mode
 
@@ -23,4 +23,4 @@ def compile(func: Callable) -> Callable:
         DeprecationWarning,
         stacklevel=2,
     )
-    return spmd_torch.compile(func)
+    return _regions.compile(func)

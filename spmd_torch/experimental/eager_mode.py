@@ -1,43 +1,29 @@
 """torch_xla.experimental's eager mode: every op on an xla tensor runs as soon as it is issued.
 
 Tracing a whole step into one program is fast but defers errors and values to the barrier; eager
-mode trades speed for immediacy while debugging or porting. Each op becomes a barrier of its own:
-a one-op program, compiled once per op signature (shapes, dtypes, arguments) and cached, as
-PyTorch/XLA's eager mode does. ``spmd_torch.compile`` regions inside still trace lazily into one
+mode trades speed for immediacy while debugging or porting. Each op runs as a program of its own
+(not a step: no step closures run), compiled once per op signature (shapes, dtypes, arguments) and
+cached, as PyTorch/XLA's eager mode does. The switch belongs to the engine: each replica of
+``launch`` has its own. ``spmd_torch.compile`` regions inside still trace lazily into one
 graph. ``XLA_USE_EAGER_DEBUG_MODE=1`` in the environment turns it on at import.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
-from spmd_torch._lazy import config as _config
-from spmd_torch._lazy import execute as _execute
-from spmd_torch._lazy import tensor as _tensor
+from spmd_torch import _barrier
+from spmd_torch._lazy import engine as _engine
 
 __all__ = ["eager_mode", "eager_mode_context", "is_eager_mode"]
 
-_nesting = threading.local()  # ops issued by an op (decompositions) run with their caller
-_lazy_dispatch: list[Callable] = []  # the tracing dispatcher, while eager mode wraps it
-
-
-def _run_each_op(func, args: tuple, kwargs: dict):
-    """The dispatcher of eager mode: trace the op as usual, then run what it left pending."""
-    depth = getattr(_nesting, "depth", 0)
-    _nesting.depth = depth + 1
-    try:
-        out = _lazy_dispatch[0](func, args, kwargs)
-    finally:
-        _nesting.depth = depth
-    if depth == 0:
-        _execute.sync(step=False)
-    return out
-
 
 def eager_mode(enable: bool) -> None:
-    """Turn eager mode on or off for the whole process (PyTorch/XLA's default execution mode).
+    """Turn eager mode on or off (PyTorch/XLA's default execution mode), for this program or,
+    inside ``launch``, this replica.
+
+    Turning it on first runs what was traced so far (a barrier), as each later op will be.
 
     Args:
         enable: ``True``: each op runs when issued; ``False``: ops are traced until a barrier.
@@ -48,15 +34,10 @@ def eager_mode(enable: bool) -> None:
         >>> y = torch.ones(3, device='xla') * 2  # computed here, no mark_step needed
         >>> exp.eager_mode(False)
     """
-    if bool(enable) == is_eager_mode():
-        return
-    if enable:
-        _lazy_dispatch.append(_tensor.connected())
-        _tensor.connect(_run_each_op)
-        _execute.sync(step=False)  # what was traced so far runs now, as each later op will
-    else:
-        _tensor.connect(_lazy_dispatch.pop())
-    _config.EAGER.value = bool(enable)
+    own = _engine.current()
+    if enable and not own.eager:
+        _barrier.barrier()
+    own.eager = bool(enable)
 
 
 def is_eager_mode() -> bool:
@@ -66,7 +47,7 @@ def is_eager_mode() -> bool:
         >>> spmd_torch.experimental.is_eager_mode()
         False
     """
-    return bool(_config.EAGER.value) and bool(_lazy_dispatch)
+    return _engine.current().eager
 
 
 @contextlib.contextmanager

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-import spmd_torch
 import spmd_torch.distributed.spmd as xs
+from spmd_torch._lazy.tensor import DEVICE
 
 __all__ = ["SpmdFullyShardedDataParallel"]
 
@@ -111,7 +111,7 @@ def _to_xla(module: nn.Module) -> nn.Module:
     """``module`` with every parameter and buffer on the xla device (tied ones stay tied)."""
     tensors = [*module.parameters(), *module.buffers()]
     if any(t.device.type != "xla" for t in tensors):
-        module.to(spmd_torch.device())
+        module.to(DEVICE)
     return module
 
 

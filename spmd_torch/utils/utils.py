@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from spmd_torch import config
+
 __all__ = [
     "Cleaner",
     "DataWrapper",
@@ -47,9 +49,6 @@ __all__ = [
     "shape",
     "timed",
 ]
-
-_TRUE_WORDS = ("1", "on", "yes", "true", "y")
-_FALSE_WORDS = ("0", "off", "no", "false", "n", "")
 
 
 class Cleaner:
@@ -251,23 +250,7 @@ def getenv_as(name: str, type: type, defval: Any = None) -> Any:
         64
     """
     env = os.environ.get(name)
-    if env is None:
-        return defval
-    try:
-        if type is bool:
-            return _parse_bool(env)
-        return type(env)
-    except ValueError as error:
-        raise ValueError(
-            f"environment variable {name}={env!r} is not a valid {getattr(type, '__name__', type)}"
-        ) from error
-
-
-def _parse_bool(text: str) -> bool:
-    word = text.strip().lower()
-    if word in _TRUE_WORDS or word in _FALSE_WORDS:
-        return word in _TRUE_WORDS
-    return bool(int(word))
+    return defval if env is None else config.parse(env, type, name)
 
 
 def check_env_flag(name: str, default: str = "") -> bool:
@@ -279,7 +262,7 @@ def check_env_flag(name: str, default: str = "") -> bool:
         >>> xu.check_env_flag('XLA_USE_SPMD')
         True
     """
-    return os.environ.get(name, default).strip().lower() in _TRUE_WORDS
+    return config.truthy(os.environ.get(name, default))
 
 
 _ATOMS = (str, bytes, int, float, complex, bool, type(None), torch.Tensor)
@@ -472,7 +455,7 @@ def get_print_fn(debug: bool | int | None = None) -> Callable[..., None]:
         >>> log('shown only with DEBUG=1')
     """
     if debug is None:
-        debug = getenv_as("DEBUG", int, 0)
+        debug = config.DEBUG.read()
     return eprint if debug else null_print
 
 

@@ -10,8 +10,8 @@ import torch.utils.checkpoint as torch_checkpoint
 
 import spmd_torch
 from spmd_torch._lazy import compile as compiler
-from spmd_torch._lazy import execute, placement
-from spmd_torch._lazy.graph import linearize
+from spmd_torch._lazy import placement
+from spmd_torch.debug import graph
 from spmd_torch.utils.checkpoint import checkpoint, optimization_barrier_
 from tests.helpers import assert_close
 
@@ -61,7 +61,7 @@ def test_dropout_recomputed_with_the_forward_mask():
 
 def _optimized_backward_hlo(run) -> str:
     x, w1, w2 = _grads(run, dev)
-    program = linearize(execute._pending_refs([x.grad, w1.grad, w2.grad]))
+    program = graph.pending_program([x.grad, w1.grad, w2.grad])
     arrays = [placement.resolve(node, i) for node, i in program.leaves]
     function = compiler.build_function(program, (False,) * len(arrays))
     abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
@@ -90,7 +90,7 @@ def test_optimization_barrier_in_place_keeps_values():
     before = a._ref()
     optimization_barrier_([a, b])
     assert a._ref() is not before
-    assert "optimization_barrier" in execute.pending_text([a])
+    assert "optimization_barrier" in graph.pending_text([a])
     assert torch.equal(a.cpu(), torch.arange(6.0).reshape(2, 3) * 2)
     assert torch.equal(b.cpu(), torch.ones(4))
 

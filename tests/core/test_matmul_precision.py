@@ -12,7 +12,7 @@ import torch
 
 import spmd_torch
 import spmd_torch.backends as backends
-from spmd_torch._lazy import execute
+from spmd_torch.debug import graph
 from tests.helpers import assert_close, assert_compiles
 
 dev = spmd_torch.device()
@@ -43,7 +43,7 @@ def test_lowered_products_carry_the_precision(precision):
     w = torch.randn(3, 2, 3, 3).to(dev)
     out = a @ b
     conv = torch.nn.functional.conv2d(x, w)
-    hlo = execute.pending_hlo([out, conv])
+    hlo = graph.pending_hlo([out, conv])
     assert _precisions(hlo) == {precision.upper()}
     spmd_torch.sync()
 

@@ -7,9 +7,9 @@ import torch
 
 import spmd_torch
 import spmd_torch.debug.metrics as met
-import spmd_torch.debug.metrics_saver as metrics_saver
 import spmd_torch.runtime as xr
-from spmd_torch._lazy import config, counters
+from spmd_torch import config
+from spmd_torch._lazy import counters
 from spmd_torch.distributed.spmd import Mesh, mark_sharding
 
 dev = spmd_torch.device()
@@ -70,7 +70,7 @@ def test_programs_over_the_spmd_devices_are_replicated_executions():
 
 def test_metrics_file_gets_one_report_per_step(tmp_path, monkeypatch):
     path = tmp_path / "metrics.txt"
-    monkeypatch.setattr(metrics_saver, "_STEP_METRICS_FILE", str(path))
+    monkeypatch.setattr(config.METRICS_FILE, "value", str(path))
     x = torch.ones(2).to(dev)
     for _ in range(3):
         x = x + 1
@@ -83,7 +83,7 @@ def test_metrics_file_gets_one_report_per_step(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("where", ["STDOUT", "STDERR"])
 def test_metrics_file_special_names_print(where, capsys, monkeypatch):
-    monkeypatch.setattr(metrics_saver, "_STEP_METRICS_FILE", where)
+    monkeypatch.setattr(config.METRICS_FILE, "value", where)
     y = torch.ones(2).to(dev) * 5
     spmd_torch.sync()
     out, err = capsys.readouterr()
@@ -93,7 +93,7 @@ def test_metrics_file_special_names_print(where, capsys, monkeypatch):
 
 
 def test_metrics_file_unset_writes_nothing(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(metrics_saver, "_STEP_METRICS_FILE", None)
+    monkeypatch.setattr(config.METRICS_FILE, "value", None)
     monkeypatch.chdir(tmp_path)
     spmd_torch.sync()
     assert list(tmp_path.iterdir()) == []

@@ -1,6 +1,7 @@
-"""Imports point one way, as docs/architecture.md's layer table says: the engine never imports the
-API layers above it, each engine module imports only modules below its own row, and no import
-hides inside a function to dodge a cycle."""
+"""Imports point one way, as docs/architecture.md's two layer tables say: the package's (top-level
+modules and packages) and the engine's (``_lazy/``). Each module imports only rows below its own,
+no module imports the package root, there is no import cycle anywhere in ``spmd_torch/``, and no
+engine import hides inside a function to dodge a cycle."""
 
 from __future__ import annotations
 
@@ -13,13 +14,20 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "spmd_torch"
 ENGINE = PACKAGE / "_lazy"
 ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
-ABOVE_ENGINE = ("core", "distributed", "debug", "utils", "runtime", "amp", "experimental")
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
 
 
 def _imports(path: pathlib.Path, source: str | None = None) -> list[tuple[str, bool]]:
-    """(absolute module name, inside a function) of every import in ``path`` (relative ones
-    resolved); ``from m import a`` also yields ``m.a``, which may be a module."""
-    package = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1])
+    """(module imported, inside a function) for every import of ours in ``path``: relative ones
+    resolved, ``from m import a`` read as importing ``m.a`` when that is a module, else ``m``."""
+    package = _module_name(path) if path.name == "__init__.py" else _module_name(path.parent)
     tree = ast.parse(source if source is not None else path.read_text())
     in_function = {
         id(inner)
@@ -35,63 +43,76 @@ def _imports(path: pathlib.Path, source: str | None = None) -> list[tuple[str, b
         elif isinstance(node, ast.ImportFrom):
             base = package.rsplit(".", node.level - 1)[0] if node.level else ""
             module = ".".join(p for p in (base, node.module) if p)
-            found += [(module, nested)] + [(f"{module}.{a.name}", nested) for a in node.names]
-    return found
+            for alias in node.names:
+                name = f"{module}.{alias.name}"
+                found.append((name if name in MODULES else module, nested))
+    return [(name, nested) for name, nested in found if name.split(".")[0] == "spmd_torch"]
 
 
-def _layers() -> list[str]:
-    """Engine units from the architecture table, top row first: 'dispatch', 'lowering', ..."""
-    rows = re.findall(r"^\| `_lazy/([\w/]+?)(?:\.py|/)` \|", ARCHITECTURE.read_text(), re.M)
-    assert rows, f"no layer table found in {ARCHITECTURE}"
+# --- the layer tables ----------------------------------------------------------------------------
+
+
+def _rows(prefix: str) -> list[str]:
+    """A layer table's rows, top first: ``_lazy/dispatch.py``, ``distributed/``..."""
+    rows = re.findall(rf"^\| `({prefix}[\w/.]*?)` \|", ARCHITECTURE.read_text(), re.M)
+    assert rows, f"no layer table of {prefix or 'the package'} found in {ARCHITECTURE}"
     return rows
 
 
-def _unit(path: pathlib.Path) -> str:
-    """The table row a file belongs to: its module, or its subpackage (lowering/)."""
-    return path.relative_to(ENGINE).parts[0].removesuffix(".py")
+def _package_rows() -> list[str]:
+    return [row for row in _rows("") if not row.startswith("_lazy/") or row == "_lazy/"]
 
 
-def _engine_unit(name: str) -> str | None:
-    prefix = "spmd_torch._lazy."
-    return name[len(prefix) :].split(".")[0] if name.startswith(prefix) else None
+def _engine_rows() -> list[str]:
+    return [row for row in _rows("_lazy/") if row != "_lazy/"]
 
 
-def _upward_imports(path: pathlib.Path, source: str | None = None) -> list[str]:
-    layers = _layers()
-    unit = _unit(path)
+def _row_of(module: str, rows: list[str]) -> str | None:
+    """The most specific row holding ``module``: its file, or the folder it lives under."""
+    path = MODULES[module].relative_to(PACKAGE).as_posix()
+    holding = [row for row in rows if path == row or (row.endswith("/") and path.startswith(row))]
+    return max(holding, key=len, default=None)
+
+
+def _upward(path: pathlib.Path, rows: list[str], source: str | None = None) -> list[str]:
+    """The imports of ``path`` that do not point to a row below its own."""
+    module = _module_name(path)
+    mine = _row_of(module, rows)
     offenders = []
     for name, _ in _imports(path, source):
-        target = _engine_unit(name)
-        if target is None or target == unit:
+        if name == "spmd_torch" and module != "spmd_torch":
+            offenders.append(f"{module} imports the package root")
             continue
-        if target not in layers or layers.index(target) <= layers.index(unit):
-            offenders.append(f"_lazy/{path.relative_to(ENGINE)} ({unit}) imports {name}")
+        theirs = _row_of(name, rows) if name in MODULES else None
+        if theirs is None or theirs == mine:
+            continue
+        if rows.index(theirs) <= rows.index(mine):
+            offenders.append(f"{module} ({mine}) imports {name} ({theirs})")
     return offenders
 
 
-def _engine_files() -> list[pathlib.Path]:
-    return [p for p in sorted(ENGINE.rglob("*.py")) if p != ENGINE / "__init__.py"]
+def test_every_module_has_a_row_in_each_table():
+    package_rows, engine_rows = _package_rows(), _engine_rows()
+    missing = [m for m in MODULES if _row_of(m, package_rows) is None]
+    assert not missing, f"add rows to docs/architecture.md's package table for: {missing}"
+    engine = [m for m in MODULES if m.startswith("spmd_torch._lazy.") and m != "spmd_torch._lazy"]
+    missing = [m for m in engine if _row_of(m, engine_rows) is None]
+    assert not missing, f"add rows to docs/architecture.md's engine table for: {missing}"
 
 
-def test_every_engine_module_has_a_row_in_the_architecture_table():
-    missing = {_unit(p) for p in _engine_files()} - set(_layers())
-    assert not missing, f"add these to docs/architecture.md's layer table: {sorted(missing)}"
-    stale = set(_layers()) - {_unit(p) for p in _engine_files()}
-    assert not stale, f"the layer table lists modules that do not exist: {sorted(stale)}"
+def test_no_table_row_is_stale():
+    for row in _package_rows() + _engine_rows():
+        exists = (PACKAGE / row).is_dir() if row.endswith("/") else (PACKAGE / row).is_file()
+        assert exists, f"docs/architecture.md lists {row}, which does not exist"
 
 
-def test_engine_modules_import_only_layers_below_them():
-    offenders = [line for path in _engine_files() for line in _upward_imports(path)]
+def test_modules_import_only_rows_below_theirs():
+    offenders = [line for p in PACKAGE.rglob("*.py") for line in _upward(p, _package_rows())]
     assert not offenders, "\n".join(offenders)
 
 
-def test_engine_imports_nothing_above_it():
-    offenders = [
-        f"{path.relative_to(PACKAGE)} imports {name}"
-        for path in sorted(ENGINE.rglob("*.py"))
-        for name, _ in _imports(path)
-        if any(name.startswith(f"spmd_torch.{layer}") for layer in ABOVE_ENGINE)
-    ]
+def test_engine_modules_import_only_rows_below_theirs():
+    offenders = [line for p in ENGINE.rglob("*.py") for line in _upward(p, _engine_rows())]
     assert not offenders, "\n".join(offenders)
 
 
@@ -105,6 +126,62 @@ def test_no_engine_module_imports_inside_a_function():
     assert not hidden, "\n".join(hidden)
 
 
+# --- no cycles -----------------------------------------------------------------------------------
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+    for root in edges:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges.get(root, ()))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, targets = work[-1]
+            target = next(targets, None)
+            if target is not None:
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(sorted(edges.get(target, ())))))
+                elif target in on_stack:
+                    low[node] = min(low[node], index[target])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def _edges(sources: dict[str, str] | None = None) -> dict[str, set[str]]:
+    edges = {}
+    for module, path in MODULES.items():
+        source = (sources or {}).get(module)
+        edges[module] = {n for n, _ in _imports(path, source) if n in MODULES} - {module}
+    return edges
+
+
+def test_no_import_cycle_anywhere():
+    assert _cycles(_edges()) == []
+
+
+# --- the checks see what they must ---------------------------------------------------------------
+
+
 @pytest.mark.parametrize(
     "source, upward",
     [
@@ -115,11 +192,32 @@ def test_no_engine_module_imports_inside_a_function():
         ("from .lowering.dtypes import to_jax_dtype\n", False),
     ],
 )
-def test_layering_check_sees_upward_imports(source, upward):
-    assert bool(_upward_imports(ENGINE / "tensor.py", source)) is upward
+def test_engine_check_sees_upward_imports(source, upward):
+    assert bool(_upward(ENGINE / "tensor.py", _engine_rows(), source)) is upward
 
 
-def test_layering_check_sees_imports_inside_functions():
+@pytest.mark.parametrize(
+    "module, source, upward",
+    [
+        ("runtime.py", "from spmd_torch.core import xla_model\n", True),
+        ("core/xla_model.py", "import spmd_torch\n", True),  # the root, from inside
+        ("core/xla_model.py", "from spmd_torch import sync\n", True),
+        ("core/xla_model.py", "from spmd_torch import runtime\n", False),  # a module below
+        ("_lazy/engine.py", "from spmd_torch.distributed import xla_backend\n", True),
+    ],
+)
+def test_package_check_sees_upward_imports(module, source, upward):
+    assert bool(_upward(PACKAGE / module, _package_rows(), source)) is upward
+
+
+def test_cycle_check_sees_a_new_circle_in_distributed():
+    sources = {"spmd_torch.distributed.spmd.validate": "from .mesh import Mesh\n"}
+    assert ["spmd_torch.distributed.spmd.mesh", "spmd_torch.distributed.spmd.validate"] in (
+        _cycles(_edges(sources))
+    )
+
+
+def test_import_check_sees_imports_inside_functions():
     source = "import jax\n\ndef f():\n    from .execute import to_cpu\n"
     found = _imports(ENGINE / "tensor.py", source)
-    assert ("jax", False) in found and ("spmd_torch._lazy.execute", True) in found
+    assert ("spmd_torch._lazy.execute", True) in found and ("jax", False) not in found

@@ -3,6 +3,8 @@ devices, 4 for some cases), against numpy references written from torch_xla's de
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -59,8 +61,9 @@ def _run(fn, *stacked: np.ndarray, n: int = 8):
     return jax.tree.map(np.asarray, jax.jit(mapped)(*stacked))
 
 
-def _lowering(op):
-    return LOWERINGS[op].fn
+def _lowering(op, axis=REPLICA_AXIS):
+    """The lowering of ``op`` over ``axis`` (each collective node's last argument)."""
+    return functools.partial(LOWERINGS[op].fn, axis=axis)
 
 
 def _assert_matches(got: np.ndarray, expected: np.ndarray) -> None:
@@ -250,3 +253,28 @@ def test_all_to_all_twice_in_one_body(groups):
         return _lowering(ALL_TO_ALL)(once, 1, 0, split_count, groups)
 
     _assert_matches(_run(body, values), values)  # splitting back along the concat dim: a round trip
+
+
+# --- a world of one: no axis, each collective is the value one replica alone gets ----------------
+
+
+def test_world_of_one_all_reduce_scales_its_own_values():
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    (out,) = _lowering(ALL_REDUCE, None)((x,), "sum", 0.5, None)
+    np.testing.assert_array_equal(np.asarray(out), x * 0.5)
+    (out,) = _lowering(ALL_REDUCE, None)((x > 2,), "and", 1.0, ((0,),))
+    np.testing.assert_array_equal(np.asarray(out), x > 2)
+
+
+def test_world_of_one_gather_scatter_and_all_to_all_are_its_value():
+    x = np.arange(6, dtype=np.int32).reshape(2, 3)
+    np.testing.assert_array_equal(np.asarray(_lowering(ALL_GATHER, None)(x, 1, None)), x)
+    scattered = _lowering(REDUCE_SCATTER, None)(x, "max", 1.0, 0, 1, None)
+    np.testing.assert_array_equal(np.asarray(scattered), x)
+    np.testing.assert_array_equal(np.asarray(_lowering(ALL_TO_ALL, None)(x, 0, 1, 1, None)), x)
+
+
+def test_world_of_one_permute_keeps_only_what_it_sends_itself():
+    x = np.ones((2, 2), np.float32)
+    np.testing.assert_array_equal(np.asarray(_lowering(COLLECTIVE_PERMUTE, None)(x, ((0, 0),))), x)
+    assert not np.asarray(_lowering(COLLECTIVE_PERMUTE, None)(x, ())).any()

@@ -2,7 +2,9 @@
 all_to_all, collective_permute) for the multiprocessing emulation.
 
 The replicas' graphs run as one ``jax.shard_map`` over a 1-D mesh whose axis is ``REPLICA_AXIS``;
-these lowerings run inside its body, where each value has its per-replica shape. ``groups`` is
+these lowerings run inside its body, where each value has its per-replica shape. Each node's last
+argument is that axis, or None in a world of one (a program that is not a replica of ``launch``),
+where every collective is the value one replica alone would get. ``groups`` is
 torch_xla's: a tuple of equal-sized tuples of replica ordinals partitioning the replicas, or None
 for all replicas in ordinal order. Without groups each op is one ``jax.lax`` collective where one
 exists. With groups every replica gathers all values and picks its group's members through static
@@ -20,15 +22,15 @@ from .registry import EngineOp, lowers
 
 REPLICA_AXIS = "replica"
 
-# args (xs, reduce_type, scale, groups): xs a tuple of arrays -> a tuple, one result per input
+# args (xs, reduce_type, scale, groups, axis): xs a tuple of arrays -> a tuple, one result per input
 ALL_REDUCE = EngineOp("all_reduce")
-# args (x, dim, groups): the group's values concatenated along dim, in group order
+# args (x, dim, groups, axis): the group's values concatenated along dim, in group order
 ALL_GATHER = EngineOp("all_gather")
-# args (x, reduce_type, scale, scatter_dim, shard_count, groups): reduce, keep chunk rank-in-group
+# args (x, reduce_type, scale, scatter_dim, shard_count, groups, axis): reduce, keep chunk rank-in-group
 REDUCE_SCATTER = EngineOp("reduce_scatter")
-# args (x, split_dimension, concat_dimension, split_count, groups)
+# args (x, split_dimension, concat_dimension, split_count, groups, axis)
 ALL_TO_ALL = EngineOp("all_to_all")
-# args (x, pairs): pairs a tuple of (source, target) ordinals; replicas receiving nothing get 0
+# args (x, pairs, axis): pairs a tuple of (source, target) ordinals; replicas receiving nothing get 0
 COLLECTIVE_PERMUTE = EngineOp("collective_permute")
 
 _REDUCERS = {
@@ -56,21 +58,25 @@ def _tables(groups: tuple[tuple[int, ...], ...]) -> tuple[np.ndarray, np.ndarray
     return members, ranks
 
 
-def _members(x, groups):
+def _members(x, groups, axis):
     """The values of x on this replica's group, stacked in group order along a new axis 0."""
-    everyone = lax.all_gather(x, REPLICA_AXIS)
+    if axis is None:
+        return x[None]
+    everyone = lax.all_gather(x, axis)
     if groups is None:
         return everyone
     members, _ = _tables(groups)
-    return jnp.take(everyone, jnp.asarray(members)[lax.axis_index(REPLICA_AXIS)], axis=0)
+    return jnp.take(everyone, jnp.asarray(members)[lax.axis_index(axis)], axis=0)
 
 
-def _rank(groups):
+def _rank(groups, axis):
     """This replica's position in its group (traced), which picks its chunk."""
+    if axis is None:
+        return 0
     if groups is None:
-        return lax.axis_index(REPLICA_AXIS)
+        return lax.axis_index(axis)
     _, ranks = _tables(groups)
-    return jnp.asarray(ranks)[lax.axis_index(REPLICA_AXIS)]
+    return jnp.asarray(ranks)[lax.axis_index(axis)]
 
 
 def _concat(stack, dim: int):
@@ -91,7 +97,7 @@ def _scaled(x, scale: float):
     return x if scale == 1.0 else x * jnp.asarray(scale, x.dtype)
 
 
-def _reduce(op: str, x, reduce_type: str, groups):
+def _reduce(op: str, x, reduce_type: str, groups, axis):
     """x reduced over this replica's group, in x's dtype: a native collective where one fits."""
     bitwise = reduce_type in ("and", "or")
     if reduce_type not in _REDUCERS or (bitwise and jnp.issubdtype(x.dtype, jnp.inexact)):
@@ -101,45 +107,48 @@ def _reduce(op: str, x, reduce_type: str, groups):
         )
     is_bool = x.dtype == jnp.bool_
     fast = (_FAST_BOOL if is_bool else _FAST).get(reduce_type)
-    if groups is None and fast is not None:
-        return fast(x.astype(jnp.int8) if is_bool else x, REPLICA_AXIS).astype(x.dtype)
-    return _REDUCERS[reduce_type](_members(x, groups), axis=0).astype(x.dtype)
+    if groups is None and fast is not None and axis is not None:
+        return fast(x.astype(jnp.int8) if is_bool else x, axis).astype(x.dtype)
+    return _REDUCERS[reduce_type](_members(x, groups, axis), axis=0).astype(x.dtype)
 
 
 @lowers(ALL_REDUCE)
-def _all_reduce(xs, reduce_type, scale, groups):
+def _all_reduce(xs, reduce_type, scale, groups, axis):
     """One node reduces a whole list of tensors, as xm.all_reduce does for a list."""
-    return tuple(_scaled(_reduce("all_reduce", x, reduce_type, groups), scale) for x in xs)
+    return tuple(_scaled(_reduce("all_reduce", x, reduce_type, groups, axis), scale) for x in xs)
 
 
 @lowers(ALL_GATHER)
-def _all_gather(x, dim, groups):
+def _all_gather(x, dim, groups, axis):
     """xm.all_gather: the group's values side by side along dim."""
-    if groups is None:
-        return lax.all_gather(x, REPLICA_AXIS, axis=dim, tiled=True)
-    return _concat(_members(x, groups), dim)
+    if groups is None and axis is not None:
+        return lax.all_gather(x, axis, axis=dim, tiled=True)
+    return _concat(_members(x, groups, axis), dim)
 
 
 @lowers(REDUCE_SCATTER)
-def _reduce_scatter(x, reduce_type, scale, scatter_dim, shard_count, groups):
+def _reduce_scatter(x, reduce_type, scale, scatter_dim, shard_count, groups, axis):
     """xm.reduce_scatter: the reduction's chunk that belongs to this replica's rank."""
-    if groups is None and reduce_type == "sum" and x.dtype != jnp.bool_:
-        summed = lax.psum_scatter(x, REPLICA_AXIS, scatter_dimension=scatter_dim, tiled=True)
+    if groups is None and axis is not None and reduce_type == "sum" and x.dtype != jnp.bool_:
+        summed = lax.psum_scatter(x, axis, scatter_dimension=scatter_dim, tiled=True)
         return _scaled(summed, scale)
-    reduced = _scaled(_reduce("reduce_scatter", x, reduce_type, groups), scale)
-    return _chunk(reduced, _rank(groups), shard_count, scatter_dim)
+    reduced = _scaled(_reduce("reduce_scatter", x, reduce_type, groups, axis), scale)
+    return _chunk(reduced, _rank(groups, axis), shard_count, scatter_dim)
 
 
 @lowers(ALL_TO_ALL)
-def _all_to_all(x, split_dimension, concat_dimension, split_count, groups):
+def _all_to_all(x, split_dimension, concat_dimension, split_count, groups, axis):
     """xm.all_to_all: rank r receives every member's chunk r, concatenated in group order."""
-    if groups is None:
-        return lax.all_to_all(x, REPLICA_AXIS, split_dimension, concat_dimension, tiled=True)
-    chunks = _chunk(_members(x, groups), _rank(groups), split_count, split_dimension + 1)
+    if groups is None and axis is not None:
+        return lax.all_to_all(x, axis, split_dimension, concat_dimension, tiled=True)
+    members = _members(x, groups, axis)
+    chunks = _chunk(members, _rank(groups, axis), split_count, split_dimension + 1)
     return _concat(chunks, concat_dimension)
 
 
 @lowers(COLLECTIVE_PERMUTE)
-def _collective_permute(x, pairs):
+def _collective_permute(x, pairs, axis):
     """xm.collective_permute: each source sends to its target; lax.ppermute zero-fills the rest."""
-    return lax.ppermute(x, REPLICA_AXIS, perm=pairs)
+    if axis is None:
+        return x if (0, 0) in pairs else jnp.zeros_like(x)
+    return lax.ppermute(x, axis, perm=pairs)

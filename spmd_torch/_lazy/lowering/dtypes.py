@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from .. import config
+from spmd_torch import config
 
 _TORCH_TO_JAX = {
     torch.float32: jnp.dtype(jnp.float32),

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from .. import config
+from spmd_torch import config
+
 from .registry import lowers
 
 aten = torch.ops.aten

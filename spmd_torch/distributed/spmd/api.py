@@ -10,7 +10,6 @@ partition spec that ``mark_sharding`` takes.
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import sys
 import warnings
@@ -59,10 +58,7 @@ def register_dtensor_route() -> bool:
         >>> from torch.distributed.tensor import distribute_tensor, Shard
         >>> xt = distribute_tensor(torch.randn(8, 4), DeviceMesh('xla', list(range(8))), [Shard(0)])
     """
-    if importlib.util.find_spec("torch_xla") is not None:
-        return False
-    sys.modules[_dtensor_route.TORCH_XLA_SPMD] = sys.modules[__name__.rpartition(".")[0]]
-    return True
+    return _dtensor_route.enter(sys.modules[__name__.rpartition(".")[0]])
 
 
 def auto_policy(mod_name: str, mod: nn.Module, mesh: DeviceMesh) -> None:

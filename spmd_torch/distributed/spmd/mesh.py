@@ -21,6 +21,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from spmd_torch._lazy import engine
+
 from . import validate
 
 PartitionSpecLike = tuple
@@ -277,22 +279,26 @@ def get_1d_mesh(axis_name: str | None = None) -> Mesh:
     return Mesh(np.arange(n), (n,), None if axis_name is None else (axis_name,))
 
 
-_GLOBAL_MESH: Mesh | None = None
+def check_mesh(mesh) -> None:
+    """APIs taking a mesh take our ``Mesh`` (HybridMesh included)."""
+    if not isinstance(mesh, Mesh):
+        raise ValueError(
+            f"expected a spmd_torch.distributed.spmd.Mesh, got {type(mesh).__name__}: {mesh!r}"
+        )
 
 
 def set_global_mesh(mesh: Mesh | None) -> None:
     """Set the mesh APIs use when none is passed (``None`` clears it).
 
     Args:
-        mesh: The process-wide mesh.
+        mesh: The program's mesh (the engine keeps it; ``runtime.reset()`` forgets it).
 
     Example:
         >>> set_global_mesh(get_1d_mesh('data'))
     """
-    global _GLOBAL_MESH
     if mesh is not None:
-        validate._check_mesh(mesh)
-    _GLOBAL_MESH = mesh
+        check_mesh(mesh)
+    engine.current().global_mesh = mesh
 
 
 def get_global_mesh() -> Mesh | None:
@@ -302,7 +308,7 @@ def get_global_mesh() -> Mesh | None:
         >>> get_global_mesh() is None
         True
     """
-    return _GLOBAL_MESH
+    return engine.current().global_mesh
 
 
 def translate_spec(mesh: Mesh, partition_spec: PartitionSpecLike) -> tuple:

@@ -159,16 +159,6 @@ def _check_spec_rank(shape: tuple, partition_spec: tuple) -> None:
         )
 
 
-def _check_mesh(mesh) -> None:
-    """APIs taking a mesh take our ``Mesh`` (HybridMesh included)."""
-    from .mesh import Mesh
-
-    if not isinstance(mesh, Mesh):
-        raise ValueError(
-            f"expected a spmd_torch.distributed.spmd.Mesh, got {type(mesh).__name__}: {mesh!r}"
-        )
-
-
 def _check_xla_tensor(t, api: str) -> None:
     """Sharding applies to tensors on the xla device; name what was passed instead."""
     if not isinstance(t, torch.Tensor):

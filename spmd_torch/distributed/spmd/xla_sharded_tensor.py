@@ -30,11 +30,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Partial, Placement
 
 from spmd_torch import runtime
-from spmd_torch._lazy import execute, placement
+from spmd_torch._lazy import execute, placement, transfer
 from spmd_torch._lazy.transfer import to_torch
 
 from . import _dtensor, validate
-from ._tiling import ShardingType, device_index, tiling_of
+from ._tiling import ShardingType, Tiling, device_index, tiling_of
 from .mesh import Mesh, named_sharding
 
 
@@ -153,9 +153,8 @@ class XLAShardedTensor:
             >>> xs.mark_sharding(t, mesh, (None, None)).sharding_spec
             '{replicated}'
         """
-        from .xla_sharding import get_xla_sharding_spec
-
-        return get_xla_sharding_spec(self.global_tensor)
+        tiling = annotated_tiling(self.global_tensor, "sharding_spec")
+        return "" if tiling is None else tiling.text()
 
     @property
     def sharding_type(self) -> ShardingType | None:
@@ -165,9 +164,7 @@ class XLAShardedTensor:
             >>> xs.mark_sharding(t, mesh, (0, None)).sharding_type
             <ShardingType.TILED: 3>
         """
-        from .xla_sharding import _annotated_tiling
-
-        tiling = _annotated_tiling(self.global_tensor, "sharding_type")
+        tiling = annotated_tiling(self.global_tensor, "sharding_type")
         return None if tiling is None else tiling.type
 
     def load_local_shards_(self, shards: list[XLAShard]) -> None:
@@ -376,11 +373,26 @@ def _load_shards(tensor: torch.Tensor, shards: list[XLAShard]) -> None:
         tensor.copy_(full)
 
 
+def annotated_tiling(tensor: torch.Tensor, api: str) -> Tiling | None:
+    """The tiling of the tensor's sharding; None when it has none of its own.
+
+    Data that merely sits on one device, or replicated on every device as SPMD mode uploads
+    it, is unsharded, as PyTorch/XLA reports such tensors.
+    """
+    validate._check_xla_tensor(tensor, api)
+    sharding = placement.sharding_of(tensor)
+    if sharding is None or sharding.num_devices == 1 and not isinstance(sharding, NamedSharding):
+        return None
+    if sharding == transfer.landing():
+        return None
+    return tiling_of(sharding, tensor.dim())
+
+
 def _own_sharding(tensor: torch.Tensor, api: str) -> NamedSharding:
     """The mesh sharding ``tensor`` was given (marked, distributed, or propagated onto it)."""
     validate._check_xla_tensor(tensor, api)
     sharding = placement.sharding_of(tensor)
-    if sharding is None or sharding == placement.default_sharding():
+    if sharding is None or sharding == transfer.landing():
         raise ValueError(
             f"{api}: the tensor of shape {tuple(tensor.shape)} has no sharding of its own; "
             "shard it first (xs.mark_sharding or torch.distributed.tensor.distribute_tensor)"

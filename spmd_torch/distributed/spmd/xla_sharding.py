@@ -15,22 +15,23 @@ import torch.utils._pytree as pytree
 from jax.sharding import NamedSharding
 
 from spmd_torch import runtime
-from spmd_torch._lazy import manual, placement
+from spmd_torch._lazy import manual, placement, transfer
 from spmd_torch.utils.checkpoint import optimization_barrier_
 
 from . import validate
-from ._tiling import ShardingType, Tiling, tiling_of
+from ._tiling import ShardingType, tiling_of
 from .mesh import (
     HybridMesh,
     Mesh,
     PartitionSpecLike,
+    check_mesh,
     get_1d_mesh,
     get_global_mesh,
     named_sharding,
     set_global_mesh,
     translate_spec,
 )
-from .xla_sharded_tensor import XLAShard, XLAShardedTensor
+from .xla_sharded_tensor import XLAShard, XLAShardedTensor, annotated_tiling
 
 __all__ = [
     "EinsumLinear",
@@ -91,7 +92,7 @@ def mark_sharding(
     """
     tensor = unwrap_sharded_tensor(t)
     validate._check_xla_tensor(tensor, "mark_sharding")
-    validate._check_mesh(mesh)
+    check_mesh(mesh)
     validate._check_spec_container(partition_spec)
     validate._check_spec_rank(tuple(tensor.shape), tuple(partition_spec))
     sharding = named_sharding(mesh, partition_spec)
@@ -147,7 +148,7 @@ def mark_sharding_with_gradients(
     """
     tensor = unwrap_sharded_tensor(t)
     validate._check_xla_tensor(tensor, "mark_sharding_with_gradients")
-    validate._check_mesh(mesh)
+    check_mesh(mesh)
     validate._check_spec_container(partition_spec)
     validate._check_spec_rank(tuple(tensor.shape), tuple(partition_spec))
     return MarkShardingFunction.apply(tensor, mesh, partition_spec)
@@ -254,7 +255,7 @@ def _shard_pair(x: Any, y: Any) -> tuple[Any, Any]:
 def _own_sharding(tensor: torch.Tensor) -> NamedSharding | None:
     """The tensor's mesh sharding, or None when it has none of its own."""
     sharding = placement.sharding_of(tensor)
-    if not isinstance(sharding, NamedSharding) or sharding == placement.default_sharding():
+    if not isinstance(sharding, NamedSharding) or sharding == transfer.landing():
         return None
     return sharding
 
@@ -383,23 +384,8 @@ def get_xla_sharding_spec(t: torch.Tensor | XLAShardedTensor) -> str:
         >>> xs.get_xla_sharding_spec(x)
         '{devices=[8,1]0,1,2,3,4,5,6,7}'
     """
-    tiling = _annotated_tiling(unwrap_sharded_tensor(t), "get_xla_sharding_spec")
+    tiling = annotated_tiling(unwrap_sharded_tensor(t), "get_xla_sharding_spec")
     return "" if tiling is None else tiling.text()
-
-
-def _annotated_tiling(tensor: torch.Tensor, api: str) -> Tiling | None:
-    """The tiling of the tensor's sharding; None when it has none of its own.
-
-    Data that merely sits on one device, or replicated on every device as SPMD mode uploads
-    it, is unsharded, as PyTorch/XLA reports such tensors.
-    """
-    validate._check_xla_tensor(tensor, api)
-    sharding = placement.sharding_of(tensor)
-    if sharding is None or sharding.num_devices == 1 and not isinstance(sharding, NamedSharding):
-        return None
-    if sharding == placement.default_sharding():
-        return None
-    return tiling_of(sharding, tensor.dim())
 
 
 def wrap_as_sharded_tensor(t: torch.Tensor | XLAShardedTensor) -> XLAShardedTensor:
@@ -441,7 +427,7 @@ def wrap_if_sharded(x: Any) -> Any:
     if (
         isinstance(x, torch.Tensor)
         and x.device.type == "xla"
-        and _annotated_tiling(x, "wrap_if_sharded") is not None
+        and annotated_tiling(x, "wrap_if_sharded") is not None
     ):
         return XLAShardedTensor(x)
     return x
@@ -473,7 +459,7 @@ class ShardingSpec:
     minibatch: bool = False
 
     def __post_init__(self) -> None:
-        validate._check_mesh(self.mesh)
+        check_mesh(self.mesh)
         validate._check_spec_container(self.partition_spec)
         spec = tuple(tuple(e) if isinstance(e, list) else e for e in self.partition_spec)
         translate_spec(self.mesh, spec)

@@ -7,7 +7,8 @@ import shutil
 
 import orbax.checkpoint as ocp
 
-from spmd_torch._lazy import engine, execute
+from spmd_torch import _barrier
+from spmd_torch._lazy import engine
 
 from . import _orbax, _tree
 
@@ -18,12 +19,11 @@ def absolute(path) -> str:
 
 
 def refuse_in_replica(api: str) -> None:
-    replica = engine.current().replica
-    if replica is not None:
-        raise RuntimeError(
-            f"{api} inside replica {replica.ordinal} of launch/spawn: distributed checkpoints "
-            "save one program's sharded state; in per-device scripts use xm.save on the master"
-        )
+    engine.current().mode.refuse_per_replica(
+        api,
+        "distributed checkpoints save one program's sharded state; in per-device scripts use "
+        "xm.save on the master",
+    )
 
 
 def prepare(state_dict: dict, api: str) -> _tree.Saved:
@@ -32,7 +32,7 @@ def prepare(state_dict: dict, api: str) -> _tree.Saved:
     refuse_in_replica(api)
     if not isinstance(state_dict, dict):
         raise TypeError(f"{api}: state_dict must be a dict, got {type(state_dict).__name__}")
-    execute.sync()
+    _barrier.barrier()
     return _tree.split(state_dict)
 
 
@@ -81,7 +81,7 @@ def restore(state_dict: dict, path: str, api: str) -> None:
     if not isinstance(state_dict, dict):
         raise TypeError(f"{api}: state_dict must be a dict, got {type(state_dict).__name__}")
     skeleton = _orbax.read_skeleton(path)
-    execute.sync()  # the target's values are data: their layouts are known
+    _barrier.barrier()  # the target's values are data: their layouts are known
     plan = _tree.Restore(state_dict, skeleton, path)
     arrays = _orbax.read_arrays(path, plan.reads)
     plan.apply(arrays)

@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.utils import find_state_dict_object
 
+from spmd_torch import _barrier
 from spmd_torch._lazy import execute, placement, transfer
 from spmd_torch._lazy.layout import even_part, padded_shape
 from spmd_torch._lazy.tensor import LazyTensor
@@ -98,7 +99,7 @@ class SPMDSavePlanner(SavePlanner):
     ) -> None:
         """Flatten ``state_dict`` and compute its xla tensors (one program, as at a barrier)."""
         self.is_coordinator = is_coordinator
-        execute.sync()
+        _barrier.barrier()
         flat, self.mappings = flatten_state_dict(state_dict)
         tensors = {key: _xla_tensor(value) for key, value in flat.items()}
         xla = {key: t for key, t in tensors.items() if t is not None}
@@ -183,7 +184,7 @@ class SPMDLoadPlanner(LoadPlanner):
         self.metadata = metadata
         self.is_coordinator = is_coordinator
         self.original_state_dict = state_dict
-        execute.sync()
+        _barrier.barrier()
         flat, self.mappings = flatten_state_dict(state_dict)
         self.xla_state_dict, self.state_dict = {}, {}
         for key, value in flat.items():

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from spmd_torch._lazy import execute, placement
+from spmd_torch import _barrier
+from spmd_torch._lazy import placement
 from spmd_torch._lazy.tensor import LazyTensor
 
 
@@ -26,7 +27,7 @@ def prime_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         >>> prime_optimizer(optim)
         >>> chkpt_mgr.restore(step, {'optim': optim.state_dict()})
     """
-    execute.sync()
+    _barrier.barrier()
     for group in optimizer.param_groups:
         for param in group["params"]:
             if param.requires_grad:
@@ -35,5 +36,5 @@ def prime_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
                 if layout is not None:
                     placement.mark(param.grad, layout)
     optimizer.step()
-    execute.sync(wait=True)
+    _barrier.barrier(wait=True)
     return optimizer

@@ -1,0 +1,88 @@
+"""The barrier that ends a training step, one for every door: ``spmd_torch.sync()``,
+``xm.mark_step()``, the data loaders, ``StepTrace``, compile regions, checkpoints.
+
+It counts the step (``MarkStep``), runs everything pending as one program (the engine's
+``execute.sync``), appends the metrics report to ``XLA_METRICS_FILE`` when set, and runs the step
+closures queued by ``xm.add_step_closure``. A read of values (``.item()``) or eager mode's
+per-op run computes what it needs without ending a step.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent import futures
+from typing import Any
+
+from spmd_torch import config
+from spmd_torch._lazy import counters, engine, execute
+from spmd_torch.debug import metrics_saver
+
+
+def barrier(wait: bool = False) -> None:
+    """End the step: compile (once) and dispatch every pending computation, then the step's
+    side effects, in every mode alike."""
+    counters.bump("MarkStep")
+    execute.sync(wait=wait)
+    own = engine.current()
+    if own.mode.local_ordinal == 0 and config.METRICS_FILE.value:  # one report per host
+        metrics_saver.save_metrics()
+    run_step_closures()
+
+
+def add_step_closure(closure: Callable[[], Any], run_async: bool) -> None:
+    """Queue ``closure`` on the calling engine, for the end of its step."""
+    engine.current().step_closures.append((closure, run_async))
+
+
+def run_step_closures() -> None:
+    """Run the calling engine's queued closures: synchronous ones here, in order (one that
+    raises drops the rest), asynchronous ones handed to the background thread first."""
+    own = engine.current()
+    closures, own.step_closures = own.step_closures, []
+    asynchronous = [closure for closure, run_async in closures if run_async]
+    if asynchronous:
+        _async_runner().submit(asynchronous)
+    for closure, run_async in closures:
+        if not run_async:
+            closure()
+
+
+class _AsyncClosureRunner:
+    """Runs asynchronous step closures one at a time, in order, on one background thread; a
+    closure's error stops the ones queued after it and is raised at the next step."""
+
+    def __init__(self) -> None:
+        self._executor = futures.ThreadPoolExecutor(1, thread_name_prefix="xm-step-closure")
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+
+    def submit(self, closures: list[Callable[[], Any]]) -> None:
+        with self._lock:
+            error, self._error = self._error, None
+        if error is not None:
+            raise RuntimeError(
+                "Cannot run asynchronous step closures: an earlier one raised "
+                f"{type(error).__name__}: {error}"
+            ) from error
+        for closure in closures:
+            self._executor.submit(self._run, closure)
+
+    def _run(self, closure: Callable[[], Any]) -> None:
+        with self._lock:
+            if self._error is not None:
+                return
+        try:
+            closure()
+        except Exception as error:  # kept for the next step, as PyTorch/XLA does
+            with self._lock:
+                self._error = error
+
+
+_RUNNER: list[_AsyncClosureRunner] = []  # made on first use: most programs never need its thread
+
+
+def _async_runner() -> _AsyncClosureRunner:
+    if not _RUNNER:
+        _RUNNER.append(_AsyncClosureRunner())
+    return _RUNNER[0]

@@ -1,0 +1,172 @@
+"""The modes a program runs in: one device, an SPMD mesh, or a replica of ``launch``.
+
+The engine's mode does the work that depends on it, so nothing else asks which mode it is in (as
+JAX's current trace processes each primitive): where uploads land, how inputs are gathered, how a
+run executes (through the compile cache, or handed to the replicas' world), how a read of pending
+values runs, and the world: its size, the ordinals, the axis collectives span, rendezvous.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from . import counters, engine, placement, transfer
+from .graph import Program, linearize
+from .lowering.collectives import REPLICA_AXIS
+from .run import Run, execute
+
+
+class OneDevice:
+    """Programs run on JAX's default device, where uploads land: one program per process."""
+
+    landing = None  # JAX's default device
+    replicated = None  # the layout replicated over the SPMD devices: none here
+    local_ordinal = 0
+    local_world_size = 1
+
+    world_size = property(lambda self: jax.process_count())  # the job's processes, one per host
+    ordinal = property(lambda self: jax.process_index())
+
+    def stage(self, host: np.ndarray):
+        """A host value copied to the device, uploaded where new data lands."""
+        return transfer.upload(host, self.landing)
+
+    def gather(self, program: Program) -> list:
+        """The program's inputs on its devices (data still on the host uploaded)."""
+        return [placement.resolve(node, i) for node, i in program.leaves]
+
+    def execute(self, run: Run) -> list:
+        return execute(run)
+
+    def run(self, program: Program, donate: bool, out_shardings: tuple | None = None) -> list:
+        """Compute a linearised graph (``run.Run.of`` says what ``donate`` gives up)."""
+        with counters.timed("GatherTime"):
+            arrays = self.gather(program)
+        return self.execute(Run.of(program, arrays, donate, out_shardings))
+
+    def read(self, refs: list, layouts: dict | None, sync: Callable) -> None:
+        """Compute the pending ``refs`` (each once), leaving each value on its node; ``layouts``
+        maps (id(node), index) to an output's layout; ``sync`` runs everything pending."""
+        shardings = None if not layouts else tuple(layouts.get((id(n), i)) for n, i in refs)
+        for (node, index), array in zip(refs, self.run(linearize(refs), False, shardings)):
+            node.keep(index, array)
+
+    def collective_axis(self, api: str) -> str | None:
+        """The mesh axis replica collectives span: none in a world of one."""
+        if self.world_size > 1:
+            raise NotImplementedError(
+                f"xm.{api} across {self.world_size} hosts outside launch/spawn: in the SPMD "
+                "model collectives come from sharding; mark tensors over a global mesh instead"
+            )
+        return None
+
+    def rendezvous(self, tag: str, payload, ordinals: list) -> list:
+        self.collective_axis("rendezvous")
+        return [payload]
+
+    def away(self) -> contextlib.AbstractContextManager:
+        """Around a wait for something outside the program (a loader's next batch)."""
+        return contextlib.nullcontext()
+
+    def local_devices(self) -> list:
+        return jax.local_devices()
+
+    def refuse_per_replica(self, what: str, hint: str = "") -> None:
+        """Raise if ``what`` cannot run in a replica of launch."""
+
+    def with_spmd(self, devices: list) -> SpmdMesh:
+        return SpmdMesh(devices)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(world of {self.world_size})"
+
+
+class SpmdMesh(OneDevice):
+    """Programs run over every device, partitioned by GSPMD as tensors are marked; uploads land
+    replicated, and data already on one device is replicated the first time a program reads it
+    (PyTorch/XLA's one-time replication when SPMD starts)."""
+
+    def __init__(self, devices: list):
+        mesh = Mesh(np.array(list(devices)), ("devices",))
+        self.replicated = NamedSharding(mesh, PartitionSpec())
+
+    @property
+    def landing(self) -> NamedSharding:
+        return self.replicated
+
+    def __repr__(self) -> str:
+        return f"SpmdMesh({self.replicated.num_devices} devices)"
+
+    def stage(self, host: np.ndarray) -> transfer.HostData:
+        """Kept on the host: a ``mark_sharding`` may come next, uploading only each shard."""
+        return transfer.HostData(host, self.replicated)
+
+    def gather(self, program: Program) -> list:
+        arrays = [node.arrays[i] for node, i in program.leaves]
+        return placement.onto_spmd_devices(program.leaves, arrays)
+
+
+class Replica(OneDevice):
+    """A replica of ``launch``: a thread tracing its own graph on its own device, standing for one
+    process of PyTorch/XLA's multiprocessing. Its world runs all replicas' runs as one program."""
+
+    def __init__(self, world, ordinal: int, cpu_rng):
+        self.world = world  # replicas.World
+        self.index = ordinal
+        self.cpu_rng = cpu_rng  # its torch CPU RNG state, carried with its turn
+        self.landing = transfer.OnReplica(world.mesh.devices.flat[ordinal])
+
+    ordinal = local_ordinal = property(lambda self: self.index)
+    world_size = local_world_size = property(lambda self: self.world.size)
+
+    def gather(self, program: Program) -> list:
+        """Its blocks as they are: the world stacks them (an earlier output's stay whole)."""
+        return [node.arrays[i] for node, i in program.leaves]
+
+    def execute(self, run: Run) -> list:
+        return self.world.wait(self, run)
+
+    def read(self, refs: list, layouts: dict | None, sync: Callable) -> None:
+        """A barrier first: its collectives need every replica, and the others' programs then
+        match; what is left (views of its results) runs on its own device."""
+        sync()
+        missing = [ref for ref in refs if not ref[0].is_leaf(ref[1])]
+        if missing:
+            program = linearize(missing)
+            outputs = self.world.run_alone(self, Run.of(program, self.gather(program), False))
+            for (node, index), array in zip(missing, outputs):
+                node.keep(index, array)
+
+    def collective_axis(self, api: str) -> str:
+        return REPLICA_AXIS
+
+    def rendezvous(self, tag: str, payload, ordinals: list) -> list:
+        return self.world.rendezvous(self, tag, payload, ordinals)
+
+    def away(self) -> contextlib.AbstractContextManager:
+        return self.world.stepped_away(self)  # the other replicas run meanwhile
+
+    def local_devices(self) -> list:
+        return [self.landing.device]
+
+    def refuse_per_replica(self, what: str, hint: str = "") -> None:
+        hint = hint or "a replica owns one device; shard over a mesh from one process instead"
+        raise RuntimeError(f"{what} inside replica {self.ordinal} of launch/spawn: {hint}")
+
+    def with_spmd(self, devices: list) -> SpmdMesh:
+        self.refuse_per_replica("SPMD mode (use_spmd, mark_sharding)")
+
+
+def use_spmd(devices: list) -> None:
+    """Run every later program of the calling engine over ``devices``."""
+    own = engine.current()
+    own.mode = own.mode.with_spmd(devices)
+
+
+# The default engine's home mode: the modes sit above the engine's state, as JAX's traces do.
+engine.DEFAULT.home = engine.DEFAULT.mode = OneDevice()

@@ -1,0 +1,101 @@
+"""One program run, built once as a value, and running it through the compile cache.
+
+Every mode runs programs through ``execute``: one device, the SPMD mesh, and the replicas of
+``launch``, whose runs their world first stacks into one (``stacked``). So a program records the
+same metrics whichever mode runs it.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from spmd_torch import config
+
+from . import compile as compiler
+from . import counters
+from .collective import COLLECTIVES
+from .graph import DATA, Program
+from .transfer import ReplicaShard
+
+
+@dataclass
+class Run:
+    """A program with its inputs, which of them it may donate, and its lifted scalars."""
+
+    program: Program
+    arrays: list  # one per leaf: device arrays (for a replica, its blocks or ReplicaShards)
+    donated: tuple  # per leaf: no live tensor holds it any more
+    scalars: np.ndarray  # the lifted Python scalars, packed
+    out_shardings: tuple | None = None  # each output's layout (None entries: the partitioner's)
+    replicas: Mesh | None = None  # run by each replica of this mesh, inputs stacked over it
+
+    @classmethod
+    def of(cls, program: Program, arrays: list, donate: bool, out_shardings=None) -> Run:
+        """Donates (with ``donate``) the inputs no live tensor holds any more."""
+        donated = tuple(
+            donate and node.op == DATA and node.holders == 0 for node, _ in program.leaves
+        )
+        scalars = np.array([node.args[0] for node in program.scalars], dtype=np.float64)
+        return cls(program, arrays, donated, scalars, out_shardings)
+
+    @functools.cached_property
+    def key(self) -> tuple:
+        """What tells replicas' runs apart: runs with equal keys run as one program."""
+        avals = tuple(node.avals[i] for node, i in self.program.leaves)
+        return (self.program.identity, avals, self.donated)
+
+    @functools.cached_property
+    def collectives(self) -> list[str]:
+        """The collectives the run holds, in order: a replica's program with any runs only
+        together with every other replica's."""
+        return [str(node.op) for node in self.program.nodes if node.op in COLLECTIVES]
+
+
+def execute(run: Run) -> list:
+    """Run through the compile cache (compiling on a miss); the outputs, dispatched."""
+    executable, hit = compiler.lookup_or_compile(run)
+    if config.DEBUG_LEVEL.value:
+        compiler.debug_line(run.program, executable, hit)
+    start = time.perf_counter_ns()
+    outputs = executable(run.arrays, run.donated, run.scalars)
+    # PyTorch/XLA's names: a program over several devices is a replicated execution.
+    name = "ExecuteReplicatedTime" if executable.devices > 1 else "ExecuteTime"
+    counters.record(name, time.perf_counter_ns() - start)
+    counters.record("TensorsGraphSize", len(run.program.nodes))
+    return outputs
+
+
+def stacked(runs: list[Run], mesh: Mesh) -> Run:
+    """The runs of replicas with one key as one run over the mesh of their devices: each input
+    the replicas' arrays stacked, donated only when every replica donates it."""
+    layout = compiler.stacked(mesh)
+    first = runs[0]
+    arrays = [
+        _stacked([run.arrays[i] for run in runs], mesh, layout) for i in range(len(first.arrays))
+    ]
+    donated = tuple(all(run.donated[i] for run in runs) for i in range(len(arrays)))
+    scalars = jax.device_put(np.stack([run.scalars for run in runs]), layout)
+    return Run(first.program, arrays, donated, scalars, replicas=mesh)
+
+
+def _stacked(blocks: list, mesh: Mesh, layout) -> jax.Array:
+    """The replicas' arrays of one input as one array stacked over ``mesh``: the earlier output
+    itself when they are its blocks in order, else assembled from the blocks (no copy)."""
+    first = blocks[0]
+    if type(first) is ReplicaShard:
+        whole = first.stacked
+        if whole.sharding.mesh == mesh and all(
+            type(b) is ReplicaShard and b.stacked is whole and b.position == p
+            for p, b in enumerate(blocks)
+        ):
+            if whole.sharding == layout:  # else one device's P() for P(replica): same blocks
+                return whole
+    local = [b.local() if type(b) is ReplicaShard else b for b in blocks]
+    shape = (len(local),) + tuple(local[0].shape[1:])
+    return jax.make_array_from_single_device_arrays(shape, layout, local)
