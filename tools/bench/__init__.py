@@ -1,0 +1,54 @@
+"""Benchmarks spmd_torch against eager PyTorch and hand-written JAX on the same math.
+
+Workloads:
+  W1  tracing overhead: 2000 cheap elementwise ops on a 256x256 tensor, host µs per op.
+  W2  MLP 784-1024-1024-10 (ReLU), batch 256, cross-entropy, SGD lr 0.01 momentum 0.9.
+  W3  GPT decoder, 4 layers, d_model 256, 4 heads, seq 128, batch 8, vocab 1024, AdamW.
+  W4  FSDP: the W3 GPT at batch 16, AdamW, every 2-D param and the batch sharded on dim 0 over
+      an 8-device mesh with axis 'fsdp' (8 virtual CPU devices; --gpu: min(8, GPUs)), the rest
+      replicated. Implementations jax and spmd_torch only; also reports param bytes per device.
+  W2mp  W2's MLP data parallel over 8 devices (8 virtual CPU devices; --gpu: every local GPU), two
+      ways: ``mp``, a per-device multiprocessing script (``spmd_torch.launch``, batch 32 per
+      replica, ``xm.optimizer_step`` all-reducing the gradients) against ``spmd_torch``, one SPMD
+      program (global batch 32 x devices sharded over a 1-D 'data' mesh). Batches are uploaded
+      once before the loop with .to(device), as in W2 (no MpDeviceLoader). Steps/s is the median
+      of timed windows of pipelined steps; then one window of blocked steps breaks the host time
+      per step down. Compiles count UncachedCompile.
+  W3amp  W3 under bfloat16 autocast: eager ``torch.autocast('cpu', torch.bfloat16)`` with
+      torch.optim.AdamW against spmd_torch's ``spmd_torch.amp.autocast`` with
+      ``spmd_torch.amp.syncfree.AdamW`` (same hyperparameters). spmd_torch also reports the
+      device-to-host transfers counted inside its steps (TransferFromDevice; 0 expected);
+      ``--check`` compares losses to bfloat16 tolerance.
+  W5  checkpoints: W4's model and AdamW state after 2 steps (8-device 'fsdp' mesh), saved and
+      restored by spmd_torch.experimental.distributed_checkpoint against orbax used directly on
+      the same jax arrays (PyTreeCheckpointHandler, compression off), alternated rep by rep in one
+      process: save, save_async (the time it blocks the loop, and until written), restore onto the
+      same layout and onto a (4,2) mesh; seconds, MB/s, bytes on disk, and the peak growth of the
+      process's RSS during each (sampled every ms) against the state's bytes.
+
+Host time of spmd_torch's steps (W2, W3, W3amp, W4: the blocked timed steps; W2mp: its probed
+window) is split with public numbers read before and after: tracing (time in step() less the
+barrier), the barrier (time in sync(); for mp, all that is not tracing), and within it
+``debug.metrics.barrier_phases()`` (linearize, key, gather, lookup, dispatch, bind), compiles and
+the rest. A checkout without barrier_phases() reports its phases as n/a.
+
+Each (workload, implementation) pair runs in its own subprocess (``--only W3:jax``), so compile
+caches, thread pools and device peak memory never leak from one run into the next. The parent
+collects one ``BENCH_RESULT {...}`` line from each child, prints a table per workload and ends
+with one ``BENCH_JSON {...}`` line for docs/performance.md. With ``--against PATH`` every
+implementation that imports spmd_torch also runs with PATH's spmd_torch (another checkout of this
+repository, e.g. the commit before), right after this checkout's in each round; the report then
+sets the two side by side (medians over the rounds, and their ratio).
+
+Usage (from the repository root):
+  python -m tools.bench                          # all workloads, all implementations, CPU
+  python -m tools.bench --workloads W2 --steps 50
+  python -m tools.bench --impls eager,jax        # skip spmd_torch
+  python -m tools.bench --check                  # 3 steps each from one init: loss differences
+  python -m tools.bench --gpu                    # spmd_torch and JAX on CUDA (and eager if it can)
+  python -m tools.bench --workloads W4 --impls jax
+  python -m tools.bench --workloads W2mp --rounds 3  # mp and SPMD, alternated 3 times
+  python -m tools.bench --workloads W5               # checkpoints vs orbax directly
+  python -m tools.bench --workloads W2,W2mp --against /work/base --rounds 3  # vs another checkout
+  python -m tools.bench --only W2:jax            # one run in this process (what the parent runs)
+"""

@@ -1,0 +1,460 @@
+"""The tables, ratios and host-time breakdowns printed for each workload, and --against's columns.
+
+Results come keyed by label: the implementation's name for this checkout, ``impl@NAME`` for the
+same implementation run in the checkout --against names. Tables show a row per label; ratios
+between implementations are this checkout's; ``against`` sets the two checkouts side by side.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from .models import CHAIN, FSDP, GPT_W4_CFG
+from .mp import W2MP_BATCH, W2MP_WINDOWS
+from .workloads import CHECK_RTOL, CHECK_RTOL_OF, CHECK_STEPS, SPMD_IMPLS, impls_of
+
+Results = dict[str, dict[str, Any]]  # label -> one child's result
+
+TITLES = {
+    "W2": "MLP 784-1024-1024-10, batch 256, SGD momentum",
+    "W3": "GPT 4L d256 4H seq128 batch 8 vocab 1024, AdamW",
+    "W3amp": "W3 under bfloat16 autocast; spmd_torch with syncfree AdamW",
+    "W4": (
+        f"FSDP: W3's GPT at batch {GPT_W4_CFG.batch}, AdamW, 2-D params and batch sharded on dim 0"
+        f" over a '{FSDP.axis}' mesh (peak mem: the largest of its devices)"
+    ),
+}
+
+
+def impl_of(label: str) -> str:
+    """The implementation a result label names (``spmd_torch@base`` -> ``spmd_torch``)."""
+    return label.partition("@")[0]
+
+
+def fmt(value: Any, spec: str = ".3g", unit: str = "") -> str:
+    if value is None:
+        return "-"
+    return f"{value:{spec}}{unit}" if isinstance(value, (int, float)) else str(value)
+
+
+def _fmt_bytes(value: int | None, gpu: bool) -> str:
+    if not gpu:
+        return "n/a"
+    return "-" if value is None else f"{value / 2**20:.1f} MiB"
+
+
+def _fmt_mib(value: float | None) -> str:
+    return "-" if value is None else f"{value / 2**20:.2f} MiB"
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers))]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+def _print_errors(results: Results) -> None:
+    for label, r in results.items():
+        if "error" in r:
+            print(f"  {label} error: {r['error']}")
+
+
+def _ok(results: Results) -> Results:
+    return {label: r for label, r in results.items() if "error" not in r}
+
+
+def _host_line(label: str, h: dict[str, Any]) -> str:
+    """Where one step's host time went (harness.host_breakdown): tracing, then the barrier's
+    host time split into its phases (ms per step; calls per step where not one), compiles and
+    the rest no phase covers; the phases are n/a where that checkout has no barrier_phases()."""
+    trace = f"tracing {h['trace']:.1f}"
+    if "trace_per_replica" in h:
+        trace += f" (replicas' sum; {h['trace_per_replica']:.2f} each)"
+    if h["phases"] is None:
+        split = "phases n/a: that checkout's metrics have no barrier_phases()"
+    else:
+        parts = []
+        for phase, ms in h["phases"].items():
+            calls = h["phase_calls"][phase]
+            parts.append(f"{phase} {ms:.2f}" + ("" if calls == 1 else f" ({calls:g}/step)"))
+        split = f"{', '.join(parts)}; compile {h['compile']:.2f}; rest {h['barrier_rest']:.2f}"
+    return (
+        f"  {label} host ms/step {h['host']:.1f} (then device wait {h['device_wait']:.1f}): "
+        f"{trace}; barrier {h['barrier']:.1f} ({split})"
+    )
+
+
+def _print_host_lines(results: Results) -> None:
+    """One breakdown line per result that has one, and what 'rest' holds."""
+    lines = [_host_line(label, r["host_ms"]) for label, r in results.items() if r.get("host_ms")]
+    if not lines:
+        return
+    mp = any("trace_per_replica" in r["host_ms"] for r in results.values() if r.get("host_ms"))
+    print("\n".join(lines))
+    print(
+        "  (ms per blocked step; barrier = host - tracing; rest = barrier time no phase covers"
+        + (": for mp, turn hand-offs, waits and stacking the replicas' inputs)" if mp else ")")
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# One table per workload
+
+
+def report_w1(results: Results) -> dict[str, Any]:
+    rows = []
+    for label, r in results.items():
+        if "error" in r:
+            rows.append([label, "error", "", ""])
+            continue
+        if impl_of(label) == "spmd_torch":
+            what = f"trace {fmt(r['trace_us_per_op'], '.2f')} µs/op"
+            extra = (
+                f"sync {fmt(r['sync_ms'], '.2f')} ms, first rep {fmt(r['first_rep_s'], '.2f')}"
+                f" s, compiles {r['compiles_total']} ({r['compiles_in_timed']} in timed)"
+            )
+        else:
+            what = f"exec {fmt(r['exec_us_per_op'], '.3f')} µs/op"
+            extra = (
+                f"jax trace {fmt(r['jax_trace_us_per_op'], '.2f')} µs/op"
+                if "jax_trace_us_per_op" in r
+                else ""
+            )
+        rows.append([label, r.get("device", ""), what, extra])
+    spmd = results.get("spmd_torch", {}).get("trace_us_per_op")
+    ratios = {
+        "spmd_trace_over_eager_exec": ratio(spmd, results.get("eager", {}).get("exec_us_per_op")),
+        "spmd_trace_over_jax_trace": ratio(spmd, results.get("jax", {}).get("jax_trace_us_per_op")),
+    }
+    print(
+        f"\nW1 tracing overhead: {CHAIN.n_ops} elementwise ops on {CHAIN.size}x{CHAIN.size} "
+        f"(median µs per op)"
+    )
+    print(_table(["impl", "device", "per op", "notes"], rows))
+    _print_errors(results)
+    for name, value in ratios.items():
+        print(f"  {name}: {fmt(value, '.2f', 'x')}")
+    return ratios
+
+
+def report_training(workload: str, results: Results, gpu: bool) -> dict[str, Any]:
+    """W2, W3, W3amp, W4: steps/s of blocked steps (median), pipelined, compiles, memory."""
+    headers = [
+        "impl",
+        "device",
+        "steps/s",
+        "median ms",
+        "pipelined steps/s",
+        "first step s",
+        "compiles (timed)",
+        "peak mem",
+        "loss first→last",
+    ]
+    rows = []
+    for label, r in results.items():
+        if "error" in r:
+            rows.append([label, "error"] + [""] * (len(headers) - 2))
+            continue
+        compiles = (
+            "-"
+            if r["compiles_total"] is None
+            else f"{r['compiles_total']} ({fmt(r['compiles_in_timed'])})"
+        )
+        rows.append(
+            [
+                label,
+                r["device"],
+                fmt(r["steps_per_s"], ".2f"),
+                fmt(r["median_step_s"] * 1e3, ".1f"),
+                fmt(r["pipelined_steps_per_s"], ".2f"),
+                fmt(r["first_step_s"], ".2f"),
+                compiles,
+                _fmt_bytes(r["peak_bytes"], gpu),
+                f"{r['loss_first']:.4f}→{r['loss_last']:.4f}",
+            ]
+        )
+    speed = {label: r.get("steps_per_s") for label, r in results.items()}
+    others = [i for i in impls_of(workload) if i != "spmd_torch"]
+    ratios = {f"spmd_over_{o}": ratio(speed.get("spmd_torch"), speed.get(o)) for o in others}
+    print(f"\n{workload} {TITLES[workload]}")
+    print(_table(headers, rows))
+    _print_errors(results)
+    shown = ", ".join(f"spmd_torch/{o} {fmt(ratios[f'spmd_over_{o}'], '.2f', 'x')}" for o in others)
+    print(f"  steps/s ratio (>1: spmd_torch faster): {shown}")
+    for label, r in _ok(results).items():
+        transfers = r.get("transfers_from_device_per_step")
+        if transfers is not None:
+            print(f"  {label} device-to-host transfers per step: {transfers:g}")
+        if r.get("barrier_ms") is not None:
+            print(f"  {label} barrier host time (median time in sync()): {r['barrier_ms']:.2f} ms")
+    _print_host_lines(_ok(results))
+    return ratios
+
+
+def report_param_bytes(results: Results) -> dict[str, Any]:
+    """W4: one device's param bytes against the ideal total/mesh; replicated 1-D params (biases,
+    LayerNorms) keep it a little above 1x, a lost sharding shows as about mesh-size x."""
+    out = {}
+    for label, r in results.items():
+        per_device, total = r.get("param_bytes_per_device"), r.get("param_bytes_total")
+        if per_device is None or total is None:
+            continue
+        ideal = total / r["mesh_devices"]
+        out[label] = {
+            "per_device": per_device,
+            "total": total,
+            "total_over_mesh": ideal,
+            "per_device_over_ideal": per_device / ideal,
+            "program_bytes_per_device": r.get("program_bytes_per_device"),
+        }
+        print(
+            f"  param bytes per device, {label}: {_fmt_mib(per_device)} vs total/"
+            f"{r['mesh_devices']} {_fmt_mib(ideal)} ({per_device / ideal:.3f}x; total "
+            f"{_fmt_mib(total)}); compiled step needs "
+            f"{_fmt_mib(r.get('program_bytes_per_device'))} per device"
+        )
+    return out
+
+
+def print_mesh_note(results: Results) -> None:
+    """Says so when a run had fewer devices than W4 asks for (--gpu on a small machine)."""
+    sizes = {r["mesh_devices"] for r in results.values() if "mesh_devices" in r}
+    if sizes and sizes != {FSDP.mesh_devices}:
+        print(
+            f"  note: mesh of {', '.join(map(str, sorted(sizes)))} device(s), not "
+            f"{FSDP.mesh_devices}: fewer devices visible (min({FSDP.mesh_devices}, device_count), "
+            f"rounded down to a power of two)"
+        )
+
+
+def report_w2mp(results: Results) -> dict[str, Any]:
+    """W2mp: one row per way, the mp/SPMD steps/s ratio, and where each step's host time goes."""
+    headers = [
+        "impl",
+        "device",
+        "steps/s",
+        "windows",
+        "host ms/step",
+        "device wait ms",
+        "first step s",
+        "compiles (timed, probed)",
+        "loss first→last",
+    ]
+    rows = []
+    for label, r in results.items():
+        if "error" in r:
+            rows.append([label, "error"] + [""] * (len(headers) - 2))
+            continue
+        windows, host = r["window_steps_per_s"], r["host_ms"]
+        rows.append(
+            [
+                label,
+                r["device"],
+                fmt(r["steps_per_s"], ".2f"),
+                f"{min(windows):.2f}-{max(windows):.2f}",
+                fmt(host["host"], ".1f"),
+                fmt(host["device_wait"], ".1f"),
+                fmt(r["first_step_s"], ".2f"),
+                f"{r['compiles_total']} ({r['compiles_in_timed']}, {r['compiles_in_probe']})",
+                f"{r['loss_first']:.4f}→{r['loss_last']:.4f}",
+            ]
+        )
+    n = next((r["mesh_devices"] for r in results.values() if "mesh_devices" in r), 0)
+    print(
+        f"\nW2mp W2's MLP data parallel over {n} devices: mp (launch, {n} replicas of batch "
+        f"{W2MP_BATCH}) vs one SPMD program (batch {W2MP_BATCH * n} sharded). steps/s: median of "
+        f"{W2MP_WINDOWS} windows of pipelined steps; host ms/step: one window of blocked steps"
+    )
+    print(_table(headers, rows))
+    _print_errors(results)
+    speed = {label: r.get("steps_per_s") for label, r in results.items()}
+    # Host ms/step without the compiled call (the dispatch phase, which blocks on the CPU backend,
+    # in plain JAX too): the steps/s ratio to expect where the device is fast and the host sets
+    # the pace. Only where the phases are known.
+    bare = {
+        label: r["host_ms"]["host"] - r["host_ms"]["phases"]["dispatch"]
+        for label, r in _ok(results).items()
+        if r["host_ms"]["phases"] is not None
+    }
+    ratios = {
+        "mp_over_spmd": ratio(speed.get("mp"), speed.get("spmd_torch")),
+        "host_bound_mp_over_spmd": ratio(bare.get("spmd_torch"), bare.get("mp")),
+    }
+    print(f"  steps/s ratio mp/spmd_torch: {fmt(ratios['mp_over_spmd'], '.2f', 'x')} (target 0.5x)")
+    if ratios["host_bound_mp_over_spmd"] is not None:
+        print(
+            f"  host-bound estimate: host ms/step less the compiled call (dispatch), spmd_torch "
+            f"{bare['spmd_torch']:.1f} / mp {bare['mp']:.1f} = "
+            f"{ratios['host_bound_mp_over_spmd']:.2f}x"
+        )
+    _print_host_lines(_ok(results))
+    return ratios
+
+
+def report_w5(label: str, r: dict[str, Any]) -> dict[str, float]:
+    """W5's table: each operation's median seconds, MB/s and peak RSS growth, ours against orbax
+    directly; the ratios are orbax's time over ours (1.0: as fast as orbax)."""
+    if "seconds" not in r:
+        if "error" in r:
+            print(f"\nW5 {label} error: {r['error']}")
+        return {}
+    mb = r["state_bytes"] / 2**20
+    sec, rss = r["seconds"], r["rss_growth_bytes"]
+    who = "" if label == "spmd_torch" else f" ({label})"
+    print(
+        f"\nW5{who} checkpoints of W4's model + AdamW state ({mb:.1f} MB, "
+        f"{r['mesh_devices']}-device mesh), median of {r['steps']} reps; on disk: ours "
+        f"{r['disk_bytes']['ours'] / 2**20:.1f} MB, orbax {r['disk_bytes']['orbax'] / 2**20:.1f} MB"
+    )
+    print(
+        f"  {'operation':24s} {'ours s':>8s} {'MB/s':>7s} {'orbax s':>8s} {'MB/s':>7s} "
+        f"{'ratio':>6s} {'RSS+ MB':>8s}"
+    )
+    ratios = {}
+    for op in ("save", "restore", "restore_4x2"):
+        ours, theirs = sec[op], sec[f"orbax_{op}"]
+        ratios[op] = theirs / ours
+        print(
+            f"  {op:24s} {ours:8.3f} {mb / ours:7.0f} {theirs:8.3f} {mb / theirs:7.0f} "
+            f"{ratios[op]:5.2f}x {rss[op] / 2**20:8.1f}"
+        )
+    for op in ("save_async_blocking", "save_async_total"):
+        print(
+            f"  {op:24s} {sec[op]:8.3f} {mb / sec[op]:7.0f} {'':>8s} {'':>7s} {'':>6s} "
+            f"{rss[op] / 2**20:8.1f}"
+        )
+    ratios["async_blocking_of_save"] = sec["save_async_blocking"] / sec["save"]
+    ratios["rss_growth_of_state"] = max(rss["save"], rss["restore"]) / r["state_bytes"]
+    print(
+        f"  save_async blocks for {ratios['async_blocking_of_save']:.1%} of a save; peak RSS "
+        f"growth {ratios['rss_growth_of_state']:.2f}x the state's bytes"
+    )
+    return ratios
+
+
+def report_check(workload: str, results: Results) -> dict[str, Any]:
+    """Max |loss_a - loss_b| over the check steps, for each pair that ran."""
+    ok = {label: r["losses"] for label, r in results.items() if "losses" in r}
+    labels = list(ok)
+    rtol = CHECK_RTOL_OF.get(workload, CHECK_RTOL)
+    pairs = {}
+    for i, a in enumerate(labels):
+        for b in labels[i + 1 :]:
+            diff = max(abs(x - y) for x, y in zip(ok[a], ok[b]))
+            scale = max(abs(x) for x in ok[a] + ok[b]) or 1.0
+            pairs[f"{a}-{b}"] = {"max_abs_diff": diff, "ok": diff <= rtol * scale}
+    what = "output mean" if workload == "W1" else f"losses of {CHECK_STEPS} steps"
+    print(f"\n{workload} check ({what})")
+    width = max(11, *map(len, results))
+    for label, r in results.items():
+        shown = (
+            "error: " + r["error"] if "error" in r else ", ".join(f"{v:.6f}" for v in r["losses"])
+        )
+        print(f"  {label:<{width}} {shown}")
+    for name, p in pairs.items():
+        print(f"  max |diff| {name}: {p['max_abs_diff']:.3g} {'OK' if p['ok'] else 'MISMATCH'}")
+    return pairs
+
+
+def report_round(workload: str, results: Results, check: bool, gpu: bool) -> dict[str, Any]:
+    """Prints one round of a workload; returns its summary entry."""
+    entry: dict[str, Any] = dict(results)
+    if check:
+        entry["check"] = report_check(workload, results)
+    elif workload == "W1":
+        entry["ratios"] = report_w1(results)
+    elif workload == "W2mp":
+        entry["ratios"] = report_w2mp(results)
+    elif workload == "W5":
+        ratios = {label: report_w5(label, r) for label, r in results.items()}
+        entry["ratios"] = ratios.get("spmd_torch", {})
+    else:
+        entry["ratios"] = report_training(workload, results, gpu)
+    if workload == "W4" and not check:
+        entry["param_bytes"] = report_param_bytes(results)
+        print_mesh_note(results)
+    return entry
+
+
+def report_rounds(workload: str, entries: list[dict[str, Any]]) -> None:
+    """The median of each ratio over the rounds (each measured side by side in its round)."""
+    names = sorted({name for e in entries for name in e.get("ratios", {})})
+    print(f"\n{workload} over {len(entries)} rounds (median of the rounds' ratios):")
+    for name in names:
+        values = [e["ratios"].get(name) for e in entries]
+        values = [v for v in values if v is not None]
+        shown = ", ".join(f"{v:.2f}" for v in values)
+        median = fmt(statistics.median(values) if values else None, ".2f", "x")
+        print(f"  {name}: {median} ({shown})")
+
+
+# ------------------------------------------------------------------------------------------------
+# --against: this checkout and another side by side
+
+# (what, the result field as a dotted path) compared per workload; default: a training workload.
+_COMPARED = {
+    "W1": (
+        ("trace µs/op", "trace_us_per_op"),
+        ("sync ms", "sync_ms"),
+        ("compiles", "compiles_total"),
+    ),
+    "W5": (
+        ("save s", "seconds.save"),
+        ("save_async blocking s", "seconds.save_async_blocking"),
+        ("restore s", "seconds.restore"),
+        ("restore (4,2) s", "seconds.restore_4x2"),
+    ),
+}
+_TRAINING_COMPARED = (
+    ("steps/s", "steps_per_s"),
+    ("host ms/step", "host_ms.host"),
+    ("  tracing ms/step", "host_ms.trace"),
+    ("  barrier ms/step", "host_ms.barrier"),
+    ("compiles", "compiles_total"),
+)
+
+
+def _field(r: dict[str, Any], path: str) -> float | None:
+    for key in path.split("."):
+        if not isinstance(r, dict) or r.get(key) is None:
+            return None
+        r = r[key]
+    return r
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def report_against(
+    workload: str, entries: list[dict[str, Any]], own: str, other: str
+) -> dict[str, Any]:
+    """Each implementation that imports spmd_torch, in this checkout (`own` names it) and in the
+    other (label suffix `other`): medians over the rounds and this/other. Returns them by impl."""
+    out = {}
+    compared = _COMPARED.get(workload, _TRAINING_COMPARED)
+    for impl in SPMD_IMPLS:
+        theirs = f"{impl}@{other}"
+        if not any(impl in e and theirs in e for e in entries):
+            continue
+        rows, values = [], {}
+        for what, path in compared:
+            a = _median([_field(e.get(impl, {}), path) for e in entries])
+            b = _median([_field(e.get(theirs, {}), path) for e in entries])
+            values[path] = {own: a, other: b, "ratio": ratio(a, b)}
+            rows.append([what, fmt(a, ".4g"), fmt(b, ".4g"), fmt(ratio(a, b), ".2f", "x")])
+        print(
+            f"\n{workload} {impl}: this checkout ({own}) vs {other}, median of {len(entries)} "
+            f"round(s)"
+        )
+        print(_table(["measure", own, other, f"{own}/{other}"], rows))
+        out[impl] = values
+    return out

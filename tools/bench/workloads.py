@@ -1,0 +1,109 @@
+"""The workloads, their implementations and step counts, and the function running each pair."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+from . import chain, checkpoint, mp, training
+from .models import FSDP
+
+WORKLOADS = ("W1", "W2", "W3", "W3amp", "W4", "W2mp", "W5")
+IMPLS = ("eager", "jax", "spmd_torch", "mp")
+# The implementations that import spmd_torch: the ones --against runs in the other checkout too.
+SPMD_IMPLS = ("spmd_torch", "mp")
+# The implementations of each workload (default: eager, jax, spmd_torch). W4 is about sharding,
+# which eager PyTorch has no say in; W2mp sets spmd_torch's two ways of data parallelism apart.
+WORKLOAD_IMPLS = {
+    "W3amp": ("eager", "spmd_torch"),
+    "W4": ("jax", "spmd_torch"),
+    "W2mp": ("mp", "spmd_torch"),
+    "W5": ("spmd_torch",),
+}
+_DEFAULT_IMPLS = ("eager", "jax", "spmd_torch")
+IMPL_ALIASES = {
+    "eager": "eager",
+    "torch": "eager",
+    "jax": "jax",
+    "spmd": "spmd_torch",
+    "spmd_torch": "spmd_torch",
+    "mp": "mp",
+}
+# Workloads whose CPU runs need FSDP.mesh_devices virtual devices (meshes, W2mp's replicas).
+_MESH_WORKLOADS = ("W4", "W2mp", "W5")
+# (warm-up, timed) steps per workload; W1 counts repetitions of the whole 2000-op chain.
+DEFAULT_STEPS = {
+    "W1": (2, 10),
+    "W2": (5, 20),
+    "W3": (3, 10),
+    "W3amp": (3, 10),
+    "W4": (3, 10),
+    "W2mp": (5, 50),
+    "W5": (1, 5),
+}
+CHECK_STEPS = 3
+# Losses of the three implementations must agree to this relative tolerance under --check.
+CHECK_RTOL = 1e-4
+# bfloat16 workloads: one bf16 ulp (2**-8 to 2**-7 of a value) between two implementations' roundings.
+CHECK_RTOL_OF = {"W3amp": 8e-3}
+
+Runner = Callable[[int, int, bool, bool], dict[str, Any]]  # (warmup, steps, check, gpu) -> result
+RUNNERS: dict[tuple[str, str], Runner] = {
+    ("W1", "eager"): chain.w1_eager,
+    ("W1", "jax"): chain.w1_jax,
+    ("W1", "spmd_torch"): chain.w1_spmd,
+    ("W2", "eager"): training.w2_eager,
+    ("W2", "jax"): training.w2_jax,
+    ("W2", "spmd_torch"): training.w2_spmd,
+    ("W3", "eager"): training.w3_eager,
+    ("W3", "jax"): training.w3_jax,
+    ("W3", "spmd_torch"): training.w3_spmd,
+    ("W3amp", "eager"): training.w3amp_eager,
+    ("W3amp", "spmd_torch"): training.w3amp_spmd,
+    ("W4", "jax"): training.w4_jax,
+    ("W4", "spmd_torch"): training.w4_spmd,
+    ("W2mp", "mp"): mp.w2mp_mp,
+    ("W2mp", "spmd_torch"): mp.w2mp_spmd,
+    ("W5", "spmd_torch"): checkpoint.w5_spmd,
+}
+
+
+def impls_of(workload: str) -> tuple[str, ...]:
+    return WORKLOAD_IMPLS.get(workload, _DEFAULT_IMPLS)
+
+
+def cpu_devices(workload: str) -> int | None:
+    """Virtual CPU devices the workload's child needs (None: one, JAX's whole thread pool)."""
+    return FSDP.mesh_devices if workload in _MESH_WORKLOADS else None
+
+
+def workload_name(name: str) -> str:
+    """The workload spelt as in WORKLOADS (names are case-insensitive: w2mp, W2MP); else `name`."""
+    return {w.upper(): w for w in WORKLOADS}.get(name.strip().upper(), name.strip())
+
+
+def parse_only(only: str) -> tuple[str, str]:
+    """--only W:IMPL as (workload, implementation), refusing pairs that do not exist."""
+    workload, sep, impl = only.partition(":")
+    workload = workload_name(workload)
+    if not sep or workload not in WORKLOADS or impl not in IMPL_ALIASES:
+        raise SystemExit(
+            f"--only expects WORKLOAD:IMPL with WORKLOAD in {WORKLOADS} and IMPL in "
+            f"{sorted(IMPL_ALIASES)}; got {only!r}"
+        )
+    impl = IMPL_ALIASES[impl]
+    if impl not in impls_of(workload):
+        raise SystemExit(f"--only {only}: {workload} has only {impls_of(workload)}")
+    return workload, impl
+
+
+def steps_for(workload: str, args: argparse.Namespace) -> tuple[int, int]:
+    """(warm-up, timed) steps: the workload's defaults unless given; --check runs CHECK_STEPS."""
+    if args.check:
+        return 0, CHECK_STEPS
+    warmup, steps = DEFAULT_STEPS[workload]
+    return (
+        warmup if args.warmup is None else args.warmup,
+        steps if args.steps is None else args.steps,
+    )
