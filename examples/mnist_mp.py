@@ -117,9 +117,10 @@ def main():
     )
 
     print("Launching distributed MNIST training...")
-    losses = torch_xla.launch(_mp_mnist_fn, args=(args,))
-    first, last = losses[0][0], losses[0][-1]
-    print(f"replica 0 loss {first:.4f} -> {last:.4f} over {len(losses[0])} steps")
+    losses = torch_xla.launch(_mp_mnist_fn, args=(args,))  # this host's replicas' results
+    ordinal = min(losses)
+    first, last = losses[ordinal][0], losses[ordinal][-1]
+    print(f"replica {ordinal} loss {first:.4f} -> {last:.4f} over {len(losses[ordinal])} steps")
     print(f"compiles: {met.counter_value('UncachedCompile')}")
 
 

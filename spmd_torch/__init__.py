@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from . import _barrier
+from . import _barrier, _multihost
 from . import config as _config
 from . import runtime as _runtime
 from ._lazy import device as _device
@@ -17,6 +17,7 @@ from ._regions import compile, step  # noqa: F401  (public: spmd_torch.compile, 
 from .distributed import _dtensor_route
 from .distributed import xla_multiprocessing as _xmp
 
+_multihost.start()  # several processes (hosts): join them before any device is used
 _device.register()
 _dtensor_route.register()  # DTensor on an 'xla' DeviceMesh reaches spmd_torch.distributed.spmd
 if _config.USE_SPMD.value:  # XLA_USE_SPMD=1 in the environment

@@ -111,6 +111,41 @@ METRICS_FILE = _flag(
     "Append the metrics report to this file at every barrier ('STDOUT'/'STDERR' print it).",
     kind=str,
 )
+COORDINATOR_ADDRESS = _flag(
+    "SPMD_TORCH_COORDINATOR_ADDRESS",
+    None,
+    "host:port of process 0's coordinator, for a job of several processes (one per host).",
+    kind=str,
+)
+NUM_PROCESSES = _flag(
+    "SPMD_TORCH_NUM_PROCESSES", None, "The job's process count (with the coordinator).", kind=int
+)
+PROCESS_ID = _flag(
+    "SPMD_TORCH_PROCESS_ID",
+    None,
+    "This process's id in [0, processes) (with the coordinator).",
+    kind=int,
+)
+INIT_TIMEOUT_S = _flag(
+    "SPMD_TORCH_INIT_TIMEOUT_S",
+    300,
+    "Seconds the processes of a job wait for each other at start-up before failing.",
+)
+HEARTBEAT_TIMEOUT_S = _flag(
+    "SPMD_TORCH_HEARTBEAT_TIMEOUT_S",
+    100,
+    "Seconds without a heartbeat after which a process of the job counts as dead and the job ends.",
+)
+SHUTDOWN_TIMEOUT_S = _flag(
+    "SPMD_TORCH_SHUTDOWN_TIMEOUT_S",
+    300,
+    "Seconds a process that finished waits at exit for the others before failing.",
+)
+LOOPBACK = _flag(
+    "SPMD_TORCH_LOOPBACK",
+    False,
+    "Keep the coordinator and CPU collectives of a multi-process job on 127.0.0.1 (one machine).",
+)
 RATE_TRACKER_SMOOTHING = _flag(
     "RATE_TRACKER_SMOOTHING",
     0.4,

@@ -121,8 +121,10 @@ class Replica(OneDevice):
         self.cpu_rng = cpu_rng  # its torch CPU RNG state, carried with its turn
         self.landing = transfer.OnReplica(world.mesh.devices.flat[ordinal])
 
-    ordinal = local_ordinal = property(lambda self: self.index)
-    world_size = local_world_size = property(lambda self: self.world.size)
+    ordinal = property(lambda self: self.index)  # numbered across every host's replicas
+    local_ordinal = property(lambda self: self.world.local.index(self.index))
+    world_size = property(lambda self: self.world.size)
+    local_world_size = property(lambda self: len(self.world.local))
 
     def gather(self, program: Program) -> list:
         """Its blocks as they are: the world stacks them (an earlier output's stay whole)."""

@@ -19,18 +19,26 @@ collective, never a hang. A replica that raises ends every other replica's wait 
 from __future__ import annotations
 
 import contextlib
+import pickle
 import threading
 from dataclasses import dataclass
 
+import jax
 import numpy as np
 import torch
+from jax._src import distributed  # the job's key-value store: no public API
 from jax.sharding import Mesh
+
+from spmd_torch import config
 
 from . import compile as compiler
 from . import run as runs
 from .engine import CompileCache
 from .lowering.collectives import REPLICA_AXIS
 from .transfer import ReplicaShard
+
+# How long a rendezvous waits for other hosts' replicas (as long as the job's start-up may take).
+_REMOTE_WAIT_MS = config.INIT_TIMEOUT_S.value * 1000
 
 
 class ReplicaAborted(BaseException):
@@ -56,21 +64,23 @@ class _Rendezvous:
 class World:
     """The replicas of one launch: whose turn it is, what each waits for, and the answers."""
 
-    def __init__(self, devices: list, cache: CompileCache):
-        self.size = len(devices)
+    def __init__(self, devices: list, cache: CompileCache, local: list | None = None):
+        self.size = len(devices)  # replicas of the whole job, numbered along the devices
         self.mesh = Mesh(np.array(devices), (REPLICA_AXIS,))
+        self.local = tuple(sorted(range(self.size) if local is None else local))  # this host's
         self.cache = cache
         self.lock = threading.Lock()
         # One condition per replica, so handing the turn on wakes just the replica it goes to.
         self.wakeups = [threading.Condition(self.lock) for _ in range(self.size)]
         self.turn: int | None = None  # the replica running Python now
         self.last_turn = -1
-        self.ready = set(range(self.size))  # replicas wanting the turn: all, at the start
+        self.ready = set(self.local)  # replicas wanting the turn: all, at the start
         self.away: set = set()  # replicas waiting for something outside (data); they come back
         self.waits: dict = {}  # ordinal -> run.Run | _Rendezvous
         self.answers: dict = {}  # ordinal -> the result of its wait, or an error to raise
         self.done: set = set()
         self.failure: tuple | None = None  # (ordinal, exception) of the first replica to fail
+        self.meetings: dict = {}  # tag -> rendezvous held with other hosts' replicas so far
 
     # --- turns ---------------------------------------------------------------------------------
 
@@ -198,22 +208,46 @@ class World:
             if type(wait) is _Rendezvous:
                 meetings.setdefault(wait.participants, []).append(ordinal)
         for participants, arrived in meetings.items():
-            if sorted(arrived) != list(participants):
+            if sorted(arrived) != [k for k in participants if k in self.local]:
                 continue
             tags = {self.waits[k].tag for k in arrived}
-            if len(tags) > 1:
-                error = RendezvousError(
-                    f"replicas met at different rendezvous: {self._at(arrived)}"
-                )
-                for k in arrived:
-                    self._answer(k, error)
-                continue
-            payloads = [self.waits[k].payload for k in participants]
+            payloads = {k: self.waits[k].payload for k in arrived}
+            try:
+                if len(tags) > 1:
+                    raise RendezvousError(
+                        f"replicas met at different rendezvous: {self._at(arrived)}"
+                    )
+                if len(arrived) < len(participants):
+                    payloads |= self._from_other_hosts(tags.pop(), participants, payloads)
+                answer = [payloads[k] for k in participants]
+            except RendezvousError as error:
+                answer = error
             for k in arrived:
-                self._answer(k, list(payloads))
+                self._answer(k, answer if isinstance(answer, BaseException) else list(answer))
+
+    def _from_other_hosts(self, tag: str, participants: tuple, mine: dict) -> dict:
+        """The payloads of the participants on other hosts, through the job's key-value store
+        (JAX's coordination service): each host posts its replicas' and reads the others'."""
+        client = distributed.global_state.client
+        count = self.meetings[tag] = self.meetings.get(tag, 0) + 1
+        prefix = f"spmd_torch/rendezvous/{tag}/{count}/"
+        host = jax.process_index()
+        client.key_value_set_bytes(f"{prefix}{host}", pickle.dumps(mine))
+        others = {self.mesh.devices.flat[k].process_index for k in participants} - {host}
+        payloads = {}
+        for other in sorted(others):
+            try:
+                blob = client.blocking_key_value_get_bytes(f"{prefix}{other}", _REMOTE_WAIT_MS)
+            except Exception as error:  # noqa: BLE001 - the runtime's timeout, named below
+                raise RendezvousError(
+                    f"rendezvous {tag!r} (number {count}): host {other} did not arrive within "
+                    f"{_REMOTE_WAIT_MS // 1000} s ({type(error).__name__})"
+                ) from error
+            payloads |= pickle.loads(blob)
+        return payloads
 
     def _stuck(self, wait: _Rendezvous, others: dict) -> RendezvousError:
-        missing = [k for k in wait.participants if k not in others]
+        missing = [k for k in wait.participants if k in self.local and k not in others]
         return RendezvousError(
             f"rendezvous {wait.tag!r} waits for replicas {missing}, which returned from the "
             f"launched function or wait elsewhere: {self._at(list(others))}"
@@ -271,7 +305,7 @@ class World:
     def _run(self, group: list) -> dict:
         """One run for the replicas of ``group`` (equal keys), on the mesh of their devices."""
         ordinals = [k for k, _ in group]
-        mesh = self.mesh if len(group) == self.size else self._submesh(ordinals)
+        mesh = self.mesh if len(group) == len(self.local) else self._submesh(ordinals)
         outputs = runs.execute(runs.stacked([run for _, run in group], mesh))
         return {k: [ReplicaShard(out, p) for out in outputs] for p, k in enumerate(ordinals)}
 

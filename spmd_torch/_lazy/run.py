@@ -73,14 +73,15 @@ def execute(run: Run) -> list:
 
 def stacked(runs: list[Run], mesh: Mesh) -> Run:
     """The runs of replicas with one key as one run over the mesh of their devices: each input
-    the replicas' arrays stacked, donated only when every replica donates it."""
+    the replicas' arrays stacked, donated only when every replica donates it. With several
+    hosts, ``runs`` are this host's replicas' and the mesh spans every host's."""
     layout = compiler.stacked(mesh)
     first = runs[0]
     arrays = [
         _stacked([run.arrays[i] for run in runs], mesh, layout) for i in range(len(first.arrays))
     ]
     donated = tuple(all(run.donated[i] for run in runs) for i in range(len(arrays)))
-    scalars = jax.device_put(np.stack([run.scalars for run in runs]), layout)
+    scalars = jax.make_array_from_process_local_data(layout, np.stack([r.scalars for r in runs]))
     return Run(first.program, arrays, donated, scalars, replicas=mesh)
 
 
@@ -97,5 +98,5 @@ def _stacked(blocks: list, mesh: Mesh, layout) -> jax.Array:
             if whole.sharding == layout:  # else one device's P() for P(replica): same blocks
                 return whole
     local = [b.local() if type(b) is ReplicaShard else b for b in blocks]
-    shape = (len(local),) + tuple(local[0].shape[1:])
+    shape = (mesh.devices.size,) + tuple(local[0].shape[1:])  # other hosts hold the rest
     return jax.make_array_from_single_device_arrays(shape, layout, local)

@@ -8,6 +8,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import torch
+from jax.experimental import multihost_utils
 
 from . import counters
 from .engine import current
@@ -19,6 +20,18 @@ def to_device_array(t: torch.Tensor, sharding=None) -> jax.Array:
     """Upload a CPU tensor as the device dtype (bf16 switches applied), padded if ``sharding``
     is uneven; by default where placement says new data lands."""
     return upload(host_copy(t), sharding)
+
+
+def upload_part(t: torch.Tensor, sharding) -> jax.Array:
+    """This host's part of a global batch, as its devices' shards of the global array laid out
+    with ``sharding``: every host passes its own part, and the parts lie side by side along the
+    dimensions split across hosts (``jax.make_array_from_process_local_data``)."""
+    host = host_copy(t)
+    with counters.timed("TransferToDeviceTime"):
+        array = jax.make_array_from_process_local_data(sharding, host)
+    counters.bump("TransferToDevice")
+    counters.record("OutboundData", host.nbytes)
+    return array
 
 
 def host_copy(t: torch.Tensor) -> np.ndarray:
@@ -39,10 +52,14 @@ def upload(host: np.ndarray, sharding=None) -> jax.Array:
         sharding = sharding or landing()
         if type(sharding) is OnReplica:
             array = jax.device_put(host[None], sharding.device)
+        elif sharding is None:
+            array = jax.device_put(host)
         else:
-            if sharding is not None:
-                host = padded(host, sharding)
-            array = jax.device_put(host, sharding)
+            host = padded(host, sharding)
+            if sharding.is_fully_addressable:
+                array = jax.device_put(host, sharding)
+            else:  # other hosts hold the same value and upload their devices' shards of it
+                array = jax.make_array_from_callback(host.shape, sharding, host.__getitem__)
     counters.bump("TransferToDevice")
     counters.record("OutboundData", host.nbytes)
     return array
@@ -95,11 +112,19 @@ class HostData:
         return self.host
 
 
+def fetch(array: jax.Array) -> np.ndarray:
+    """The array's values on this host (waits for them); an array spanning other hosts' devices
+    is gathered from them, so every host must read it, as in PyTorch/XLA."""
+    if getattr(array, "is_fully_addressable", True) or array.is_fully_replicated:
+        return np.asarray(array)  # a host array (a read checkpoint's) is addressable too
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+
 def to_torch(array: jax.Array, dtype: torch.dtype, shape: tuple | None = None) -> torch.Tensor:
     """Download an array as a CPU tensor of PyTorch ``dtype`` (waits for it to be computed);
     ``shape`` is the logical shape of an array stored padded."""
     with counters.timed("TransferFromDeviceTime"):
-        host = np.asarray(array)
+        host = fetch(array)
         counters.record("InboundData", host.nbytes)  # bytes, as PyTorch/XLA counts them
         if shape is not None:
             host = crop(host, shape)

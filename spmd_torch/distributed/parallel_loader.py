@@ -365,21 +365,23 @@ class _Plan:
 
     spec: tuple | None = None  # partition spec of the single ShardingSpec
     sharding: NamedSharding | None = None
-    per_key: dict | None = None  # key -> (partition spec, NamedSharding)
+    minibatch: bool = False  # the single spec's: tensors are this host's part of the batch
+    per_key: dict | None = None  # key -> (partition spec, NamedSharding, minibatch)
     # Where tensors without a spec land, as the constructing thread's engine says (the upload
     # threads have no engine of their own): a replica's device, or the default placement.
     landing: Any = None
 
-    def sharding_for(self, path: tuple, leaf: torch.Tensor) -> NamedSharding | None:
+    def sharding_for(self, path: tuple, leaf: torch.Tensor) -> tuple[NamedSharding | None, bool]:
+        """The leaf's sharding (None: where uploads land), and whether it is a minibatch."""
         if self.per_key is None:
             fits = self.spec is not None and len(self.spec) == leaf.dim()
-            return self.sharding if fits else None
-        spec, sharding = self.per_key[path[0].key]
+            return (self.sharding, self.minibatch) if fits else (None, False)
+        spec, sharding, minibatch = self.per_key[path[0].key]
         try:
             validate._check_spec_rank(tuple(leaf.shape), spec)
         except ValueError as error:
             raise ValueError(f"input_sharding for batch{pytree.keystr(path)}: {error}") from None
-        return sharding
+        return sharding, minibatch
 
 
 class _Pipeline:
@@ -529,9 +531,14 @@ def _stage(batch: Any, plan: _Plan, seq: int) -> _Staged:
     leaves = []
     for path, leaf in flat:
         if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu":
-            sharding = plan.sharding_for(path, leaf)
-            array = transfer.to_device_array(leaf, sharding or plan.landing)
-            leaf = _Upload(array, tuple(leaf.shape), leaf.dtype, sharding)
+            sharding, minibatch = plan.sharding_for(path, leaf)
+            if minibatch and jax.process_count() > 1:  # the global batch from every host's part
+                array = transfer.upload_part(leaf, sharding)
+                shape = tuple(array.shape)
+            else:
+                array = transfer.to_device_array(leaf, sharding or plan.landing)
+                shape = tuple(leaf.shape)
+            leaf = _Upload(array, shape, leaf.dtype, sharding)
         leaves.append(leaf)
     return _Staged(treedef, leaves)
 
@@ -551,7 +558,7 @@ def _plan(input_sharding: Any) -> _Plan:
         return _Plan(landing=landing)
     if isinstance(input_sharding, ShardingSpec):
         spec, sharding = input_sharding.partition_spec, input_sharding.sharding
-        return _Plan(spec, layout.canonical(sharding), landing=landing)
+        return _Plan(spec, layout.canonical(sharding), input_sharding.minibatch, landing=landing)
     if isinstance(input_sharding, dict):
         per_key = {}
         for key, spec in input_sharding.items():
@@ -560,7 +567,7 @@ def _plan(input_sharding: Any) -> _Plan:
                     f"input_sharding[{key!r}] must be a spmd_torch.distributed.spmd.ShardingSpec, "
                     f"got {type(spec).__name__}: {spec!r}"
                 )
-            per_key[key] = (spec.partition_spec, layout.canonical(spec.sharding))
+            per_key[key] = (spec.partition_spec, layout.canonical(spec.sharding), spec.minibatch)
         return _Plan(per_key=per_key, landing=landing)
     raise ValueError(
         "input_sharding must be a spmd_torch.distributed.spmd.ShardingSpec, a dict of them keyed "

@@ -95,14 +95,29 @@ def _replica_count(nprocs: int | None) -> int:
             f"Unsupported nprocs ({nprocs!r}): use None (one replica per local device) or a "
             f"count from 1 to the {devices} local devices"
         )
+    if nprocs < devices and jax.process_count() > 1:
+        raise ValueError(
+            f"spawn(nprocs={nprocs}) in a job of {jax.process_count()} hosts: every host runs "
+            "one replica per local device (nprocs=None)"
+        )
     return nprocs
 
 
+def _world(replicas: int) -> World:
+    """The replicas of this launch: one per device of every host, numbered host after host
+    (host 1 of 2 with 4 devices runs ordinals 4-7); this host runs its own."""
+    if jax.process_count() == 1:
+        return World(jax.local_devices()[:replicas], engine.current().cache)
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    local = [k for k, d in enumerate(devices) if d.process_index == jax.process_index()]
+    return World(devices, engine.current().cache, local)
+
+
 def _run(fn: Callable, args: tuple, replicas: int) -> dict:
-    """Run the replicas to the end; raises the first failure after the others stopped."""
+    """Run this host's replicas to the end; raises the first failure after the others stopped."""
     cpu_rng = torch.get_rng_state()
     autocast_dtype = torch.get_autocast_dtype("xla")  # per thread in PyTorch: replicas inherit it
-    world = World(jax.local_devices()[:replicas], engine.current().cache)
+    world = _world(replicas)
     outcomes: dict = {}
     threads = [
         threading.Thread(
@@ -111,7 +126,7 @@ def _run(fn: Callable, args: tuple, replicas: int) -> dict:
             name=f"spmd_torch-replica-{ordinal}",
             daemon=True,
         )
-        for ordinal in range(replicas)
+        for ordinal in world.local
     ]
     for thread in threads:
         thread.start()
@@ -122,9 +137,9 @@ def _run(fn: Callable, args: tuple, replicas: int) -> dict:
     if world.failure is not None:
         ordinal, error = world.failure
         if hasattr(error, "add_note"):
-            error.add_note(f"(raised by replica {ordinal} of {replicas} in launch/spawn)")
+            error.add_note(f"(raised by replica {ordinal} of {world.size} in launch/spawn)")
         raise error
-    return {ordinal: outcomes[ordinal] for ordinal in range(replicas)}
+    return {ordinal: outcomes[ordinal] for ordinal in world.local}
 
 
 def _join(world: World, threads: list) -> None:

@@ -80,11 +80,13 @@ class CheckpointManager:
         self._pending: deque = deque()  # (step, writer, committed Event), oldest first
         self._preempted = threading.Event()
         _make_directory(self.base_path)
-        for entry in os.listdir(self.base_path):  # writes a killed process left unfinished
-            if ".orbax-checkpoint-tmp" in entry:
-                shutil.rmtree(os.path.join(self.base_path, entry), ignore_errors=True)
-        if chkpt_on_preemption:
-            self._watch_sigterm()
+        if jax.process_index() == 0:  # the path is shared by every host: one of them tidies it
+            for entry in os.listdir(self.base_path):  # writes a killed job left unfinished
+                if ".orbax-checkpoint-tmp" in entry:
+                    shutil.rmtree(os.path.join(self.base_path, entry), ignore_errors=True)
+        _every_host_here("CheckpointManager")
+        if chkpt_on_preemption and jax.process_count() == 1:
+            self._watch_sigterm()  # several hosts: JAX's preemption notice (reached_preemption)
 
     def _watch_sigterm(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -142,7 +144,9 @@ class CheckpointManager:
         path = self._path(step)
         if os.path.exists(path):  # a step saved again replaces its checkpoint, as in PyTorch/XLA
             self.join()
-            shutil.rmtree(path)
+            if jax.process_index() == 0:
+                shutil.rmtree(path)
+            _every_host_here(f"CheckpointManager.save replacing step {step}")
         finalizing = threading.Event()  # set on the writer's thread just before its commit
         writer = _orbax.checkpointer(background, on_commit=finalizing.set)
         _io.start_write(writer, path, saved)
@@ -157,8 +161,9 @@ class CheckpointManager:
         return True
 
     def _release_oldest(self) -> None:
-        """Delete the lowest steps beyond ``max_to_keep`` (never the newest complete one)."""
-        if not self.max_to_keep:
+        """Delete the lowest steps beyond ``max_to_keep`` (never the newest complete one); the
+        first host does, for all of them."""
+        if not self.max_to_keep or jax.process_index() != 0:
             return
         steps = self._complete_steps()
         for step in steps[: max(0, len(steps) - self.max_to_keep)]:
@@ -233,10 +238,16 @@ def _jax_preemption(step: int) -> bool:
         return False
 
 
+def _every_host_here(what: str) -> None:
+    """A barrier of the job's hosts (none with one host)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(f"spmd_torch {what}")
+
+
 def _make_directory(path: str) -> None:
     try:
         os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, ".spmd_torch_write_probe")
+        probe = os.path.join(path, f".spmd_torch_write_probe.{jax.process_index()}")
         with open(probe, "w"):
             pass
         os.remove(probe)
