@@ -22,10 +22,11 @@ class Samples:
         self.count, self.total, self.recent = 0, 0, deque(maxlen=1024)
 
     def append(self, value: float) -> None:
-        with _LOCK:  # loader threads record uploads while the main thread traces
-            self.count += 1
-            self.total += value
-            self.recent.append(value)
+        _LOCK.acquire()  # loader threads record uploads while the main thread traces; no `with`:
+        self.count += 1  # every traced op records a sample (LazyTracing)
+        self.total += value
+        self.recent.append(value)
+        _LOCK.release()
 
     def __len__(self) -> int:
         return self.count
