@@ -78,6 +78,7 @@ def start() -> Job | None:
     )
     _JOINED.append(job)
     atexit.register(_leaving)  # after JAX's shutdown (registered by initialize): runs before it
+    sys.excepthook = _failing(sys.excepthook)
     return job
 
 
@@ -96,6 +97,19 @@ def _leaving() -> None:
 
 
 FINISHED = "spmd_torch: process"  # the line's start, which the launcher looks for
+
+
+def _failing(excepthook):
+    """A process the script's error ends exits at once, with status 1: JAX's shutdown would make
+    it wait for the other hosts (which wait for it) until the shutdown timeout, then abort."""
+
+    def hook(kind, error, traceback) -> None:
+        excepthook(kind, error, traceback)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+    return hook
 
 
 def find_job() -> Job | None:

@@ -13,6 +13,7 @@ import signal
 import sys
 import time
 
+import jax
 import numpy as np
 import torch
 import torch.nn as nn
@@ -85,7 +86,10 @@ def train() -> None:
         losses.append(loss.item())
         seen.append(batch[0].cpu().tolist())  # the global batch, gathered from every host
     weight = net[0].weight
+    hybrid = xs.HybridMesh(ici_mesh_shape=(1, 4), dcn_mesh_shape=(2, 1)).get_logical_mesh()
     report(
+        hybrid=hybrid.tolist(),
+        hybrid_hosts=[[jax.devices()[k].process_index for k in row] for row in hybrid.tolist()],
         losses=losses,
         seen=seen,
         weight_sum=(weight * weight).sum().item(),
