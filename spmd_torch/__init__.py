@@ -7,7 +7,11 @@ from typing import Any
 
 import torch
 
-from . import _barrier, _multihost
+from . import (
+    _barrier,
+    _multihost,
+    experimental,  # noqa: F401, I001  (torch_xla.experimental after import torch_xla)
+)
 from . import config as _config
 from . import runtime as _runtime
 from ._lazy import device as _device

@@ -58,6 +58,9 @@ class Executable:
     compiled: Any
     key: str  # short hex digest, for debug lines
     devices: int  # how many devices the program spans
+    # Its devices' parts must all run at once: CPU collectives, whose participants each hold a
+    # thread of XLA's one CPU thread pool until all of them arrived (see run.execute).
+    lockstep: bool
 
     def __call__(self, arrays: list, donated: tuple, scalars) -> list:
         """Run on ``arrays`` (the donated ones given up) and the packed scalars."""
@@ -276,11 +279,22 @@ def lookup_or_compile(run) -> tuple[Executable, bool]:
         compiled = jitted.lower(given, kept, scalars).compile()
     counters.record("CompileTime", time.perf_counter_ns() - start)
     shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
-    devices = len({d for s in shardings for d in s.device_set})
-    executable = cache.executables[key] = Executable(compiled, digest, devices)
+    devices = {d for s in shardings for d in s.device_set}
+    lockstep = len(devices) > 1 and next(iter(devices)).platform == "cpu" and _collective(compiled)
+    executable = Executable(compiled, digest, len(devices), lockstep)
+    cache.executables[key] = executable
     cache.history.append(key)
     del cache.history[:-16]
     return executable, False
+
+
+def _collective(compiled) -> bool:
+    """Whether the optimized program holds a collective (the partitioner adds its own)."""
+    text = compiled.as_text()
+    return any(
+        op in text
+        for op in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+    )
 
 
 def _named(rows: tuple, ops: dict) -> list:

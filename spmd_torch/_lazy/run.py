@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import time
+import weakref
 from dataclasses import dataclass
 
 import jax
@@ -62,13 +63,31 @@ def execute(run: Run) -> list:
     executable, hit = compiler.lookup_or_compile(run)
     if config.DEBUG_LEVEL.value:
         compiler.debug_line(run.program, executable, hit)
+    if executable.lockstep:
+        _after_lockstep_programs()
     start = time.perf_counter_ns()
     outputs = executable(run.arrays, run.donated, run.scalars)
+    if executable.lockstep:
+        _LOCKSTEP_OUTPUTS[:] = [weakref.ref(out) for out in outputs]
     # PyTorch/XLA's names: a program over several devices is a replicated execution.
     name = "ExecuteReplicatedTime" if executable.devices > 1 else "ExecuteTime"
     counters.record(name, time.perf_counter_ns() - start)
     counters.record("TensorsGraphSize", len(run.program.nodes))
     return outputs
+
+
+# The outputs of the last program run in lockstep. Process-wide on purpose: XLA's CPU thread pool
+# is the process's. Two such programs in flight can each hold some of its threads with
+# participants waiting for the others' (PyTorch/XLA's eager SPMD example deadlocked so on a
+# 2-core host): each waits for the one before.
+_LOCKSTEP_OUTPUTS: list = []
+
+
+def _after_lockstep_programs() -> None:
+    for weak in _LOCKSTEP_OUTPUTS:
+        output = weak()
+        if output is not None and not output.is_deleted():
+            output.block_until_ready()
 
 
 def stacked(runs: list[Run], mesh: Mesh) -> Run:
