@@ -9,6 +9,7 @@ reuses its executable.
 from __future__ import annotations
 
 import hashlib
+import re
 import sys
 import time
 import warnings
@@ -47,6 +48,10 @@ def _scalars_aval(n: int, replicas: Mesh | None = None) -> jax.ShapeDtypeStruct:
 def stacked(replicas: Mesh) -> NamedSharding:
     """How the replicas' values travel: stacked along the replica axis, one block per device."""
     return NamedSharding(replicas, PartitionSpec(REPLICA_AXIS))
+
+
+# A collective in an optimized program (the partitioner adds its own).
+_COLLECTIVE = re.compile(r"all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute")
 
 
 class LoweringError(RuntimeError):
@@ -280,21 +285,13 @@ def lookup_or_compile(run) -> tuple[Executable, bool]:
     counters.record("CompileTime", time.perf_counter_ns() - start)
     shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
     devices = {d for s in shardings for d in s.device_set}
-    lockstep = len(devices) > 1 and next(iter(devices)).platform == "cpu" and _collective(compiled)
+    cpu = len(devices) > 1 and next(iter(devices)).platform == "cpu"
+    lockstep = cpu and _COLLECTIVE.search(compiled.as_text()) is not None
     executable = Executable(compiled, digest, len(devices), lockstep)
     cache.executables[key] = executable
     cache.history.append(key)
     del cache.history[:-16]
     return executable, False
-
-
-def _collective(compiled) -> bool:
-    """Whether the optimized program holds a collective (the partitioner adds its own)."""
-    text = compiled.as_text()
-    return any(
-        op in text
-        for op in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-    )
 
 
 def _named(rows: tuple, ops: dict) -> list:
