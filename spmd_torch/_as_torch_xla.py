@@ -1,0 +1,115 @@
+"""spmd_torch under PyTorch/XLA's name: ``import torch_xla`` and every ``torch_xla.X`` module.
+
+Libraries (accelerate, transformers, Lightning, diffusers) switch into their XLA code paths the
+moment they can see a ``torch_xla``, so it is opt-in, never a side effect of ``import
+spmd_torch``. Two ways in:
+
+- ``pip install ./compat/torch_xla``: a distribution named ``torch_xla``, version
+  ``2.9.0+spmdtorch.<version>``, whose package is this module's ``become_torch_xla``;
+- ``python -m spmd_torch.run_as_torch_xla script.py args...`` (or ``-m module``): one run, nothing
+  installed; ``importlib.metadata`` then answers for ``torch_xla`` too.
+
+``torch_xla.X.Y`` is the very module object ``spmd_torch.X.Y`` (state and ``isinstance`` shared);
+``torch_xla`` itself is a module of its own carrying spmd_torch's top-level names and PyTorch/XLA's
+version, which libraries compare against (``>= 2.2``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.metadata
+import importlib.util
+import sys
+import types
+
+import spmd_torch
+
+NAME = "torch_xla"
+VERSION = f"2.9.0+spmdtorch.{spmd_torch.__version__}"  # PyTorch/XLA's release, with a local label
+
+
+class _Aliases(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds ``torch_xla.X`` as ``spmd_torch.X`` (and ``torch_xla`` itself when not installed),
+    and PyTorch/XLA's distribution metadata (unless the distribution is installed)."""
+
+    metadata = True
+
+    def find_spec(self, fullname: str, path=None, target=None):
+        if fullname == NAME:
+            return importlib.util.spec_from_loader(NAME, self, is_package=True)
+        if not fullname.startswith(NAME + "."):
+            return None
+        ours = "spmd_torch" + fullname[len(NAME) :]
+        if importlib.util.find_spec(ours) is None:
+            return None
+        return importlib.util.spec_from_loader(fullname, self, is_package=True)
+
+    def create_module(self, spec) -> types.ModuleType:
+        if spec.name == NAME:
+            return None  # a module of its own, filled by exec_module
+        return importlib.import_module("spmd_torch" + spec.name[len(NAME) :])
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        if module.__name__ == NAME:
+            become_torch_xla(module)
+
+    def find_distributions(self, context=importlib.metadata.DistributionFinder.Context()):
+        if self.metadata and context.name in (None, NAME, "torch-xla"):
+            yield _Distribution()
+
+
+class _Distribution(importlib.metadata.Distribution):
+    """``torch_xla``'s metadata, for a run that installed nothing."""
+
+    def read_text(self, filename: str) -> str | None:
+        if filename == "METADATA":
+            return f"Metadata-Version: 2.1\nName: {NAME}\nVersion: {VERSION}\n"
+        return None
+
+    def locate_file(self, path):
+        return None
+
+
+_ALIASES = _Aliases()
+
+
+def become_torch_xla(module: types.ModuleType) -> None:
+    """Make ``module`` PyTorch/XLA's top-level package over spmd_torch, and its submodules
+    spmd_torch's; the installed distribution's ``torch_xla/__init__.py`` calls this."""
+    if _ALIASES not in sys.meta_path:
+        sys.meta_path.insert(0, _ALIASES)
+    if getattr(module, "__file__", None):  # the installed distribution: it has its own metadata
+        _ALIASES.metadata = False
+    module.__version__ = VERSION
+    module.__path__ = []  # a package: torch_xla.X is found by the aliases
+    module.__getattr__ = _top_level_name
+    module.__dir__ = lambda: sorted(set(dir(spmd_torch)) | {"__version__"})
+
+
+def _top_level_name(name: str):
+    """``torch_xla.<name>``: spmd_torch's, or its submodule of that name."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    try:
+        return getattr(spmd_torch, name)
+    except AttributeError:
+        pass
+    try:
+        return importlib.import_module(f"{NAME}.{name}")
+    except ImportError:
+        raise AttributeError(f"module {NAME!r} has no attribute {name!r}") from None
+
+
+def enable() -> None:
+    """PyTorch/XLA's names for this process only (``spmd_torch.run_as_torch_xla``)."""
+    if importlib.util.find_spec(NAME) is not None and NAME not in sys.modules:
+        installed = importlib.import_module(NAME)
+        if getattr(installed, "__version__", None) != VERSION:
+            raise RuntimeError(
+                f"a real torch_xla {installed.__version__} is installed; spmd_torch will not "
+                "take its name (uninstall it, or import spmd_torch directly)"
+            )
+    if _ALIASES not in sys.meta_path:
+        sys.meta_path.insert(0, _ALIASES)
+    sys.modules.pop("torch_xla.distributed.spmd", None)  # the DTensor route's stand-in gives way

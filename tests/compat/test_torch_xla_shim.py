@@ -1,0 +1,87 @@
+"""``torch_xla`` as spmd_torch, only when asked for: installed from compat/torch_xla, or for one run
+with ``python -m spmd_torch.run_as_torch_xla``. Libraries see a torch_xla 2.9.0 distribution whose
+modules are spmd_torch's very module objects."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+import tomllib
+
+from spmd_torch import _as_torch_xla
+from tests.helpers import ROOT
+
+COMPAT = ROOT / "compat" / "torch_xla"
+
+# What a library would check, run in a child process that sees torch_xla one way or the other.
+CHECKS = """
+import importlib.metadata, importlib.util, sys
+from packaging.version import Version
+import torch_xla
+import torch_xla.core.xla_model as xm
+import torch_xla.distributed.spmd as xs
+import torch_xla.runtime as xr
+import spmd_torch, spmd_torch.core.xla_model, spmd_torch.distributed.spmd, spmd_torch.runtime
+
+assert torch_xla.__version__ == "{version}", torch_xla.__version__
+assert importlib.metadata.version("torch_xla") == "{version}"
+assert len(list(importlib.metadata.distributions(name="torch_xla"))) == 1
+assert Version(torch_xla.__version__) >= Version("2.2")  # transformers' FSDPv2 gate
+assert importlib.util.find_spec("torch_xla") is not None
+assert xm is spmd_torch.core.xla_model and xr is spmd_torch.runtime
+assert sys.modules["torch_xla.distributed.spmd"] is spmd_torch.distributed.spmd
+mesh = xs.Mesh(list(range(8)), (8,), ("data",))
+assert isinstance(mesh, spmd_torch.distributed.spmd.Mesh)
+xr.use_spmd()
+assert spmd_torch.runtime.is_spmd()  # one state under both names
+assert torch_xla.device() == spmd_torch.device() and torch_xla.sync is spmd_torch.sync
+print("checked")
+"""
+
+
+def _child(*command: str, path: str) -> subprocess.CompletedProcess:
+    env = {"PYTHONPATH": path, "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    return subprocess.run(
+        [sys.executable, *command], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_without_the_shim_torch_xla_is_not_there():
+    assert importlib.util.find_spec("torch_xla") is None
+    with pytest.raises(ModuleNotFoundError):
+        import torch_xla  # noqa: F401
+
+
+def test_the_distribution_version_is_the_shims():
+    project = tomllib.loads((COMPAT / "pyproject.toml").read_text())["project"]
+    assert project["version"] == _as_torch_xla.VERSION
+    assert project["name"] == "torch_xla"
+
+
+@pytest.mark.multiprocess
+def test_run_as_torch_xla_for_one_run(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(CHECKS.format(version=_as_torch_xla.VERSION))
+    done = _child("-m", "spmd_torch.run_as_torch_xla", str(script), path=str(ROOT))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "checked" in done.stdout
+
+
+@pytest.mark.multiprocess
+def test_installed_distribution(tmp_path):
+    target = tmp_path / "site"
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--quiet"]
+        + ["--target", str(target), str(COMPAT)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert install.returncode == 0, install.stderr[-3000:]
+    done = _child("-c", CHECKS.format(version=_as_torch_xla.VERSION), path=f"{target}:{ROOT}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "checked" in done.stdout
