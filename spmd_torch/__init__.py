@@ -21,6 +21,7 @@ from ._regions import compile, step  # noqa: F401  (public: spmd_torch.compile, 
 from .distributed import _dtensor_route
 from .distributed import xla_multiprocessing as _xmp
 
+_runtime.start_from_environment()  # PJRT_DEVICE, CPU_NUM_DEVICES, as PyTorch/XLA reads them
 _multihost.start()  # several processes (hosts): join them before any device is used
 _device.register()
 _dtensor_route.register()  # DTensor on an 'xla' DeviceMesh reaches spmd_torch.distributed.spmd

@@ -111,6 +111,18 @@ METRICS_FILE = _flag(
     "Append the metrics report to this file at every barrier ('STDOUT'/'STDERR' print it).",
     kind=str,
 )
+PJRT_DEVICE = _flag(
+    "PJRT_DEVICE",
+    None,
+    "PyTorch/XLA's device kind ('CPU', 'CUDA', 'TPU'...): picks JAX's platform at start-up.",
+    kind=str,
+)
+CPU_NUM_DEVICES = _flag(
+    "CPU_NUM_DEVICES",
+    None,
+    "PyTorch/XLA's count of CPU devices: on the CPU platform, how many JAX's CPU backend makes.",
+    kind=int,
+)
 COORDINATOR_ADDRESS = _flag(
     "SPMD_TORCH_COORDINATOR_ADDRESS",
     None,

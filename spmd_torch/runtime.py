@@ -84,6 +84,19 @@ def set_device_type(pjrt_device: str) -> None:
     os.environ["PJRT_DEVICE"] = pjrt_device
 
 
+def start_from_environment() -> None:
+    """PyTorch/XLA's start-up variables, read when spmd_torch is imported (JAX not yet running):
+    ``PJRT_DEVICE`` picks the platform, ``CPU_NUM_DEVICES`` the CPU backend's device count
+    (unless ``XLA_FLAGS`` gives XLA's own count)."""
+    if xla_bridge.backends_are_initialized():
+        return
+    if config.PJRT_DEVICE.value:
+        set_device_type(config.PJRT_DEVICE.value)
+    counted = "host_platform_device_count" in os.environ.get("XLA_FLAGS", "")  # XLA's own flag
+    if config.CPU_NUM_DEVICES.value and not counted and jax.config.jax_num_cpu_devices < 0:
+        jax.config.update("jax_num_cpu_devices", config.CPU_NUM_DEVICES.value)
+
+
 def is_bf16_supported() -> bool:
     """Whether the accelerator computes in ``torch.bfloat16`` (a bfloat16 add, run and checked).
 

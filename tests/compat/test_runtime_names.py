@@ -60,6 +60,21 @@ def test_set_device_type_before_the_runtime_starts_picks_jax_platform():
     assert result.stdout.split() == ["cpu", "CPU", "CPU"]
 
 
+@pytest.mark.multiprocess  # a fresh interpreter: the variables are read at import
+@pytest.mark.parametrize(
+    "xla_flags, count", [("", 4), ("--xla_force_host_platform_device_count=2", 2)]
+)
+def test_pytorch_xla_start_up_variables_pick_platform_and_cpu_devices(xla_flags, count):
+    script = "import jax, spmd_torch\nprint(jax.config.jax_platforms, jax.device_count())\n"
+    env = dict(os.environ, JAX_PLATFORMS="", PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4")
+    env["XLA_FLAGS"] = xla_flags  # XLA's own count, when given, is the one that counts
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["cpu", str(count)]
+
+
 def test_device_attributes_name_every_device():
     attributes = xr.global_runtime_device_attributes()
     assert [a["name"] for a in attributes] == [f"CPU:{i}" for i in range(8)]
