@@ -22,7 +22,7 @@ import time
 from spmd_torch._multihost import FINISHED, PORT_BUSY_EXIT
 
 _POLL_S = 0.05
-_STOP_GRACE_S = 5.0  # how long stopped hosts get to exit after SIGTERM before SIGKILL
+_RELAY_GRACE_S = 5.0  # how long the hosts' last lines may take to come out after they end
 _PORT_TRIES = 3
 
 
@@ -77,7 +77,7 @@ def _run_job(args: argparse.Namespace, port: int) -> int:
     finally:
         _stop(hosts)
         for printer in printers:
-            printer.join(timeout=_STOP_GRACE_S)
+            printer.join(timeout=_RELAY_GRACE_S)
         forward()
     return status
 
@@ -142,15 +142,10 @@ def _describe(status: int) -> str:
 
 
 def _stop(hosts: list[subprocess.Popen]) -> None:
-    """SIGTERM the hosts still running (their process groups), SIGKILL after a grace period."""
-    running = [p for p in hosts if p.poll() is None]
-    for process in running:
-        _signal_group(process, signal.SIGTERM)
-    deadline = time.monotonic() + _STOP_GRACE_S
-    for process in running:
-        try:
-            process.wait(timeout=max(deadline - time.monotonic(), 0.01))
-        except subprocess.TimeoutExpired:
+    """SIGKILL the hosts still running once one failed: the job is over, they would wait for the
+    failed one (in a collective, or at exit), and JAX takes a SIGTERM as a preemption notice."""
+    for process in hosts:
+        if process.poll() is None:
             _signal_group(process, signal.SIGKILL)
             process.wait()
 
