@@ -25,6 +25,19 @@ Workloads:
       process: save, save_async (the time it blocks the loop, and until written), restore onto the
       same layout and onto a (4,2) mesh; seconds, MB/s, bytes on disk, and the peak growth of the
       process's RSS during each (sampled every ms) against the state's bytes.
+  Pods (tools/bench/pods.py): jobs of ``spmd_torch.distributed.run``, 2 hosts x 4 virtual CPU
+  devices against 1 host x 8 (``--hosts 1``: one process, as W4 and W2mp run), side by side in
+  one run; each host prints its BENCH_RESULT, gathered from the launcher's ``[host i]`` lines.
+  CPU only whatever --gpu says; --against is ignored.
+  W4pod  W4's spmd_torch run: per-step losses (max rel diff, rtol 1e-5), steps/s (median of timed
+      windows), UncachedCompile per host (each host as many as 1x8).
+  W2mppod  W2mp's mp run (each replica on the rows its global ordinal picks): per-replica
+      per-step losses, steps/s.
+  PodStart  seconds to every host's line after import and the first xm.mark_step, and to exit:
+      1 host and 2, alternated, --steps times each (default 3), medians; target 2 hosts < 10 s
+      later.
+  PodFault  host 1 of a 2x4 job SIGKILLs itself at step 3, heartbeat timeout 10 s: seconds to
+      host 0's exit and its status without the launcher; to the launcher's exit with it.
 
 Host time of spmd_torch's steps (W2, W3, W3amp, W4: the blocked timed steps; W2mp: its probed
 window) is split with public numbers read before and after: tracing (time in step() less the
@@ -50,5 +63,6 @@ Usage (from the repository root):
   python -m tools.bench --workloads W2mp --rounds 3  # mp and SPMD, alternated 3 times
   python -m tools.bench --workloads W5               # checkpoints vs orbax directly
   python -m tools.bench --workloads W2,W2mp --against /work/base --rounds 3  # vs another checkout
+  python -m tools.bench --workloads W4pod,W2mppod,PodStart,PodFault  # pods: 2x4 against 1x8
   python -m tools.bench --only W2:jax            # one run in this process (what the parent runs)
 """

@@ -13,7 +13,7 @@ import torch
 
 from . import __doc__ as DOC
 from . import harness, report, workloads
-from .workloads import CHECK_STEPS, IMPL_ALIASES, IMPLS, SPMD_IMPLS, WORKLOADS
+from .workloads import CHECK_STEPS, IMPL_ALIASES, IMPLS, POD_WORKLOADS, SPMD_IMPLS, WORKLOADS
 
 
 def run_child(args: argparse.Namespace) -> int:
@@ -29,9 +29,8 @@ def run_child(args: argparse.Namespace) -> int:
     warmup, steps = workloads.steps_for(workload, args)
     t0 = harness.now()
     result = workloads.RUNNERS[workload, impl](max(warmup, 1), steps, args.check, args.gpu)
-    result.update(
-        workload=workload, impl=impl, wall_s=harness.now() - t0, spmd_file=harness.spmd_file()
-    )
+    result.update(workload=workload, impl=impl, wall_s=harness.now() - t0)
+    result.setdefault("spmd_file", harness.spmd_file())  # a pod workload's: its hosts'
     harness.emit(result)
     return 0
 
@@ -143,7 +142,7 @@ def run_parent(args: argparse.Namespace) -> int:
         runs = []  # (label, impl, tree)
         for impl in (i for i in impls if i not in skipped):
             runs.append((impl, impl, harness.ROOT))
-            if other and impl in SPMD_IMPLS:
+            if other and impl in SPMD_IMPLS and workload not in POD_WORKLOADS:
                 runs.append((f"{impl}@{other}", impl, args.against))
         if not runs:
             continue
@@ -204,7 +203,7 @@ def parser() -> argparse.ArgumentParser:
         "--against",
         metavar="PATH",
         help="another checkout of this repository: every spmd_torch run also runs with its "
-        "spmd_torch (PYTHONPATH=PATH), side by side",
+        f"spmd_torch (PYTHONPATH=PATH), side by side; ignored by {','.join(POD_WORKLOADS)}",
     )
     p.add_argument("--json", metavar="PATH", help="also write the BENCH_JSON summary to PATH")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per subprocess")

@@ -159,14 +159,15 @@ def run_windows(
     """Warm-up, then `windows` timed windows of `window` pipelined steps (one wait at the end of
     each), then one more window of blocked steps, probed when `probe`. Every replica of a launch
     runs it (they meet at each step's barrier; only replica 0 probes, and its wait holds the
-    turn), and replica 0's figures are the world's. Compiles count UncachedCompile."""
+    turn), and replica 0's figures are the world's. Compiles count UncachedCompile. Every step's
+    loss comes back too (read once the steps are done), so two layouts' runs can be compared."""
     t0 = now()
     losses = [step()]
     wait()
     first_step_s = now() - t0
     compiles_first = spmd_uncached()
     for _ in range(warmup - 1):
-        step()
+        losses.append(step())
     wait()
     compiles_warm = spmd_uncached()
     rates = []
@@ -190,6 +191,7 @@ def run_windows(
         "probe": probed,
         "loss_first": losses[0].item(),
         "loss_last": losses[-1].item(),
+        "losses": [loss.item() for loss in losses],
     }
 
 

@@ -86,9 +86,10 @@ def _replica(
 
 
 def _summary(r: dict[str, Any], host_ms: dict[str, Any], n: int, compiles: int) -> dict[str, Any]:
-    """The result fields both ways report (the probe's raw readings left out)."""
+    """The result fields both ways report (the probe's raw readings and every step's loss left
+    out)."""
     return {
-        **{k: v for k, v in r.items() if k not in ("probe", "probe_steps", "trace_ns")},
+        **{k: v for k, v in r.items() if k not in ("probe", "probe_steps", "trace_ns", "losses")},
         "compiles_total": compiles,
         "host_ms": host_ms,
         "mesh_devices": n,

@@ -10,9 +10,17 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from . import pods
 from .models import CHAIN, FSDP, GPT_W4_CFG
 from .mp import W2MP_BATCH, W2MP_WINDOWS
-from .workloads import CHECK_RTOL, CHECK_RTOL_OF, CHECK_STEPS, SPMD_IMPLS, impls_of
+from .workloads import (
+    CHECK_RTOL,
+    CHECK_RTOL_OF,
+    CHECK_STEPS,
+    POD_WORKLOADS,
+    SPMD_IMPLS,
+    impls_of,
+)
 
 Results = dict[str, dict[str, Any]]  # label -> one child's result
 
@@ -339,6 +347,171 @@ def report_w5(label: str, r: dict[str, Any]) -> dict[str, float]:
     return ratios
 
 
+def _met(ok: bool) -> str:
+    return "met" if ok else "NOT MET"
+
+
+def _pod_title(workload: str, r: dict[str, Any]) -> str:
+    """What W4pod and W2mppod ran, and how steps/s is timed."""
+    windows, window = r["windows"]
+    pod, ref = pods.POD, pods.REFERENCE
+    if workload == "W4pod":
+        what = (
+            f"W4's FSDP GPT (batch {GPT_W4_CFG.batch}, AdamW, {FSDP.mesh_devices}-device "
+            f"'{FSDP.axis}' mesh)"
+        )
+    else:
+        what = (
+            f"W2mp's mp (launch, a replica per device; replica k trains on rows "
+            f"{W2MP_BATCH}k..{W2MP_BATCH}k+{W2MP_BATCH - 1} of the global batch, k its "
+            f"xr.global_ordinal(), checked on every host)"
+        )
+    return (
+        f"\n{workload} {what}: {pod} (2 hosts x 4 devices) vs {ref} (1 host x 8: one process, as "
+        f"{workload[:-3]} runs), both jobs of spmd_torch.distributed.run. steps/s: median of "
+        f"{windows} windows of {window} pipelined steps after {r['warmup']} warm-up"
+    )
+
+
+def report_pod_training(workload: str, r: dict[str, Any]) -> dict[str, bool]:
+    """W4pod, W2mppod: a row per host of each layout, then the targets: per-step losses equal,
+    steps/s side by side, compiles per host (W4pod: as many on each host as on 1x8)."""
+    headers = [
+        "layout",
+        "host",
+        "steps/s",
+        "windows",
+        "host ms/step",
+        "device wait ms",
+        "first step s",
+        "compiles (timed, probed)",
+        "loss first→last",
+        "job s",
+    ]
+    rows, host_lines = [], []
+    for name, lay in r["layouts"].items():
+        for h in lay["hosts"]:
+            losses = lay.get("mean_losses") or h["losses"]  # W2mppod: the replicas' mean
+            hm, windows = h.get("host_ms"), h["window_steps_per_s"]
+            rows.append(
+                [
+                    name,
+                    str(h["host"]),
+                    fmt(h["steps_per_s"], ".2f"),
+                    f"{min(windows):.2f}-{max(windows):.2f}",
+                    fmt(hm and hm["host"], ".1f"),
+                    fmt(hm and hm["device_wait"], ".1f"),
+                    fmt(h["first_step_s"], ".2f"),
+                    f"{h['compiles_total']} ({h['compiles_in_timed']}, {h['compiles_in_probe']})",
+                    f"{losses[0]:.4f}→{losses[-1]:.4f}",
+                    fmt(lay["job_s"], ".1f"),
+                ]
+            )
+            if hm:
+                host_lines.append(_host_line(f"{name} host {h['host']}", hm))
+    c, pod, ref = r["compare"], pods.POD, pods.REFERENCE
+    print(_pod_title(workload, r))
+    print(_table(headers, rows))
+    steps = len(r["layouts"][ref]["hosts"][0].get("losses") or r["layouts"][ref]["mean_losses"])
+    each = f"each of {c['replicas']} replicas' " if "replicas" in c else "every host's "
+    print(
+        f"  losses: {each}{steps} per-step losses, {pod} vs {ref}: max rel diff "
+        f"{c['max_rel_diff']:.3g} (target ≤ {c['rtol']:g}): {_met(c['losses_equal'])}"
+    )
+    if "mean_max_rel_diff" in c:
+        print(
+            f"  the global batch's loss (replicas' mean): max rel diff {c['mean_max_rel_diff']:.3g}"
+        )
+    speed = c["steps_per_s"]
+    print(
+        f"  steps/s {pod}/{ref}: {c['pod_over_reference']:.2f}x ({speed[pod]:.2f} vs "
+        f"{speed[ref]:.2f}, host 0's)"
+    )
+    shown = ", ".join(f"{name} {counts}" for name, counts in c["compiles"].items())
+    same = "the same on every host as on " + ref
+    print(f"  compiles per host (UncachedCompile): {shown}: {same}: {_met(c['compiles_equal'])}")
+    if host_lines:
+        print("\n".join(host_lines))
+        only = "; W2mppod: the host running replica 0, which probes" if "replicas" in c else ""
+        print(f"  (ms per blocked step of the probed window{only})")
+    return {"losses": c["losses_equal"], "compiles": c["compiles_equal"]}
+
+
+def report_pod_start(r: dict[str, Any]) -> dict[str, bool]:
+    """PodStart: each layout's seconds to the hosts' first line after a mark_step, and to exit."""
+    rows = []
+    for name, runs in r["runs"].items():
+        med = r["medians"][name]
+        rows.append(
+            [
+                name,
+                ", ".join(f"{x['ready_s']:.1f}" for x in runs),
+                f"{med['ready_s']:.1f}",
+                ", ".join(f"{x['exit_s']:.1f}" for x in runs),
+                f"{med['exit_s']:.1f}",
+            ]
+        )
+    print(
+        f"\nPodStart a trivial job (import spmd_torch, one op, the first xm.mark_step, one line) "
+        f"through spmd_torch.distributed.run, {pods.REFERENCE} and {pods.POD} alternated "
+        f"{r['reps']} times; seconds from starting the launcher"
+    )
+    headers = ["layout", "to every host's line", "median", "to the job's exit", "median"]
+    print(_table(headers, rows))
+    print(
+        f"  {pods.POD} ready {r['pod_ready_later_s']:.1f} s after {pods.REFERENCE} (medians; "
+        f"target < {r['target_s']:g} s): {_met(r['met'])}"
+    )
+    return {"start": r["met"]}
+
+
+def report_pod_fault(r: dict[str, Any]) -> dict[str, bool]:
+    """PodFault: how long after host 1's SIGKILL the job ended, without and with the launcher."""
+    hand, launcher = r["by_hand"], r["launcher"]
+    print(
+        f"\nPodFault a 2 x 4 job whose host 1 SIGKILLs itself at step {r['fault_step']} (steps of "
+        f"one program over both hosts' devices, read on each), heartbeat timeout "
+        f"{r['heartbeat_timeout_s']} s"
+    )
+    rows = [
+        ["no launcher", "host 0", fmt(hand["seconds"], ".1f"), hand["exit"], f"{hand['limit_s']}"],
+        ["launcher", "launcher", fmt(launcher["seconds"], ".1f"), launcher["exit"]]
+        + [f"{launcher['limit_s']}"],
+    ]
+    print(_table(["started", "who ends", "s after the kill", "exit", "target s"], rows))
+    print(
+        f"  no launcher: host 0 exits ({hand['exit']}) {fmt(hand['seconds'], '.1f')} s after host "
+        f"1's death, {hand['steps_after_kill']} step(s) after it (target: non-zero, around the "
+        f"heartbeat timeout, ≤ {hand['limit_s']} s): {_met(hand['met'])}"
+    )
+    print(f"    host 0 said: {hand['error_line']}")
+    print(
+        f"  launcher: exits ({launcher['exit']}: host 1's SIGKILL) "
+        f"{fmt(launcher['seconds'], '.1f')} s after the kill (target: non-zero, ≤ "
+        f"{launcher['limit_s']} s): {_met(launcher['met'])}"
+    )
+    if launcher["host_0_outlived_sigterm"]:
+        print(
+            f"    (past the launcher's {pods.LAUNCHER_GRACE_S:g} s grace: host 0 outlived its "
+            f"SIGTERM, which JAX's runtime takes as a preemption notice, and was SIGKILLed)"
+        )
+    print(f"    it said: {launcher['error_line']}")
+    return {"by_hand": hand["met"], "launcher": launcher["met"]}
+
+
+def report_pods(workload: str, results: Results) -> dict[str, bool]:
+    """A pod workload's one result (its child ran every job): its tables and targets met."""
+    label, r = next(iter(results.items()))
+    if "error" in r:
+        print(f"\n{workload} {label} error: {r['error']}")
+        return {}
+    if workload == "PodStart":
+        return report_pod_start(r)
+    if workload == "PodFault":
+        return report_pod_fault(r)
+    return report_pod_training(workload, r)
+
+
 def report_check(workload: str, results: Results) -> dict[str, Any]:
     """Max |loss_a - loss_b| over the check steps, for each pair that ran."""
     ok = {label: r["losses"] for label, r in results.items() if "losses" in r}
@@ -366,7 +539,14 @@ def report_check(workload: str, results: Results) -> dict[str, Any]:
 def report_round(workload: str, results: Results, check: bool, gpu: bool) -> dict[str, Any]:
     """Prints one round of a workload; returns its summary entry."""
     entry: dict[str, Any] = dict(results)
-    if check:
+    if workload in POD_WORKLOADS:  # checks itself: 2x4 against 1x8, under --check too
+        entry["targets"] = report_pods(workload, results)
+        compare = next(iter(results.values())).get("compare")
+        if compare:
+            entry["ratios"] = {"pod_over_reference": compare["pod_over_reference"]}
+        if check:
+            entry["check"] = {"losses": {"ok": entry["targets"].get("losses", True)}}
+    elif check:
         entry["check"] = report_check(workload, results)
     elif workload == "W1":
         entry["ratios"] = report_w1(results)

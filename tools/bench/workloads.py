@@ -6,10 +6,13 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from . import chain, checkpoint, mp, training
+from . import chain, checkpoint, mp, pods, training
 from .models import FSDP
 
-WORKLOADS = ("W1", "W2", "W3", "W3amp", "W4", "W2mp", "W5")
+# Workloads run as jobs of spmd_torch.distributed.run (tools/bench/pods.py): always on the
+# launcher's CPU devices, and this checkout's only (--against does not apply).
+POD_WORKLOADS = ("W4pod", "W2mppod", "PodStart", "PodFault")
+WORKLOADS = ("W1", "W2", "W3", "W3amp", "W4", "W2mp", "W5") + POD_WORKLOADS
 IMPLS = ("eager", "jax", "spmd_torch", "mp")
 # The implementations that import spmd_torch: the ones --against runs in the other checkout too.
 SPMD_IMPLS = ("spmd_torch", "mp")
@@ -20,6 +23,10 @@ WORKLOAD_IMPLS = {
     "W4": ("jax", "spmd_torch"),
     "W2mp": ("mp", "spmd_torch"),
     "W5": ("spmd_torch",),
+    "W4pod": ("spmd_torch",),
+    "W2mppod": ("mp",),
+    "PodStart": ("spmd_torch",),
+    "PodFault": ("spmd_torch",),
 }
 _DEFAULT_IMPLS = ("eager", "jax", "spmd_torch")
 IMPL_ALIASES = {
@@ -32,7 +39,8 @@ IMPL_ALIASES = {
 }
 # Workloads whose CPU runs need FSDP.mesh_devices virtual devices (meshes, W2mp's replicas).
 _MESH_WORKLOADS = ("W4", "W2mp", "W5")
-# (warm-up, timed) steps per workload; W1 counts repetitions of the whole 2000-op chain.
+# (warm-up, timed) steps per workload; W1 counts repetitions of the whole 2000-op chain, PodStart
+# the jobs of each layout (PodFault has no steps to set). W4pod and W2mppod take W4's and W2mp's.
 DEFAULT_STEPS = {
     "W1": (2, 10),
     "W2": (5, 20),
@@ -41,6 +49,10 @@ DEFAULT_STEPS = {
     "W4": (3, 10),
     "W2mp": (5, 50),
     "W5": (1, 5),
+    "W4pod": (3, 10),
+    "W2mppod": (5, 50),
+    "PodStart": (0, 3),
+    "PodFault": (0, 1),
 }
 CHECK_STEPS = 3
 # Losses of the three implementations must agree to this relative tolerance under --check.
@@ -66,6 +78,10 @@ RUNNERS: dict[tuple[str, str], Runner] = {
     ("W2mp", "mp"): mp.w2mp_mp,
     ("W2mp", "spmd_torch"): mp.w2mp_spmd,
     ("W5", "spmd_torch"): checkpoint.w5_spmd,
+    ("W4pod", "spmd_torch"): pods.w4pod,
+    ("W2mppod", "mp"): pods.w2mppod,
+    ("PodStart", "spmd_torch"): pods.pod_start,
+    ("PodFault", "spmd_torch"): pods.pod_fault,
 }
 
 
