@@ -8,7 +8,6 @@ back computes it: that is the barrier's job (``execute.rng_words``).
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import torch
 
@@ -16,6 +15,7 @@ from .engine import current
 from .graph import Arg, Aval, Node, Ref
 from .lowering.random import RNG_SPLIT, key_data
 from .tensor import Storage
+from .transfer import upload
 
 DEFAULT_SEED = 101  # PyTorch/XLA's default device seed
 _KEY_AVAL = Aval((2,), torch.uint32)
@@ -23,13 +23,17 @@ _KEY_AVAL = Aval((2,), torch.uint32)
 
 def manual_seed(seed: int) -> None:
     """Reset the device key; the next random op draws the same numbers as after any other reset."""
-    current().rng = Storage((Node.data(key_data(int(seed)), _KEY_AVAL), 0))
+    current().rng = Storage((_key(np.asarray(key_data(int(seed)))), 0))
 
 
 def set_words(high: int, low: int) -> None:
     """Make the key exactly these two words (a state saved from ``execute.rng_words``)."""
-    words = np.array([high, low], dtype=np.uint32)
-    state().set((Node.data(jax.device_put(words), _KEY_AVAL), 0))
+    state().set((_key(np.array([high, low], dtype=np.uint32)), 0))
+
+
+def _key(words: np.ndarray) -> Node:
+    """The key's words where the engine's data lands (a replica's on its own device)."""
+    return Node.data(upload(words), _KEY_AVAL)
 
 
 def state() -> Storage:

@@ -613,7 +613,8 @@ def mesh_reduce(tag: str, data: Any, reduce_fn: Callable[[list], Any]) -> Any:
 
 def _each(value, output, collective: Callable):
     """Apply a one-tensor collective to a tensor or each tensor of a list; write into ``output``
-    when given."""
+    when given, resized to the result as PyTorch's ``out=`` tensors are (a reduce-scatter's output
+    may be given at the input's shape)."""
     single = isinstance(value, torch.Tensor)
     results = [collective(t) for t in ([value] if single else value)]
     if output is None:
@@ -621,7 +622,10 @@ def _each(value, output, collective: Callable):
     outputs = [output] if single else list(output)
     with torch.no_grad():
         for out, result in zip(outputs, results):
-            out.copy_(result)
+            if out.shape == result.shape:
+                out.copy_(result)
+            else:  # the tensor object itself becomes the result (its sizes are the wrapper's)
+                torch.utils.swap_tensors(out, result)
     return output
 
 

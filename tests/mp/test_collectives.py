@@ -13,6 +13,7 @@ import torch
 import spmd_torch
 import spmd_torch.core.functions as xf
 import spmd_torch.core.xla_model as xm
+from spmd_torch.distributed import xla_multiprocessing as xmp
 from tests.helpers import assert_close
 
 WORLD = 8
@@ -152,6 +153,48 @@ def test_reduce_scatter_keeps_this_replicas_chunk(grouping, dim):
         want = np.split(total, count, axis=dim)[members.index(k)]
         assert got.shape == want.shape
         assert_close(torch.from_numpy(got), torch.from_numpy(want), tol="exact")
+
+
+@pytest.mark.parametrize("replicas", [4, 8])
+def test_reduce_scatter_into_outputs_given_at_the_inputs_shape(replicas):
+    """PyTorch/XLA's test_mp_reduce_scatter passes output tensors shaped like the inputs: they
+    become the chunks, as an ``out=`` tensor is resized; the very list comes back."""
+    shape = (4, 2 * replicas, 3)
+
+    def body(index):
+        inputs = [to_device(value(index + j, shape)) for j in range(3)]
+        outputs = [torch.zeros(shape, device=xm.xla_device()) for _ in range(3)]
+        got = xm.reduce_scatter(xm.REDUCE_SUM, inputs, 0.5, 1, replicas, output=outputs)
+        assert got is outputs
+        return [o.cpu().numpy() for o in outputs]
+
+    results = xmp.spawn(body, nprocs=replicas)
+    for k, got in results.items():
+        for j, chunk in enumerate(got):
+            total = np.sum([value(i + j, shape) for i in range(replicas)], axis=0) * 0.5
+            want = np.split(total, replicas, axis=1)[k]
+            assert_close(torch.from_numpy(chunk), torch.from_numpy(want), tol="exact")
+
+
+@pytest.mark.parametrize("replicas", [4, 8])
+def test_random_device_tensors_saved_by_the_master_replica(tmp_path, replicas):
+    """Each replica draws on its own device (its PRNG key lives there); xm.save writes the master's
+    values once, every replica waiting for it (PyTorch/XLA's test_mp_save pattern)."""
+    path = tmp_path / "state.pt"
+
+    def body(index):
+        torch.manual_seed(0)
+        spmd_torch.manual_seed(index)
+        state = {"a": torch.randn(3, 4, device=xm.xla_device())}
+        state["a+1"] = state["a"] + 1
+        xm.save(state, str(path))
+        return state["a"].cpu()
+
+    drawn = xmp.spawn(body, nprocs=replicas)
+    saved = torch.load(path)
+    assert_close(saved["a"], drawn[0], tol="exact")
+    assert_close(saved["a+1"], drawn[0] + 1)
+    assert not torch.equal(drawn[0], drawn[1])  # each replica its own stream
 
 
 @pytest.mark.parametrize("grouping", list(GROUPINGS))
