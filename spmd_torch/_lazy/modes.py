@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from . import counters, engine, placement, transfer
 from .graph import Program, linearize
 from .lowering.collectives import REPLICA_AXIS
+from .replicas import across_hosts
 from .run import Run, execute
 
 
@@ -26,6 +27,10 @@ class OneDevice:
 
     landing = None  # JAX's default device
     replicated = None  # the layout replicated over the SPMD devices: none here
+
+    def __init__(self):
+        self.meetings: dict = {}  # tag -> rendezvous held with the other processes so far
+
     local_ordinal = 0
     local_world_size = 1
 
@@ -66,8 +71,13 @@ class OneDevice:
         return None
 
     def rendezvous(self, tag: str, payload, ordinals: list) -> list:
-        self.collective_axis("rendezvous")
-        return [payload]
+        """Every process's payload, in process order (each host is one, as in PyTorch/XLA)."""
+        members = sorted(set(ordinals) or range(self.world_size))
+        payloads, others = {self.ordinal: payload}, set(members) - {self.ordinal}
+        if others:
+            self.meetings[tag] = count = self.meetings.get(tag, 0) + 1
+            payloads = across_hosts(f"{tag}/{count}", payloads, others)
+        return [payloads[k] for k in members]
 
     def away(self) -> contextlib.AbstractContextManager:
         """Around a wait for something outside the program (a loader's next batch)."""
@@ -92,6 +102,7 @@ class SpmdMesh(OneDevice):
     (PyTorch/XLA's one-time replication when SPMD starts)."""
 
     def __init__(self, devices: list):
+        super().__init__()
         mesh = Mesh(np.array(list(devices)), ("devices",))
         self.replicated = NamedSharding(mesh, PartitionSpec())
 
@@ -116,6 +127,7 @@ class Replica(OneDevice):
     process of PyTorch/XLA's multiprocessing. Its world runs all replicas' runs as one program."""
 
     def __init__(self, world, ordinal: int, cpu_rng):
+        super().__init__()
         self.world = world  # replicas.World
         self.index = ordinal
         self.cpu_rng = cpu_rng  # its torch CPU RNG state, carried with its turn

@@ -218,7 +218,7 @@ class World:
                         f"replicas met at different rendezvous: {self._at(arrived)}"
                     )
                 if len(arrived) < len(participants):
-                    payloads |= self._from_other_hosts(tags.pop(), participants, payloads)
+                    payloads = self._from_other_hosts(tags.pop(), participants, payloads)
                 answer = [payloads[k] for k in participants]
             except RendezvousError as error:
                 answer = error
@@ -226,25 +226,10 @@ class World:
                 self._answer(k, answer if isinstance(answer, BaseException) else list(answer))
 
     def _from_other_hosts(self, tag: str, participants: tuple, mine: dict) -> dict:
-        """The payloads of the participants on other hosts, through the job's key-value store
-        (JAX's coordination service): each host posts its replicas' and reads the others'."""
-        client = distributed.global_state.client
+        """The payloads of the participants on other hosts."""
         count = self.meetings[tag] = self.meetings.get(tag, 0) + 1
-        prefix = f"spmd_torch/rendezvous/{tag}/{count}/"
-        host = jax.process_index()
-        client.key_value_set_bytes(f"{prefix}{host}", pickle.dumps(mine))
-        others = {self.mesh.devices.flat[k].process_index for k in participants} - {host}
-        payloads = {}
-        for other in sorted(others):
-            try:
-                blob = client.blocking_key_value_get_bytes(f"{prefix}{other}", _REMOTE_WAIT_MS)
-            except Exception as error:  # noqa: BLE001 - the runtime's timeout, named below
-                raise RendezvousError(
-                    f"rendezvous {tag!r} (number {count}): host {other} did not arrive within "
-                    f"{_REMOTE_WAIT_MS // 1000} s ({type(error).__name__})"
-                ) from error
-            payloads |= pickle.loads(blob)
-        return payloads
+        others = {self.mesh.devices.flat[k].process_index for k in participants}
+        return across_hosts(f"{tag}/{count}", mine, others - {jax.process_index()})
 
     def _stuck(self, wait: _Rendezvous, others: dict) -> RendezvousError:
         missing = [k for k in wait.participants if k in self.local and k not in others]
@@ -311,6 +296,25 @@ class World:
 
     def _submesh(self, ordinals: list) -> Mesh:
         return Mesh(np.array([self.mesh.devices.flat[k] for k in ordinals]), (REPLICA_AXIS,))
+
+
+def across_hosts(key: str, mine: dict, hosts: set) -> dict:
+    """``mine`` merged with what ``hosts`` posted under ``key``, through the job's key-value
+    store (JAX's coordination service): each host posts its part and reads the others'."""
+    client = distributed.global_state.client
+    prefix = f"spmd_torch/rendezvous/{key}/"
+    client.key_value_set_bytes(f"{prefix}{jax.process_index()}", pickle.dumps(mine))
+    merged = dict(mine)
+    for host in sorted(hosts):
+        try:
+            blob = client.blocking_key_value_get_bytes(f"{prefix}{host}", _REMOTE_WAIT_MS)
+        except Exception as error:  # noqa: BLE001 - the runtime's timeout, named below
+            raise RendezvousError(
+                f"rendezvous {key!r}: host {host} did not arrive within "
+                f"{_REMOTE_WAIT_MS // 1000} s ({type(error).__name__})"
+            ) from error
+        merged |= pickle.loads(blob)
+    return merged
 
 
 def _difference(a: runs.Run, b: runs.Run) -> str:

@@ -87,7 +87,10 @@ def train() -> None:
         seen.append(batch[0].cpu().tolist())  # the global batch, gathered from every host
     weight = net[0].weight
     hybrid = xs.HybridMesh(ici_mesh_shape=(1, 4), dcn_mesh_shape=(2, 1)).get_logical_mesh()
+    payloads = xm.rendezvous("hosts", str(xr.process_index()).encode())  # one per process
     report(
+        rendezvous=[p.decode() for p in payloads],
+        mesh_reduce=xm.mesh_reduce("host_sum", xr.process_index(), sum),
         hybrid=hybrid.tolist(),
         hybrid_hosts=[[jax.devices()[k].process_index for k in row] for row in hybrid.tolist()],
         losses=losses,

@@ -92,6 +92,8 @@ def test_two_hosts_train_as_one_host_of_eight_devices():
             host == 0,
         )
         assert result["local_shards"] == [f"CPU:{k}" for k in range(4 * host, 4 * host + 4)]
+        assert result["rendezvous"] == ["0", "1"] and one["rendezvous"] == ["0"]
+        assert result["mesh_reduce"] == 1 and one["mesh_reduce"] == 0
         assert result["hybrid"] == one["hybrid"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
         assert result["hybrid_hosts"] == [[0] * 4, [1] * 4]  # ICI inside a host, DCN across
     assert sorted(sum(one["seen"], [])) == list(range(16 * 4))
