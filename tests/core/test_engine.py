@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 import warnings
 
@@ -82,6 +83,17 @@ def test_copy_from_cpu_into_slice():
     x = torch.zeros(2, 3, device=dev)
     x[1].copy_(torch.tensor([1.0, 2.0, 3.0]))
     assert_close(x, torch.tensor([[0.0, 0, 0], [1, 2, 3]]))
+
+
+def test_deepcopy_of_a_pending_random_tensor_is_independent():
+    spmd_torch.sync()
+    x = torch.rand(5, device=dev)  # pending: its graph holds the engine's PRNG split
+    first = x[0]
+    y = copy.deepcopy(x)
+    assert_close(y, x.cpu(), tol="exact")
+    y[0] = 1
+    assert_close(x[0], first.cpu(), tol="exact")
+    assert y[0].item() == 1.0
 
 
 def test_item_tolist_print_cpu():

@@ -29,6 +29,12 @@ class EngineOp:
     def __repr__(self) -> str:
         return self.name
 
+    def __copy__(self) -> EngineOp:
+        return self  # the op is its own identity: a copy would have no lowering
+
+    def __deepcopy__(self, memo: dict) -> EngineOp:
+        return self
+
 
 @dataclass(frozen=True)
 class Lowering:
