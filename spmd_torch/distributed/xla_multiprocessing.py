@@ -10,6 +10,7 @@ from real processes.
 from __future__ import annotations
 
 import copy
+import pickle
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -164,12 +165,26 @@ def _replica_main(
     with engine.running(own), torch.autograd.set_multithreading_enabled(False):
         try:
             world.start(replica)
-            outcomes[ordinal] = fn(ordinal, *copy.deepcopy(args))
+            outcomes[ordinal] = fn(ordinal, *map(_replica_copy, args))
             world.finish(replica)
         except ReplicaAborted:
             pass
         except BaseException as error:  # the launch raises it in the caller
             world.fail(replica, error)
+
+
+def _replica_copy(arg: Any) -> Any:
+    """The replica's own copy of a launch argument, as a spawned process would receive it: through
+    pickle (a ``Manager().Queue`` proxy reconnects), else a deep copy; what neither can copy (a
+    ``multiprocessing.Queue``, a lock) is a channel between processes, which threads share."""
+    try:
+        return pickle.loads(pickle.dumps(arg))
+    except Exception:
+        pass
+    try:
+        return copy.deepcopy(arg)
+    except Exception:
+        return arg
 
 
 class MpModelWrapper:

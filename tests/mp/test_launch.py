@@ -57,6 +57,23 @@ def test_spawn_nprocs_any_count_and_one_returns_the_result():
     assert [got[:2] for got in results.values()] == [(0, 3), (1, 3), (2, 3)]
 
 
+def _put_and_grow(index, channel, local_queue, state):
+    channel.put(index)
+    local_queue.put(index)
+    state["seen"].append(index)  # each replica's own copy, as a spawned process's would be
+    return state["seen"]
+
+
+def test_spawn_args_copied_as_processes_receive_them_and_queues_shared():
+    channel = torch.multiprocessing.get_context("spawn").Manager().Queue(4)  # a proxy: no deep copy
+    local_queue = torch.multiprocessing.Queue(4)  # neither pickle nor deep copy: threads share it
+    state = {"seen": []}
+    results = xmp.spawn(_put_and_grow, args=(channel, local_queue, state), nprocs=4)
+    assert results == {k: [k] for k in range(4)} and state == {"seen": []}
+    assert sorted(channel.get(block=False) for _ in range(4)) == [0, 1, 2, 3]
+    assert sorted(local_queue.get(timeout=5) for _ in range(4)) == [0, 1, 2, 3]
+
+
 def _ordinals_single():
     return (0, 1, 0, 0, 1, 0, 0, True, True, 0, 1, "xla:0")
 
