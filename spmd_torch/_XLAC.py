@@ -1,15 +1,454 @@
-"""``torch_xla._XLAC``: the calls into PyTorch/XLA's C++ extension that its guides show users.
+"""``torch_xla._XLAC``: the calls into PyTorch/XLA's C++ extension that user code, its test suite
+and libraries make, each answered by this runtime.
 
-The performance guide prints ``torch_xla._XLAC._xla_metrics_report()`` after each step, and the
-troubleshooting guide reads a tensor's pending graph with ``_get_xla_tensors_text`` and
-``_get_xla_tensors_hlo``. The rest of ``_XLAC`` is PyTorch/XLA's internals and has no mirror here.
+The performance guide prints ``_xla_metrics_report()``; the troubleshooting guide reads a pending
+graph with ``_get_xla_tensors_text`` / ``_get_xla_tensors_hlo``; the SPMD guide and tests read
+shardings with ``_get_xla_sharding_spec``; huggingface_hub and transformers tell shared tensors
+apart with ``_xla_get_tensor_id``. Device names follow PyTorch/XLA's: ``'xla:0'`` is the one
+logical device of the process (as under SPMD), ``'CPU:3'``/``'CUDA:3'``/``'TPU:3'`` a real one.
+
+Calls whose meaning is PyTorch/XLA's own machinery are absent rather than faked: IR and buffer
+internals (``_get_xla_tensor_debug_info``, ``_get_graph_hash``, buffer donation flags,
+``_get_tensors_xla_device_data_node``, ``_run_cached_graph``), dynamic shapes
+(``_xla_mark_dynamic``), ``xla::OpSharding`` values (``OpSharding``, ``_xla_mark_sharding``,
+``_global_tensor_from_cpu_shards``, ``_spmd_full_to_shard_shape``), custom calls and lowering
+hooks (``_xla_tpu_custom_call``, ``lowering``), and the preemption sync manager.
 
 Example:
-    >>> print(spmd_torch._XLAC._xla_metrics_report())
+    >>> import spmd_torch._XLAC as xlac
+    >>> xs.mark_sharding(t, xs.Mesh(np.arange(8), (4, 2)), (0, None))
+    >>> xlac._get_xla_sharding_spec(t)
+    '{devices=[4,1,2]0,1,2,3,4,5,6,7 last_tile_dim_replicate}'
 """
 
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from collections.abc import Sequence
+
+import jax
+import torch
+from jax._src import xla_bridge  # backends_are_initialized: JAX has no public query for it
+
+from spmd_torch import config, runtime
+from spmd_torch._lazy import counters, execute
+from spmd_torch.core import xla_model as xm
+from spmd_torch.core.xla_builder import _user_computation as _xla_user_computation
 from spmd_torch.debug.graph import get_tensors_hlo as _get_xla_tensors_hlo
 from spmd_torch.debug.graph import get_tensors_text as _get_xla_tensors_text
+from spmd_torch.debug.metrics import clear_counters as _clear_xla_counters
+from spmd_torch.debug.metrics import clear_metrics as _clear_xla_metrics
+from spmd_torch.debug.metrics import counter_names as _xla_counter_names
+from spmd_torch.debug.metrics import counter_value as _xla_counter_value
+from spmd_torch.debug.metrics import executed_fallback_ops as _get_executed_fallback_ops
+from spmd_torch.debug.metrics import metric_data as _xla_metric_data
+from spmd_torch.debug.metrics import metric_names as _xla_metric_names
 from spmd_torch.debug.metrics import metrics_report as _xla_metrics_report
+from spmd_torch.debug.metrics import short_metrics_report as _short_xla_metrics_report
+from spmd_torch.distributed.spmd import xla_sharding as xs
+from spmd_torch.distributed.spmd.xla_sharded_tensor import annotated_tiling
 
-__all__ = ["_get_xla_tensors_hlo", "_get_xla_tensors_text", "_xla_metrics_report"]
+__all__ = [
+    "_clear_xla_counters",
+    "_clear_xla_metrics",
+    "_ensure_xla_coordinator_initialized",
+    "_get_executed_fallback_ops",
+    "_get_xla_sharding_spec",
+    "_get_xla_sharding_specs",
+    "_get_xla_sharding_type",
+    "_get_xla_tensor_dimension_size",
+    "_get_xla_tensors_hlo",
+    "_get_xla_tensors_text",
+    "_short_xla_metrics_report",
+    "_xla_clear_sharding",
+    "_xla_counter_names",
+    "_xla_counter_value",
+    "_xla_get_all_devices",
+    "_xla_get_all_runtime_devices",
+    "_xla_get_default_device",
+    "_xla_get_default_device_ordinal",
+    "_xla_get_devices",
+    "_xla_get_mat_mul_precision",
+    "_xla_get_rng_seed",
+    "_xla_get_runtime_devices",
+    "_xla_get_tensor_id",
+    "_xla_increment_counter",
+    "_xla_metric_data",
+    "_xla_metric_names",
+    "_xla_metrics_report",
+    "_xla_num_devices",
+    "_xla_num_runtime_devices",
+    "_xla_real_devices",
+    "_xla_runtime_is_initialized",
+    "_xla_set_mat_mul_precision",
+    "_xla_set_rng_seed",
+    "_xla_sync_multi",
+    "_xla_user_computation",
+    "_xla_wait_device_ops",
+]
+
+_PRECISIONS = ("default", "high", "highest")
+
+
+def _xla_tensor(t, api: str) -> torch.Tensor:
+    """``t`` (unwrapped from an XLAShardedTensor) if on the xla device; RuntimeError otherwise,
+    as PyTorch/XLA's bindings raise for a tensor that is not an XLA tensor."""
+    t = xs.unwrap_sharded_tensor(t)
+    if not isinstance(t, torch.Tensor):
+        raise RuntimeError(f"{api} expects a tensor on the xla device, got {type(t).__name__}")
+    if t.device.type != "xla":
+        raise RuntimeError(
+            f"{api}: input tensor is not an XLA tensor: a {t.dtype} tensor of shape "
+            f"{tuple(t.shape)} on {t.device}"
+        )
+    return t
+
+
+# --- sharding ------------------------------------------------------------------------------------
+
+
+def _get_xla_sharding_spec(t: torch.Tensor) -> str:
+    """The tensor's sharding as XLA prints it (``HloSharding::ToString``); ``''`` without one.
+
+    ``'{devices=[8,1]0,1,2,3,4,5,6,7}'`` tiled, ``'{devices=[4,1,2]0,1,2,3,4,5,6,7
+    last_tile_dim_replicate}'`` when each tile is replicated over the mesh axes the spec leaves
+    out, ``'{replicated}'``. Device ids are written out in full, never XLA's ``<=[8]`` form.
+
+    Example:
+        >>> xs.mark_sharding(t, xs.Mesh(np.arange(8), (8,)), (0, None))
+        >>> _get_xla_sharding_spec(t)
+        '{devices=[8,1]0,1,2,3,4,5,6,7}'
+    """
+    return xs.get_xla_sharding_spec(_xla_tensor(t, "_get_xla_sharding_spec"))
+
+
+def _get_xla_sharding_specs(tensors: Sequence[torch.Tensor]) -> list[str]:
+    """:func:`_get_xla_sharding_spec` of each tensor.
+
+    Example:
+        >>> _get_xla_sharding_specs([t, u])
+        ['{devices=[8,1]0,1,2,3,4,5,6,7}', '']
+    """
+    return [_get_xla_sharding_spec(t) for t in tensors]
+
+
+def _get_xla_sharding_type(t: torch.Tensor) -> int | None:
+    """The tensor's ``xs.ShardingType`` as an int (``xla::OpSharding::Type``: 0 replicated,
+    3 tiled, 5 partially replicated...); None without a sharding.
+
+    Example:
+        >>> xs.ShardingType(_get_xla_sharding_type(t))
+        <ShardingType.TILED: 3>
+    """
+    tiling = annotated_tiling(_xla_tensor(t, "_get_xla_sharding_type"), "_get_xla_sharding_type")
+    return None if tiling is None else int(tiling.type)
+
+
+def _xla_clear_sharding(t: torch.Tensor) -> None:
+    """Forget the tensor's sharding annotation (``xs.clear_sharding``).
+
+    Example:
+        >>> _xla_clear_sharding(t)
+        >>> _get_xla_sharding_spec(t)
+        ''
+    """
+    xs.clear_sharding(_xla_tensor(t, "_xla_clear_sharding"))
+
+
+# --- tensors -------------------------------------------------------------------------------------
+
+# Storage -> id; weak, so an id lives as long as the value it names.
+_TENSOR_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_NEXT_ID = itertools.count(1)
+_IDS_LOCK = threading.Lock()  # replicas of launch are threads
+
+
+def _xla_get_tensor_id(t: torch.Tensor) -> int:
+    """A positive id of the tensor's value, unique in the process while the value lives.
+
+    Tensors sharing one value (the same tensor, ``detach()``, views, ``.data``, a tied weight)
+    get the same id; distinct tensors (copies, ``clone()``) distinct ids; in-place updates and
+    barriers keep it. So huggingface_hub and transformers find shared xla tensors when saving.
+    (PyTorch/XLA numbers its C++ tensor objects, so there a view gets an id of its own.)
+
+    Example:
+        >>> _xla_get_tensor_id(w) == _xla_get_tensor_id(w.detach()) == _xla_get_tensor_id(w[0])
+        True
+        >>> _xla_get_tensor_id(w) == _xla_get_tensor_id(w.clone())
+        False
+    """
+    storage = _xla_tensor(t, "_xla_get_tensor_id")._storage  # the value every alias shares
+    with _IDS_LOCK:
+        tensor_id = _TENSOR_IDS.get(storage)
+        if tensor_id is None:
+            tensor_id = _TENSOR_IDS[storage] = next(_NEXT_ID)
+    return tensor_id
+
+
+def _get_xla_tensor_dimension_size(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """The size of dimension ``dim`` as an int32 scalar on the xla device.
+
+    PyTorch/XLA reads it from the device for dynamically shaped results (``nonzero``,
+    ``masked_select``); here every shape is static (such ops compute their size), so it is the
+    tensor's own.
+
+    Example:
+        >>> _get_xla_tensor_dimension_size(torch.nonzero(x), 0).item()
+        4
+    """
+    t = _xla_tensor(t, "_get_xla_tensor_dimension_size")
+    if not -t.dim() <= dim < max(t.dim(), 1):
+        raise IndexError(
+            f"_get_xla_tensor_dimension_size: dimension {dim} is out of range for a tensor of "
+            f"shape {tuple(t.shape)}"
+        )
+    size = t.shape[dim] if t.dim() else 1
+    return torch.full((), size, dtype=torch.int32, device=t.device)
+
+
+def _xla_sync_multi(
+    tensors: Sequence[torch.Tensor],
+    devices: Sequence[str] = (),
+    wait: bool = True,
+    sync_xla_data: bool = True,
+) -> None:
+    """Compute the pending values of ``tensors`` now (only the part of the graph they need);
+    the rest stays pending. Tensors off the xla device are skipped, as in PyTorch/XLA.
+
+    Args:
+        tensors: The tensors to compute.
+        devices: Accepted for PyTorch/XLA's signature (one logical device).
+        wait: Block until they are computed.
+        sync_xla_data: Accepted; the computed values always become the tensors' data.
+
+    Example:
+        >>> y = x * 2
+        >>> _xla_sync_multi([y], ['xla:0'])
+    """
+    xla = [
+        t
+        for t in map(xs.unwrap_sharded_tensor, tensors)
+        if isinstance(t, torch.Tensor) and t.device.type == "xla"
+    ]
+    arrays = execute.materialize(xla) if xla else []
+    if wait:
+        for array in arrays:
+            array.block_until_ready()
+
+
+def _xla_wait_device_ops(devices: Sequence[str] = ()) -> None:
+    """Block until every dispatched program has finished (``xm.wait_device_ops``).
+
+    Example:
+        >>> _xla_wait_device_ops([])
+    """
+    xm.wait_device_ops(list(devices))
+
+
+# --- runtime and devices -------------------------------------------------------------------------
+
+
+def _xla_runtime_is_initialized() -> bool:
+    """Whether the runtime client has started (JAX's backends): from then on the device kind is
+    fixed (``xr.set_device_type`` refuses another).
+
+    Example:
+        >>> _xla_runtime_is_initialized()  # after any device use
+        True
+    """
+    return xla_bridge.backends_are_initialized()
+
+
+def _ensure_xla_coordinator_initialized(
+    global_rank: int, world_size: int, master_addr: str, master_port: str | int = ""
+) -> None:
+    """Make sure the job's coordination service is up, with this process as ``global_rank`` of
+    ``world_size`` (PyTorch/XLA starts its coordinator here for checkpoints and preemption).
+
+    Here the coordinator is JAX's distributed runtime, which every process of a job joins when
+    spmd_torch is imported (a single process needs none); so this checks that the job is the one
+    described, and raises RuntimeError if not. ``master_addr``/``master_port`` are the
+    launcher's business (``docs/pods.md``).
+
+    Example:
+        >>> _ensure_xla_coordinator_initialized(global_rank=0, world_size=1, master_addr='localhost')
+    """
+    job = (jax.process_index(), jax.process_count())
+    if (global_rank, world_size) != job:
+        raise RuntimeError(
+            f"_ensure_xla_coordinator_initialized(global_rank={global_rank}, "
+            f"world_size={world_size}): this process is {job[0]} of a job of {job[1]} "
+            "processes, joined at import (set the job up through the launcher, docs/pods.md)"
+        )
+
+
+def _xla_get_default_device() -> str:
+    """The current thread's xla device: ``'xla:0'``, the logical device of the process (a
+    replica of ``launch`` is a process of its own).
+
+    Example:
+        >>> torch.device(_xla_get_default_device())
+        device(type='xla', index=0)
+    """
+    return str(xm.xla_device())
+
+
+def _xla_get_default_device_ordinal() -> int:
+    """The ordinal of :func:`_xla_get_default_device`: 0.
+
+    Example:
+        >>> _xla_get_default_device_ordinal()
+        0
+    """
+    return xm.xla_device().index
+
+
+def _xla_get_devices() -> list[str]:
+    """The real device behind each xla device of this process: one, ``['CPU:0']``, as under
+    PyTorch/XLA's SPMD.
+
+    Example:
+        >>> _xla_get_devices()
+        ['CPU:0']
+    """
+    return runtime.xla_real_devices()
+
+
+def _xla_get_all_devices() -> list[str]:
+    """The real device behind each logical xla device of the job, in ordinal order: each
+    process's first device (each replica's own inside ``launch``); as many as
+    ``xr.global_device_count()``.
+
+    Example:
+        >>> _xla_get_all_devices()  # one process
+        ['CPU:0']
+    """
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    if runtime.local_process_count() > 1:  # replicas of launch, one device each
+        backing = devices[: runtime.global_device_count()]
+    else:
+        firsts: dict[int, jax.Device] = {}
+        for device in devices:
+            firsts.setdefault(device.process_index, device)
+        backing = list(firsts.values())
+    return [_runtime_name(d) for d in backing]
+
+
+def _xla_get_runtime_devices() -> list[str]:
+    """This process's accelerators, ``['CPU:0', ..., 'CPU:7']``: the devices its mesh shards
+    span (``XLAShard.shard_device`` names).
+
+    Example:
+        >>> len(_xla_get_runtime_devices()) == xr.addressable_runtime_device_count()
+        True
+    """
+    return [_runtime_name(d) for d in sorted(jax.local_devices(), key=lambda d: d.id)]
+
+
+def _xla_get_all_runtime_devices() -> list[str]:
+    """Every accelerator of the job, all hosts' (``xr.global_runtime_device_count()`` of them).
+
+    Example:
+        >>> _xla_get_all_runtime_devices()[:2]
+        ['CPU:0', 'CPU:1']
+    """
+    return [_runtime_name(d) for d in sorted(jax.devices(), key=lambda d: d.id)]
+
+
+def _runtime_name(device: jax.Device) -> str:
+    return f"{runtime.device_type()}:{device.id}"  # as xr.global_runtime_device_attributes
+
+
+def _xla_num_devices() -> int:
+    """The number of xla devices of this process: 1 (``xr.addressable_device_count()``).
+
+    Example:
+        >>> _xla_num_devices()
+        1
+    """
+    return runtime.addressable_device_count()
+
+
+def _xla_num_runtime_devices() -> int:
+    """The number of accelerators of this process (``xr.addressable_runtime_device_count()``).
+
+    Example:
+        >>> _xla_num_runtime_devices()
+        8
+    """
+    return runtime.addressable_runtime_device_count()
+
+
+def _xla_real_devices(devices: Sequence[str | torch.device] | None = None) -> list[str]:
+    """The real device behind each given xla device (default: this process's), e.g.
+    ``['CPU:0']`` for ``['xla:0']`` (``xr.xla_real_devices``).
+
+    Example:
+        >>> _xla_real_devices(['xla:0'])
+        ['CPU:0']
+    """
+    return runtime.xla_real_devices(list(devices) if devices else None)
+
+
+# --- RNG, matmul precision, counters -------------------------------------------------------------
+
+
+def _xla_get_rng_seed(device: str = "") -> int:
+    """The device RNG state (``xm.get_rng_state``): a seed given to :func:`_xla_set_rng_seed`
+    until a random op advances it.
+
+    Example:
+        >>> _xla_set_rng_seed(7)
+        >>> _xla_get_rng_seed()
+        7
+    """
+    return xm.get_rng_state(device or None)
+
+
+def _xla_set_rng_seed(seed: int = 101, device: str = "") -> None:
+    """Set the device RNG state (``xm.set_rng_state``); 101 by default, as PyTorch/XLA.
+
+    Example:
+        >>> _xla_set_rng_seed(7)
+    """
+    xm.set_rng_state(seed, device or None)
+
+
+def _xla_get_mat_mul_precision() -> str:
+    """The float32 matmul precision: ``'default'``, ``'high'`` or ``'highest'``.
+
+    Example:
+        >>> _xla_get_mat_mul_precision()
+        'highest'
+    """
+    return config.MAT_MUL_PRECISION.value
+
+
+def _xla_set_mat_mul_precision(precision: str) -> None:
+    """Set the float32 matmul precision of the programs traced from now on (what
+    ``spmd_torch.backends.set_mat_mul_precision`` sets, without its warning).
+
+    Example:
+        >>> _xla_set_mat_mul_precision('highest')
+    """
+    if precision not in _PRECISIONS:
+        raise RuntimeError(
+            f"_xla_set_mat_mul_precision: unknown precision {precision!r}; "
+            f"use one of {', '.join(_PRECISIONS)}"
+        )
+    config.MAT_MUL_PRECISION.value = precision
+
+
+def _xla_increment_counter(name: str, value: int) -> None:
+    """Add ``value`` to counter ``name`` of the metrics (a counter of the user's own included).
+
+    Example:
+        >>> _xla_increment_counter('MyEvents', 2)
+        >>> met.counter_value('MyEvents')
+        2
+    """
+    if value < 0:
+        raise RuntimeError(f"_xla_increment_counter({name!r}, {value}): counters only grow")
+    counters.bump(name, int(value))

@@ -7,6 +7,11 @@ PyTorch/XLA's names and units: times in nanoseconds (``CompileTime``, ``ExecuteT
 ``TransferFromDeviceTime``), data in bytes (``OutboundData`` per upload, ``InboundData`` per
 download) and ``TensorsGraphSize``, the node count of each program run. Reports read the same as
 PyTorch/XLA's, and tests can count events instead of timing them.
+
+A few of PyTorch/XLA's names are other names of events recorded here (``ALIASES``): the counters
+``ExecuteComputation`` and ``ExecuteReplicated`` count the programs run on one device and over
+several (the samples of ``ExecuteTime`` and ``ExecuteReplicatedTime``), and the metric
+``TensorToData`` times each tensor's upload (``TransferToDeviceTime``'s samples).
 """
 
 from __future__ import annotations
@@ -31,6 +36,16 @@ _TIME_PARTS = (("d", 86400e9, 2), ("h", 3600e9, 2), ("m", 60e9, 2), ("s", 1e9, 2
 _BYTE_UNITS = ("B", "KB", "MB", "GB", "TB", "PB")
 _BYTE_METRICS = ("OutboundData", "InboundData")  # PyTorch/XLA reports these in bytes
 _DEFAULT_COUNTERS = ("CachedCompile", "MarkStep")
+# PyTorch/XLA's name -> the metric recording the same event (a counter counts its samples).
+COUNTED_METRICS = {
+    "ExecuteComputation": "ExecuteTime",
+    "ExecuteReplicated": "ExecuteReplicatedTime",
+}
+SAME_METRICS = {"TensorToData": "TransferToDeviceTime"}
+ALIASES = {**COUNTED_METRICS, **SAME_METRICS}
+# Per counted metric, its samples object and count when the counters were last cleared: a
+# counter restarts from zero then, though the metric keeps its samples.
+_COUNTED_SINCE: dict[str, tuple[object, int]] = {}
 _DEFAULT_METRICS = (
     "CompileTime",
     "ExecuteTime",
@@ -48,7 +63,17 @@ def counter_names() -> list[str]:
         >>> 'MarkStep' in met.counter_names()  # after a sync
         True
     """
-    return sorted(name for name, value in _store.COUNTERS.items() if value)
+    own = {name for name, value in _store.COUNTERS.items() if value}
+    return sorted(own | {name for name in COUNTED_METRICS if _counted(name)})
+
+
+def _counted(name: str) -> int:
+    """How many samples the metric behind counter ``name`` took since the counters were cleared."""
+    samples = _store.METRICS.get(COUNTED_METRICS[name])
+    if not samples:
+        return 0
+    since, count = _COUNTED_SINCE.get(name, (None, 0))
+    return samples.count - count if since is samples else samples.count
 
 
 def counter_value(name: str) -> int | None:
@@ -63,7 +88,7 @@ def counter_value(name: str) -> int | None:
         >>> met.counter_value('MarkStep') - before
         1
     """
-    value = _store.COUNTERS.get(name)
+    value = _store.COUNTERS.get(name, 0) + (_counted(name) if name in COUNTED_METRICS else 0)
     return value if value else None
 
 
@@ -74,7 +99,8 @@ def metric_names() -> list[str]:
         >>> 'CompileTime' in met.metric_names()  # after a compile
         True
     """
-    return sorted(name for name, samples in _store.METRICS.items() if samples)
+    own = {name for name, samples in _store.METRICS.items() if samples}
+    return sorted(own | {alias for alias, name in SAME_METRICS.items() if name in own})
 
 
 def metric_data(name: str) -> tuple[int, float, list[tuple[float, float]]] | None:
@@ -91,7 +117,7 @@ def metric_data(name: str) -> tuple[int, float, list[tuple[float, float]]] | Non
     Example:
         >>> total, accumulator, samples = met.metric_data('CompileTime')
     """
-    samples = _store.METRICS.get(name)
+    samples = _store.METRICS.get(SAME_METRICS.get(name, name))
     if not samples:
         return None
     return samples.count, float(samples.total), [(0.0, float(v)) for v in samples]
@@ -120,6 +146,9 @@ def clear_counters() -> None:
         True
     """
     _store.COUNTERS.clear()
+    for name, metric in COUNTED_METRICS.items():
+        samples = _store.METRICS.get(metric)
+        _COUNTED_SINCE[name] = (samples, samples.count if samples else 0)
 
 
 def clear_metrics() -> None:
@@ -186,16 +215,16 @@ def short_metrics_report(
     counters = list(counter_names or _DEFAULT_COUNTERS)
     metrics = list(metric_names or _DEFAULT_METRICS)
     return _report(
-        [m for m in metrics if _store.METRICS.get(m)],
-        [c for c in counters if _store.COUNTERS.get(c)],
+        [m for m in metrics if metric_data(m) is not None],
+        [c for c in counters if counter_value(c) is not None],
     )
 
 
 def _report(metrics: list[str], counters: list[str]) -> str:
     lines = []
     for name in metrics:
-        samples = _store.METRICS[name]
-        fmt = _formatter(name)
+        samples = _store.METRICS[SAME_METRICS.get(name, name)]
+        fmt = _formatter(SAME_METRICS.get(name, name))
         ordered = sorted(samples)
         percentiles = "; ".join(
             f"{p}%={fmt(ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))])}"
@@ -208,7 +237,7 @@ def _report(metrics: list[str], counters: list[str]) -> str:
             f"  Percentiles: {percentiles}",
         ]
     for name in counters:
-        lines += [f"Counter: {name}", f"  Value: {_store.COUNTERS[name]}"]
+        lines += [f"Counter: {name}", f"  Value: {counter_value(name)}"]
     return "\n".join(lines) + "\n" if lines else ""
 
 

@@ -11,9 +11,13 @@ through ``__getattr__``. Autograd therefore sees the wrapped tensor and gradient
 tensor is required (``nn.Parameter``, ``torch.save``).
 
 Of PyTorch/XLA 2.9's DTensor subclass it keeps the DTensor surface scripts use: ``placements``,
-``device_mesh``, ``redistribute`` and ``to_local``. They are read from the tensor's sharding itself
-(device ids and axis names included), not from a mesh shape stored on the wrapper, so they also
-answer for a tensor wrapped after the fact. ``isinstance(x, DTensor)`` is False.
+``device_mesh``, ``_spec`` (a ``DTensorSpec``, cached until the sharding changes),
+``mesh_shape``, ``partition_spec``, ``redistribute``, ``to_local`` and the constructor's
+``mesh_shape``, ``partition_spec`` and ``requires_grad``. They are read from the tensor's sharding
+itself (device ids and axis names included), not from metadata stored on the wrapper, so they also
+answer for a tensor wrapped after the fact and never disagree with ``sharding_spec``: where
+PyTorch/XLA only records a mesh shape and a spec given to the wrapper, the tensor is laid out so.
+``isinstance(x, DTensor)`` is False.
 """
 
 from __future__ import annotations
@@ -23,19 +27,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import EllipsisType
 
+import numpy as np
 import torch
 import torch.utils._pytree as pytree
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Partial, Placement
 
 from spmd_torch import runtime
 from spmd_torch._lazy import execute, placement, transfer
+from spmd_torch._lazy.layout import canonical
 from spmd_torch._lazy.transfer import to_torch
 
 from . import _dtensor, validate
 from ._tiling import ShardingType, Tiling, device_index, tiling_of
-from .mesh import Mesh, named_sharding
+from .mesh import Mesh, PartitionSpecLike, check_mesh, get_global_mesh, named_sharding
 
 
 @dataclass
@@ -83,12 +90,20 @@ def _unwrap(x):
 class XLAShardedTensor:
     """A global xla tensor viewed with its sharding: ``local_shards``, ``sharding_spec``...
 
-    Returned by ``mark_sharding``; wrapping never copies or moves data. It behaves like
-    ``global_tensor`` (a light wrapper, not a ``torch.Tensor`` subclass; see the module
-    docstring).
+    Returned by ``mark_sharding``; wrapping never copies data. It behaves like ``global_tensor``
+    (a light wrapper, not a ``torch.Tensor`` subclass; see the module docstring).
 
     Args:
-        global_tensor: A tensor on the xla device (or another XLAShardedTensor).
+        global_tensor: A tensor (on the xla device for anything about its sharding), or another
+            XLAShardedTensor.
+        mesh_shape: With ``partition_spec``, the layout to give the tensor, as PyTorch/XLA's
+            ``wrap_as_sharded_tensor`` records it: the tensor is laid out so (over the mesh it is
+            already sharded over if that has this shape, else the global mesh if it does, else
+            the devices in order). Either one alone keeps the other from the current layout.
+        partition_spec: One entry per dimension (see ``mark_sharding``).
+        requires_grad: Make the wrapper a leaf that requires grad: ``global_tensor`` becomes a
+            detached alias of the tensor (same data and sharding) whose ``.grad`` the wrapper
+            shows, as PyTorch/XLA's wrapper subclass does.
 
     Example:
         >>> xt = xs.mark_sharding(torch.arange(8.0, device=dev), xs.get_1d_mesh(), (0,))
@@ -96,14 +111,39 @@ class XLAShardedTensor:
         '{devices=[8]0,1,2,3,4,5,6,7}'
         >>> (xt * 2).sum().item()
         56.0
+        >>> xt.mesh_shape, xt.partition_spec, xt.placements
+        ((8,), (0,), (Shard(dim=0),))
     """
 
-    __slots__ = ("global_tensor",)
+    __slots__ = ("global_tensor", "_declared", "_cached_spec", "_cached_for")
 
     global_tensor: torch.Tensor
 
-    def __init__(self, global_tensor: torch.Tensor) -> None:
-        object.__setattr__(self, "global_tensor", _unwrap(global_tensor))
+    def __init__(
+        self,
+        global_tensor: torch.Tensor | XLAShardedTensor,
+        mesh_shape: Sequence[int] | None = None,
+        partition_spec: PartitionSpecLike | None = None,
+        *,
+        requires_grad: bool = False,
+    ) -> None:
+        tensor = _unwrap(global_tensor)
+        if requires_grad:
+            tensor = tensor.detach().requires_grad_(True)
+        object.__setattr__(self, "global_tensor", tensor)
+        declared = global_tensor._declared if isinstance(global_tensor, XLAShardedTensor) else None
+        object.__setattr__(self, "_declared", declared)
+        self.invalidate_spec_cache()
+        if mesh_shape is not None or partition_spec is not None:
+            self._lay_out(mesh_shape, partition_spec, "XLAShardedTensor")
+
+    @classmethod
+    def _marked(cls, t: torch.Tensor | XLAShardedTensor, mesh: Mesh, spec: tuple):
+        """``t`` (itself when already wrapped) remembering the (mesh, spec) it was just marked
+        with, so ``partition_spec`` gives the spec as the caller wrote it."""
+        wrapped = t if isinstance(t, XLAShardedTensor) else cls(t)
+        object.__setattr__(wrapped, "_declared", (mesh, _as_tuple(spec)))
+        return wrapped
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -118,6 +158,8 @@ class XLAShardedTensor:
     def __setattr__(self, name: str, value) -> None:
         if name == "global_tensor":
             object.__setattr__(self, name, _unwrap(value))
+        elif isinstance(getattr(type(self), name, None), property):  # mesh_shape, partition_spec
+            object.__setattr__(self, name, value)
         else:
             setattr(self.global_tensor, name, value)
 
@@ -126,6 +168,105 @@ class XLAShardedTensor:
 
     def __reduce__(self):
         return (XLAShardedTensor, (self.global_tensor,))
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...] | None:
+        """The shape of the mesh the tensor is sharded over; None without a mesh sharding.
+
+        Setting it lays the tensor out over a mesh of that shape, keeping ``partition_spec``
+        (as ``wrap_as_sharded_tensor(t, mesh_shape=...)``).
+
+        Example:
+            >>> xs.mark_sharding(t, xs.Mesh(np.arange(8), (4, 2)), (0, None)).mesh_shape
+            (4, 2)
+        """
+        sharding = _mesh_sharding(self.global_tensor)
+        return None if sharding is None else tuple(sharding.mesh.devices.shape)
+
+    @mesh_shape.setter
+    def mesh_shape(self, shape: Sequence[int]) -> None:
+        self._lay_out(shape, None, "mesh_shape")
+
+    @property
+    def partition_spec(self) -> tuple | None:
+        """Per tensor dimension, the mesh axes splitting it (None: not split); None without a
+        mesh sharding. The spec as given to ``mark_sharding``/``redistribute`` while it still
+        describes the tensor's layout; otherwise read from the layout (axis names for a named
+        mesh, indices for an unnamed one).
+
+        Setting it lays the tensor out so over its current mesh.
+
+        Example:
+            >>> xs.mark_sharding(t, xs.Mesh(np.arange(8), (4, 2)), (None, 1)).partition_spec
+            (None, 1)
+        """
+        tensor = self.global_tensor
+        sharding = _mesh_sharding(tensor)
+        if sharding is None:
+            return None
+        if self._declared is not None and _sharding_of(*self._declared) == sharding:
+            return self._declared[1]
+        return _spec_of(sharding, tensor.dim(), named=True)
+
+    @partition_spec.setter
+    def partition_spec(self, spec: PartitionSpecLike) -> None:
+        self._lay_out(None, spec, "partition_spec")
+
+    def _lay_out(self, mesh_shape, spec, api: str) -> None:
+        """Lay the tensor out over a mesh of ``mesh_shape`` as ``spec`` says, either one defaulting
+        to the current layout's; nothing moves when it is laid out so already."""
+        tensor = self.global_tensor
+        validate._check_xla_tensor(tensor, api)
+        current = _mesh_sharding(tensor)
+        mesh = _mesh_for(mesh_shape, current, api)
+        if spec is None:
+            if current is None:
+                raise ValueError(
+                    f"{api}: the tensor of shape {tuple(tensor.shape)} has no sharding to keep "
+                    f"the partition spec of; give partition_spec along with mesh_shape"
+                )
+            spec = _spec_of(current, tensor.dim(), named=False)
+        spec = _as_tuple(spec)
+        if _sharding_of(mesh, spec) != current:
+            lay_out(tensor, mesh, spec, api)
+        object.__setattr__(self, "_declared", (mesh, spec))
+
+    @property
+    def _spec(self) -> DTensorSpec:
+        """The layout as DTensor describes it: a ``DTensorSpec`` of the tensor's ``DeviceMesh``,
+        placements and metadata; cached (``_cached_spec``) until the sharding changes or
+        :meth:`invalidate_spec_cache`. Raises ValueError for a tensor without a mesh sharding.
+
+        Example:
+            >>> xt = distribute_tensor(torch.randn(8, 4), DeviceMesh('xla', range(8)), [Shard(0)])
+            >>> xt._spec.placements
+            (Shard(dim=0),)
+        """
+        return self._dtensor_spec("_spec")
+
+    def _dtensor_spec(self, api: str) -> DTensorSpec:
+        tensor = self.global_tensor
+        sharding = _own_sharding(tensor, api)
+        cached = self._cached_spec
+        if cached is not None and self._cached_for == (sharding, tensor.shape):
+            return cached
+        mesh, placements = _dtensor.to_dtensor_layout(sharding, tensor.dim())
+        meta = TensorMeta(shape=tensor.shape, stride=tensor.stride(), dtype=tensor.dtype)
+        spec = DTensorSpec(mesh=mesh, placements=placements, tensor_meta=meta)
+        object.__setattr__(self, "_cached_spec", spec)
+        object.__setattr__(self, "_cached_for", (sharding, tensor.shape))
+        return spec
+
+    def invalidate_spec_cache(self) -> None:
+        """Forget the cached ``_spec`` (it is also rebuilt by itself once the sharding changes).
+
+        Example:
+            >>> xt.invalidate_spec_cache()
+            >>> xt._cached_spec is None
+            True
+        """
+        object.__setattr__(self, "_cached_spec", None)
+        object.__setattr__(self, "_cached_for", None)
 
     def __deepcopy__(self, memo: dict) -> XLAShardedTensor:
         return XLAShardedTensor(copy.deepcopy(self.global_tensor, memo))
@@ -196,8 +337,7 @@ class XLAShardedTensor:
             >>> xt.device_mesh
             DeviceMesh((x=4, y=2), 'xla', stride=(2, 1))
         """
-        sharding = _own_sharding(self.global_tensor, "device_mesh")
-        return _dtensor.to_dtensor_layout(sharding, self.global_tensor.dim())[0]
+        return self._dtensor_spec("device_mesh").mesh
 
     @property
     def placements(self) -> tuple[Placement, ...]:
@@ -209,8 +349,7 @@ class XLAShardedTensor:
             >>> xt.placements
             (Shard(dim=1), Replicate())
         """
-        sharding = _own_sharding(self.global_tensor, "placements")
-        return _dtensor.to_dtensor_layout(sharding, self.global_tensor.dim())[1]
+        return self._dtensor_spec("placements").placements
 
     def redistribute(
         self,
@@ -251,7 +390,7 @@ class XLAShardedTensor:
         if not runtime.is_spmd():
             runtime.use_spmd()
         placement.mark(tensor, named_sharding(mesh, spec))
-        return XLAShardedTensor(tensor)
+        return XLAShardedTensor._marked(tensor, mesh, spec)
 
     def to_local(self) -> torch.Tensor:
         """The tensor itself: in the SPMD model a program sees the global tensor, not a shard.
@@ -386,6 +525,88 @@ def annotated_tiling(tensor: torch.Tensor, api: str) -> Tiling | None:
     if sharding == transfer.landing():
         return None
     return tiling_of(sharding, tensor.dim())
+
+
+def lay_out(tensor: torch.Tensor, mesh: Mesh, partition_spec: PartitionSpecLike, api: str) -> None:
+    """``mark_sharding``'s work: check the arguments, turn SPMD on if needed, mark the tensor."""
+    validate._check_xla_tensor(tensor, api)
+    check_mesh(mesh)
+    validate._check_spec_container(partition_spec)
+    validate._check_spec_rank(tuple(tensor.shape), tuple(partition_spec))
+    sharding = named_sharding(mesh, partition_spec)
+    if not runtime.is_spmd():
+        runtime.use_spmd()
+    placement.mark(tensor, sharding)
+
+
+def _as_tuple(spec: PartitionSpecLike) -> tuple:
+    validate._check_spec_container(spec)
+    return tuple(tuple(e) if isinstance(e, list) else e for e in spec)
+
+
+def _sharding_of(mesh: Mesh, spec: tuple) -> NamedSharding:
+    """The sharding ``placement.mark`` would store for (mesh, spec)."""
+    return canonical(named_sharding(mesh, spec))
+
+
+def _mesh_sharding(tensor) -> NamedSharding | None:
+    """The tensor's own mesh sharding; None for none, for a sharding without a mesh, or for a
+    tensor off the xla device."""
+    if not isinstance(tensor, torch.Tensor) or tensor.device.type != "xla":
+        return None
+    sharding = placement.sharding_of(tensor)
+    if not isinstance(sharding, NamedSharding) or sharding == transfer.landing():
+        return None
+    return sharding
+
+
+def _xla_mesh(sharding: NamedSharding) -> Mesh:
+    """The ``xs.Mesh`` behind a sharding: same device ids, shape and names."""
+    jax_mesh = sharding.mesh
+    index = device_index()
+    ids = [index[d.id] for d in jax_mesh.devices.flat]
+    names = tuple(jax_mesh.axis_names)
+    unnamed = names == tuple(str(k) for k in range(len(names)))  # Mesh.get_jax_mesh's names
+    return Mesh(ids, tuple(jax_mesh.devices.shape), None if unnamed else names)
+
+
+def _mesh_for(mesh_shape, current: NamedSharding | None, api: str) -> Mesh:
+    """The mesh a declared ``mesh_shape`` means: the tensor's own mesh, else the global mesh,
+    if of that shape (any shape when None); else the devices in order."""
+    candidates = [_xla_mesh(current)] if current is not None else []
+    if get_global_mesh() is not None:
+        candidates.append(get_global_mesh())
+    for mesh in candidates:
+        if mesh_shape is None or tuple(mesh.mesh_shape) == tuple(mesh_shape):
+            return mesh
+    if mesh_shape is None:
+        raise ValueError(
+            f"{api}: no mesh_shape given, and the tensor has no mesh sharding and no global mesh "
+            "is set to take one from"
+        )
+    return Mesh(np.arange(runtime.global_runtime_device_count()), tuple(mesh_shape))
+
+
+def _spec_of(sharding: NamedSharding, ndim: int, named: bool) -> tuple:
+    """The partition spec of a mesh sharding, one entry per dimension: mesh axis names (when
+    ``named`` and the mesh has names) or indices."""
+    names = list(sharding.mesh.axis_names)
+    unnamed = names == [str(k) for k in range(len(names))]
+
+    def axis(name: str):
+        return name if named and not unnamed else names.index(name)
+
+    entries = list(sharding.spec)[:ndim] + [None] * max(0, ndim - len(sharding.spec))
+    spec = []
+    for entry in entries:
+        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+            spec.append(None)
+        elif isinstance(entry, str):
+            spec.append(axis(entry))
+        else:
+            axes = tuple(axis(a) for a in entry)
+            spec.append(axes[0] if len(axes) == 1 else axes)
+    return tuple(spec)
 
 
 def _own_sharding(tensor: torch.Tensor, api: str) -> NamedSharding:

@@ -14,7 +14,6 @@ import torch
 import torch.utils._pytree as pytree
 from jax.sharding import NamedSharding
 
-from spmd_torch import runtime
 from spmd_torch._lazy import manual, placement, transfer
 from spmd_torch.utils.checkpoint import optimization_barrier_
 
@@ -31,7 +30,7 @@ from .mesh import (
     set_global_mesh,
     translate_spec,
 )
-from .xla_sharded_tensor import XLAShard, XLAShardedTensor, annotated_tiling
+from .xla_sharded_tensor import XLAShard, XLAShardedTensor, annotated_tiling, lay_out
 
 __all__ = [
     "EinsumLinear",
@@ -90,16 +89,8 @@ def mark_sharding(
         >>> xs.get_xla_sharding_spec(x)
         '{devices=[4,1,2]0,1,2,3,4,5,6,7 last_tile_dim_replicate}'
     """
-    tensor = unwrap_sharded_tensor(t)
-    validate._check_xla_tensor(tensor, "mark_sharding")
-    check_mesh(mesh)
-    validate._check_spec_container(partition_spec)
-    validate._check_spec_rank(tuple(tensor.shape), tuple(partition_spec))
-    sharding = named_sharding(mesh, partition_spec)
-    if not runtime.is_spmd():
-        runtime.use_spmd()
-    placement.mark(tensor, sharding)
-    return wrap_as_sharded_tensor(t)
+    lay_out(unwrap_sharded_tensor(t), mesh, partition_spec, "mark_sharding")
+    return XLAShardedTensor._marked(t, mesh, partition_spec)
 
 
 def annotate_custom_sharding(
@@ -388,17 +379,35 @@ def get_xla_sharding_spec(t: torch.Tensor | XLAShardedTensor) -> str:
     return "" if tiling is None else tiling.text()
 
 
-def wrap_as_sharded_tensor(t: torch.Tensor | XLAShardedTensor) -> XLAShardedTensor:
-    """``t`` as an XLAShardedTensor (itself when it already is one).
+def wrap_as_sharded_tensor(
+    t: torch.Tensor | XLAShardedTensor,
+    mesh_shape: tuple[int, ...] | None = None,
+    partition_spec: PartitionSpecLike | None = None,
+) -> XLAShardedTensor:
+    """``t`` as an XLAShardedTensor (itself when it already is one), laid out over a mesh of
+    ``mesh_shape`` as ``partition_spec`` says when they are given.
+
+    PyTorch/XLA records the two on the wrapper; here the sharding lives on the tensor, so the
+    tensor is laid out so (nothing moves when it already is): the tensor's own mesh, else the
+    global mesh, if of that shape, else the devices in order. Either one alone keeps the other
+    from the current layout.
 
     Args:
         t: A tensor on the xla device, or an XLAShardedTensor.
+        mesh_shape: The shape of the mesh to lay the tensor out over.
+        partition_spec: One entry per dimension of ``t`` (see :func:`mark_sharding`).
 
     Example:
         >>> xs.wrap_as_sharded_tensor(x).global_tensor is x
         True
+        >>> xs.wrap_as_sharded_tensor(x, (2, 4), (0, 1)).sharding_spec
+        '{devices=[2,4]0,1,2,3,4,5,6,7}'
     """
-    return t if isinstance(t, XLAShardedTensor) else XLAShardedTensor(t)
+    wrapped = t if isinstance(t, XLAShardedTensor) else XLAShardedTensor(t)
+    if mesh_shape is not None or partition_spec is not None:
+        wrapped._lay_out(mesh_shape, partition_spec, "wrap_as_sharded_tensor")
+        wrapped.invalidate_spec_cache()
+    return wrapped
 
 
 def unwrap_sharded_tensor(t: torch.Tensor | XLAShardedTensor) -> torch.Tensor:

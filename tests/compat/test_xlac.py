@@ -1,0 +1,293 @@
+"""torch_xla._XLAC calls against PyTorch/XLA's documented answers: sharding strings and types
+for 1-D and 2-D meshes, tensor ids for aliases and copies, device names, partial syncs, the RNG
+seed, the matmul precision, and the metric names PyTorch/XLA reads under other names."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import spmd_torch
+import spmd_torch._XLAC as xlac
+import spmd_torch.backends
+import spmd_torch.debug.graph as graph
+import spmd_torch.debug.metrics as met
+import spmd_torch.distributed.spmd as xs
+import spmd_torch.runtime as xr
+from tests.helpers import assert_close
+
+dev = spmd_torch.device()
+
+
+@pytest.fixture
+def spmd_mode():
+    xr.use_spmd()
+
+
+def _marked(shape: tuple, mesh_shape: tuple, spec: tuple) -> torch.Tensor:
+    t = torch.zeros(shape).to(dev)
+    xs.mark_sharding(t, xs.Mesh(np.arange(8), mesh_shape), spec)
+    return t
+
+
+# ---- sharding strings and types --------------------------------------------------------------
+
+SHARDINGS = {
+    "1d_tiled": ((8, 4), (8,), (0, None), "{devices=[8,1]0,1,2,3,4,5,6,7}", 3),
+    "1d_second_dim": ((4, 8), (8,), (None, 0), "{devices=[1,8]0,1,2,3,4,5,6,7}", 3),
+    "2d_tiled": ((8, 8), (2, 4), (0, 1), "{devices=[2,4]0,1,2,3,4,5,6,7}", 3),
+    "2d_replicated_last_axis": (
+        (8, 4),
+        (2, 4),
+        (0, None),
+        "{devices=[2,1,4]0,1,2,3,4,5,6,7 last_tile_dim_replicate}",
+        5,
+    ),
+    "2d_replicated_first_axis": (
+        (8, 4),
+        (2, 4),
+        (1, None),
+        "{devices=[4,1,2]0,4,1,5,2,6,3,7 last_tile_dim_replicate}",
+        5,
+    ),
+    "2d_transposed": ((8, 8), (2, 4), (1, 0), "{devices=[4,2]0,4,1,5,2,6,3,7}", 3),
+    "2d_both_axes_on_one_dim": (
+        (16, 2),
+        (2, 4),
+        ((0, 1), None),
+        "{devices=[8,1]0,1,2,3,4,5,6,7}",
+        3,
+    ),
+    "replicated": ((8, 4), (2, 4), (None, None), "{replicated}", 0),
+}
+
+
+@pytest.mark.parametrize("case", SHARDINGS.values(), ids=SHARDINGS.keys())
+def test_sharding_spec_and_type_are_pytorch_xlas(spmd_mode, case):
+    shape, mesh_shape, spec, text, kind = case
+    t = _marked(shape, mesh_shape, spec)
+    assert xlac._get_xla_sharding_spec(t) == text
+    assert xlac._get_xla_sharding_type(t) == kind
+    assert xs.ShardingType(kind) is xs.XLAShardedTensor(t).sharding_type
+
+
+def test_sharding_spec_is_empty_and_type_none_without_a_sharding(spmd_mode):
+    t = torch.zeros(8, 4).to(dev)
+    assert xlac._get_xla_sharding_spec(t) == ""
+    assert xlac._get_xla_sharding_type(t) is None
+
+
+def test_sharding_specs_of_several_tensors(spmd_mode):
+    sharded, plain = _marked((8, 4), (8,), (0, None)), torch.zeros(2).to(dev)
+    assert xlac._get_xla_sharding_specs([sharded, plain]) == ["{devices=[8,1]0,1,2,3,4,5,6,7}", ""]
+
+
+def test_sharding_spec_survives_a_step_and_reads_a_wrapper(spmd_mode):
+    t = _marked((8, 4), (2, 4), (0, None))
+    t.add_(1)
+    spmd_torch.sync()
+    wrapped = xs.wrap_as_sharded_tensor(t)
+    expected = "{devices=[2,1,4]0,1,2,3,4,5,6,7 last_tile_dim_replicate}"
+    assert xlac._get_xla_sharding_spec(wrapped) == expected
+
+
+def test_clear_sharding_forgets_the_annotation(spmd_mode):
+    t = _marked((8, 4), (8,), (0, None))
+    xlac._xla_clear_sharding(t)
+    assert xlac._get_xla_sharding_spec(t) == ""
+    assert xlac._get_xla_sharding_type(t) is None
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        xlac._get_xla_sharding_spec,
+        xlac._get_xla_sharding_type,
+        xlac._xla_clear_sharding,
+        xlac._xla_get_tensor_id,
+    ],
+    ids=lambda f: f.__name__,
+)
+def test_cpu_tensors_are_refused_as_pytorch_xla_refuses_them(call):
+    with pytest.raises(RuntimeError, match=r"not an XLA tensor: a torch.float32 tensor of shape"):
+        call(torch.zeros(2, 3))
+
+
+# ---- tensor ids ------------------------------------------------------------------------------
+
+
+def test_tensor_id_is_shared_by_aliases():
+    w = torch.randn(4, 4).to(dev)
+    ids = {
+        xlac._xla_get_tensor_id(alias)
+        for alias in (w, w.detach(), w[0], w.view(16), w.t(), w.data, xs.XLAShardedTensor(w))
+    }
+    assert len(ids) == 1 and ids.pop() > 0
+
+
+def test_tensor_id_differs_between_copies_and_distinct_tensors():
+    w = torch.randn(4, 4).to(dev)
+    others = [w.clone(), w + 0, torch.randn(4, 4).to(dev), w.detach().clone()]
+    ids = [xlac._xla_get_tensor_id(t) for t in [w, *others]]
+    assert len(set(ids)) == len(ids)
+
+
+def test_tensor_id_is_stable_across_in_place_updates_and_barriers():
+    w = torch.randn(4, 4).to(dev)
+    before = xlac._xla_get_tensor_id(w)
+    w.mul_(2)
+    spmd_torch.sync()
+    w[0] = 1.0
+    spmd_torch.sync()
+    assert xlac._xla_get_tensor_id(w) == before
+
+
+def test_tensor_ids_find_tied_weights_as_libraries_do():
+    """huggingface_hub/transformers group a state dict's tensors by (device, id, size)."""
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
+    model[1].weight = model[0].weight  # tied
+    model = model.to(dev)
+    groups: dict[int, list[str]] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        groups.setdefault(xlac._xla_get_tensor_id(t), []).append(name)
+    assert sorted(groups.values()) == [["0.weight", "1.weight"]]
+
+
+# ---- tensors: dimension sizes, partial syncs ------------------------------------------------
+
+
+def test_dimension_size_of_a_data_dependent_result():
+    x = torch.tensor((0, 1, 2, 0, 3, 4), device=dev)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # nonzero may run on the CPU
+        size = xlac._get_xla_tensor_dimension_size(torch.nonzero(x, as_tuple=False), 0)
+    assert size.device == dev and size.dtype == torch.int32 and size.item() == 4
+    y = torch.zeros(3, 5).to(dev)
+    assert xlac._get_xla_tensor_dimension_size(y, -1).item() == 5
+    with pytest.raises(IndexError, match=r"dimension 2 is out of range .* shape \(3, 5\)"):
+        xlac._get_xla_tensor_dimension_size(y, 2)
+
+
+def test_sync_multi_computes_only_the_given_tensors():
+    x = torch.arange(4.0).to(dev)
+    y, z = x * 2, x + 1
+    xlac._xla_sync_multi([y, torch.ones(2)], [str(dev)], wait=True)
+    assert graph.pending_count() == 1  # z is still pending
+    assert_close(y, torch.arange(4.0) * 2)
+    assert_close(z, torch.arange(4.0) + 1)
+    xlac._xla_wait_device_ops([])
+
+
+# ---- runtime and devices -------------------------------------------------------------------
+
+
+def test_runtime_is_initialized_once_a_device_is_used():
+    torch.ones(1).to(dev).cpu()
+    assert xlac._xla_runtime_is_initialized() is True
+
+
+def test_default_device_and_device_lists():
+    assert xlac._xla_get_default_device() == "xla:0"
+    assert torch.device(xlac._xla_get_default_device()) == dev
+    assert xlac._xla_get_default_device_ordinal() == 0
+    assert xlac._xla_get_devices() == ["CPU:0"]
+    assert xlac._xla_get_all_devices() == ["CPU:0"]
+    assert len(xlac._xla_get_all_devices()) == xr.global_device_count()
+    assert xlac._xla_num_devices() == 1
+    runtime_devices = [f"CPU:{k}" for k in range(8)]
+    assert xlac._xla_get_runtime_devices() == runtime_devices
+    assert xlac._xla_get_all_runtime_devices() == runtime_devices
+    assert xlac._xla_num_runtime_devices() == 8 == xr.addressable_runtime_device_count()
+    assert xlac._xla_real_devices() == xlac._xla_real_devices(["xla:0"]) == ["CPU:0"]
+
+
+def test_runtime_devices_name_the_devices_shards_live_on(spmd_mode):
+    xt = xs.mark_sharding(torch.zeros(8).to(dev), xs.get_1d_mesh(), (0,))
+    assert [s.shard_device for s in xt.local_shards] == xlac._xla_get_runtime_devices()
+
+
+def test_coordinator_of_a_one_process_job():
+    xlac._ensure_xla_coordinator_initialized(global_rank=0, world_size=1, master_addr="localhost")
+    with pytest.raises(RuntimeError, match=r"world_size=2\): this process is 0 of a job of 1"):
+        xlac._ensure_xla_coordinator_initialized(0, 2, "localhost", "8547")
+
+
+# ---- RNG and matmul precision ----------------------------------------------------------------
+
+
+def test_rng_seed_round_trip_replays_random_values():
+    xlac._xla_set_rng_seed(1234)
+    assert xlac._xla_get_rng_seed() == 1234
+    first = torch.rand(4, device=dev).cpu()
+    xlac._xla_set_rng_seed(1234, str(dev))
+    assert_close(torch.rand(4, device=dev), first)
+
+
+def test_mat_mul_precision_set_and_get():
+    before = xlac._xla_get_mat_mul_precision()
+    try:
+        for precision in ("default", "high", "highest"):
+            xlac._xla_set_mat_mul_precision(precision)
+            assert xlac._xla_get_mat_mul_precision() == precision
+            assert spmd_torch.backends.get_mat_mul_precision() == precision
+        with pytest.raises(RuntimeError, match="unknown precision 'fast'"):
+            xlac._xla_set_mat_mul_precision("fast")
+    finally:
+        xlac._xla_set_mat_mul_precision(before)
+
+
+# ---- counters and metrics --------------------------------------------------------------------
+
+
+def test_counter_calls_are_the_metrics_modules():
+    assert xlac._xla_counter_value is met.counter_value
+    assert xlac._xla_metric_data is met.metric_data
+    assert xlac._short_xla_metrics_report is met.short_metrics_report
+    assert xlac._get_executed_fallback_ops is met.executed_fallback_ops
+
+
+def test_increment_counter_adds_to_a_counter_of_any_name():
+    met.clear_counters()
+    xlac._xla_increment_counter("MarkStep", 3)
+    spmd_torch.sync()
+    assert met.counter_value("MarkStep") == 4
+    xlac._xla_increment_counter("MyEvents", 2)
+    assert xlac._xla_counter_value("MyEvents") == 2 and "MyEvents" in xlac._xla_counter_names()
+    xlac._clear_xla_counters()
+    assert met.counter_value("MyEvents") is None
+
+
+def test_execute_computation_counts_one_device_programs():
+    met.clear_all()
+    for k in range(3):
+        (torch.ones(2).to(dev) * k).cpu()
+    assert met.counter_value("ExecuteComputation") == met.metric_data("ExecuteTime")[0] == 3
+    assert met.counter_value("ExecuteReplicated") is None
+    assert "Counter: ExecuteComputation\n  Value: 3" in met.metrics_report()
+
+
+def test_execute_replicated_counts_programs_over_the_mesh_from_the_last_clear(spmd_mode):
+    (torch.ones(8).to(dev) + 1).cpu()
+    met.clear_counters()  # the metric keeps its samples; the counter starts over
+    assert met.counter_value("ExecuteReplicated") is None
+    assert "ExecuteReplicated" not in met.counter_names()
+    t = torch.ones(2, 2).to(dev)
+    t += 1
+    spmd_torch.sync(wait=True)
+    assert met.counter_value("ExecuteReplicated") == 1
+    assert met.counter_value("ExecuteComputation") is None
+
+
+def test_tensor_to_data_is_the_upload_time():
+    met.clear_metrics()
+    assert met.metric_data("TensorToData") is None and "TensorToData" not in met.metric_names()
+    torch.tensor(156, device=dev)
+    assert "TensorToData" in met.metric_names()
+    assert met.metric_data("TensorToData") == met.metric_data("TransferToDeviceTime")
+    assert "Metric: TensorToData\n" in met.metrics_report()
+    assert "TensorToData" in met.short_metrics_report([], ["TensorToData"])
+    met.clear_metrics()
+    assert "TensorToData" not in met.metrics_report()
