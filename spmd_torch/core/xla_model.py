@@ -177,6 +177,33 @@ def xla_replication_devices(local_devices: list | None = None) -> list[str]:
     return [f"{kind}:{d.id}" for d in sorted(jax.devices(), key=lambda d: d.id)]
 
 
+def set_replication(device: str | torch.device, devices: list | None) -> None:
+    """Set the devices a replicated program runs over, as PyTorch/XLA's runtime calls it for each
+    process it starts (and ``DataParallel`` for its devices).
+
+    Here ``launch``/``spawn`` set up the replicas, each with its own engine and device, so there is
+    nothing to record: the call checks its arguments as PyTorch/XLA does (``device`` must be one
+    of ``devices`` when they are given) and returns.
+
+    Args:
+        device: This replica's xla device.
+        devices: The xla devices of the replication (empty or None: no replication).
+
+    Raises:
+        ValueError: ``device`` is not an xla device, or not one of ``devices``.
+
+    Example:
+        >>> xm.set_replication(xm.xla_device(), [xm.xla_device()])
+    """
+    device = str(device)
+    if torch.device(device).type != "xla":
+        raise ValueError(f"set_replication: {device!r} is not an xla device")
+    names = [str(d) for d in devices or []]
+    if names and device not in names:
+        raise ValueError(f"set_replication: device {device!r} is not among devices {names}")
+    xla_real_devices(names or None)  # checks each device
+
+
 def xrt_world_size(defval: int = 1) -> int:
     """The number of replicas: one per process (``runtime.world_size()``).
 
@@ -345,6 +372,24 @@ def unlazy(tensors: list[torch.Tensor]) -> None:
     arrays = _execute.materialize(list(tensors))
     for array in arrays:
         array.block_until_ready()
+
+
+def _fetch_gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The gradients of the optimizer's parameters that have one, in parameter-group order (the
+    tensors themselves: in-place changes reach the parameters' ``.grad``).
+
+    Args:
+        optimizer: The optimizer.
+
+    Example:
+        >>> xm._fetch_gradients(optimizer)[0].mul_(0.5)  # halves the first gradient
+    """
+    return [
+        p.grad.data
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if isinstance(p, torch.Tensor) and p.grad is not None
+    ]
 
 
 def reduce_gradients(
@@ -654,6 +699,27 @@ def save(data: Any, file_or_path, master_only: bool = True, global_master: bool 
         cpu_data = rewrite_instances(data, _is_xla_value, lambda t, i: to_cpu_tensor(t))
         torch.save(cpu_data, file_or_path)
     rendezvous("spmd_torch.core.xla_model.save")
+
+
+def _maybe_convert_to_cpu(data: Any, convert: bool = True) -> Any:
+    """``data`` with its xla tensors computed (in one program) and, with ``convert``, replaced by
+    CPU copies; the helper behind :func:`save`, which state-dict comparisons call directly.
+
+    Args:
+        data: Any nesting of lists, tuples, dicts, sets and objects holding tensors.
+        convert: Replace the xla tensors by CPU copies; if False they are only computed and
+            ``data`` keeps them.
+
+    Returns:
+        ``data`` rebuilt (containers copied) with the CPU copies, or with the computed tensors.
+
+    Example:
+        >>> state = xm._maybe_convert_to_cpu(optimizer.state_dict())  # CPU tensors
+    """
+    _compute_xla_tensors(data)
+    if not convert:
+        return rewrite_instances(data, _is_xla_value, lambda t, i: t)
+    return rewrite_instances(data, _is_xla_value, lambda t, i: to_cpu_tensor(t))
 
 
 def to_cpu_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,17 @@ count. Its collectives call ``xm.all_reduce``, ``xm.all_gather`` and ``xm.reduce
 are recorded into the lazy graph and run inside the one program of the next barrier, like every
 other op; that is what lets ``DistributedDataParallel`` train over it.
 
+``dist.new_group(ranks)`` over some of the replicas gives a group whose collectives reach only its
+members. Every replica's barrier runs one program, so a subgroup's collective is written so that
+every replica records the same graph whichever group it belongs to: the values of every replica
+are gathered, and each replica keeps its own group's through a membership mask and an index table
+that are data (uploaded once per group), not graph constants. Groups that split the replicas (the
+usual ``for ranks in ...: g = dist.new_group(ranks)`` pattern, each replica then calling the
+collective on its own group) therefore run as one program; all_reduce groups may differ in size,
+all_gather and reduce_scatter groups need one size. A collective that only the members call, while
+the other replicas record none, is a ``CollectiveMismatchError`` at the barrier (naming the
+replicas), never a hang.
+
 Replicas are threads of one process, while ``torch.distributed`` keeps its groups in one global
 (``distributed_c10d._world``). This module replaces that global with one that gives each replica
 thread a world of its own, created fresh when the replica first touches ``torch.distributed``;
@@ -196,6 +207,90 @@ def _copy_back(tensors: list[torch.Tensor], values: list[torch.Tensor]) -> None:
             tensor.copy_(value)
 
 
+_MASKED_REDUCE = {  # xm reduce type -> (reduction over dim 0 of a stacked tensor, identity)
+    xm.REDUCE_SUM: (lambda x: x.sum(0), lambda dtype: 0),
+    xm.REDUCE_MUL: (lambda x: x.prod(0), lambda dtype: 1),
+    xm.REDUCE_MIN: (
+        lambda x: x.all(0) if x.dtype == torch.bool else x.amin(0),
+        lambda dtype: _extreme(dtype, high=True),
+    ),
+    xm.REDUCE_MAX: (
+        lambda x: x.any(0) if x.dtype == torch.bool else x.amax(0),
+        lambda dtype: _extreme(dtype, high=False),
+    ),
+    xm.REDUCE_AND: (
+        lambda x: x.all(0) if x.dtype == torch.bool else _fold(torch.bitwise_and, x),
+        lambda dtype: True if dtype == torch.bool else -1,
+    ),
+    xm.REDUCE_OR: (
+        lambda x: x.any(0) if x.dtype == torch.bool else _fold(torch.bitwise_or, x),
+        lambda dtype: False if dtype == torch.bool else 0,
+    ),
+}
+
+
+def _extreme(dtype: torch.dtype, high: bool) -> object:
+    """The identity of min (``high``) or max for ``dtype``."""
+    if dtype == torch.bool:
+        return high
+    if dtype.is_floating_point:
+        return float("inf") if high else float("-inf")
+    info = torch.iinfo(dtype)
+    return info.max if high else info.min
+
+
+def _fold(op, stacked: torch.Tensor) -> torch.Tensor:
+    result = stacked[0]
+    for row in stacked[1:]:
+        result = op(result, row)
+    return result
+
+
+class _Subgroup:
+    """A group of some of the replicas, as data.
+
+    Every replica records the same graph for a collective on its own group, whichever group that
+    is: all replicas' values are gathered (an ``xm.all_gather`` over the world), then a membership
+    mask and index tables, uploaded once and read as program inputs, keep the group's values. So
+    replicas of different groups, each calling the collective on its own, run one program.
+    """
+
+    def __init__(self, members: list[int]) -> None:
+        device = xm.xla_device()
+        mask = torch.zeros(runtime.world_size(), dtype=torch.bool)
+        mask[members] = True
+        self.members = members
+        self.mask = mask.to(device)
+        self.order = torch.tensor(members).to(device)  # group rank -> ordinal
+        self.rank = torch.tensor([members.index(runtime.global_ordinal())]).to(device)
+
+    @staticmethod
+    def everyone(value: torch.Tensor) -> torch.Tensor:
+        """Every replica's ``value``, stacked in ordinal order."""
+        return xm.all_gather(value.unsqueeze(0), dim=0, pin_layout=False)
+
+    def reduce(self, value: torch.Tensor, reduce_type: str) -> torch.Tensor:
+        """``value`` reduced over the group's members."""
+        reduction, identity = _MASKED_REDUCE[reduce_type]
+        stacked = self.everyone(value)
+        mask = self.mask.view(-1, *(1,) * value.dim())
+        kept = torch.where(mask, stacked, identity(value.dtype))
+        return reduction(kept).to(value.dtype)
+
+    def gather(self, value: torch.Tensor) -> torch.Tensor:
+        """The members' values stacked in group order: shape ``(group size, *value.shape)``."""
+        return self.everyone(value).index_select(0, self.order)
+
+    def from_root(self, value: torch.Tensor, root: int) -> torch.Tensor:
+        """The value of the member of group rank ``root`` (its ordinal is data)."""
+        (source,) = _on_device([torch.tensor([self.members[root]])])
+        return self.everyone(value).index_select(0, source)[0]
+
+    def own(self, rows: torch.Tensor) -> torch.Tensor:
+        """This replica's row of ``rows`` (one row per group rank)."""
+        return rows.index_select(0, self.rank)[0]
+
+
 class ProcessGroupXla(dist.ProcessGroup):
     """The process group of the ``xla`` backend: collectives over the replicas of one launch.
 
@@ -209,13 +304,14 @@ class ProcessGroupXla(dist.ProcessGroup):
     ``reduce_scatter_single`` / ``reduce_scatter_tensor`` (SUM, AVG, MIN, MAX), ``broadcast``
     and ``barrier``; that covers ``DistributedDataParallel``. CPU tensors are accepted too (the
     result is copied back, which is a barrier), so ``all_gather_object`` and
-    ``broadcast_object_list`` work. The group spans every replica: ``new_group`` over a subset of
-    them is not supported.
+    ``broadcast_object_list`` work. A group of ``dist.new_group(ranks)`` over some replicas
+    reduces, gathers and broadcasts among its members only (see the module's docstring for how,
+    and what every replica must do); its ``barrier`` meets only its members.
 
     Args:
         prefix_store: The store c10d hands the backend (unused: replicas meet in the graph).
-        rank: This replica's rank: its global ordinal.
-        size: The number of replicas.
+        rank: This replica's rank in the group (its global ordinal in the default group).
+        size: The number of replicas in the group.
         timeout: Unused: a collective is complete once recorded.
 
     Example:
@@ -231,6 +327,7 @@ class ProcessGroupXla(dist.ProcessGroup):
         super().__init__(rank, size)
         self.prefix_store = prefix_store
         self.timeout = timeout
+        self._group: _Subgroup | None | bool = False  # False: not looked up yet
 
     def getBackendName(self) -> str:
         return "xla"
@@ -244,24 +341,66 @@ class ProcessGroupXla(dist.ProcessGroup):
     def group_name(self) -> str:
         return self._group_name
 
-    def _reduce_type(self, op: dist.ReduceOp, collective: str) -> tuple[str, float]:
-        """The xm reduce type and scale of a c10d reduce op."""
+    def _subgroup(self) -> _Subgroup | None:
+        """None for a group of every replica, else its members as data (looked up once: c10d
+        records a group's ranks in the replica's world after creating it)."""
+        if self._group is False:
+            ranks = c10d._world.pg_group_ranks.get(self)
+            members = list(range(runtime.world_size()))
+            if ranks is not None:
+                members = sorted(ranks, key=ranks.get)  # global ranks in group-rank order
+            elif self.size() != len(members):
+                raise RuntimeError(
+                    f"xla process group of {self.size()} replicas that torch.distributed did not "
+                    "register: create subgroups with dist.new_group(ranks)"
+                )
+            spans = members == list(range(runtime.world_size()))
+            self._group = None if spans else _Subgroup(members)
+        return self._group
+
+    def _reduce_type(self, op: dist.ReduceOp, collective: str) -> tuple[str, bool]:
+        """The xm reduce type of a c10d reduce op, and whether to average."""
         reduce_type = _REDUCE_TYPES.get(op.op)
         if reduce_type is None:
             raise NotImplementedError(
                 f"xla process group: {collective} with {op.op} is not supported"
             )
-        return reduce_type, 1.0 / self.size() if op.op == _RedOp.AVG else 1.0
+        return reduce_type, op.op == _RedOp.AVG
+
+    def _reduced(self, value: torch.Tensor, reduce_type: str, average: bool) -> torch.Tensor:
+        """``value`` reduced over the group (averaged if ``average``)."""
+        sub = self._subgroup()
+        if sub is None:
+            scale = 1.0 / self.size() if average else 1.0
+            return xm.all_reduce(reduce_type, value, scale=scale, pin_layout=False)
+        reduced = sub.reduce(value, reduce_type)
+        if not average:
+            return reduced
+        if reduced.is_floating_point():
+            return reduced * (1.0 / self.size())  # a lifted scalar: groups' sizes may differ
+        return reduced.div(self.size(), rounding_mode="floor")
+
+    def _gathered(self, value: torch.Tensor) -> torch.Tensor:
+        """The members' values stacked in group order."""
+        sub = self._subgroup()
+        if sub is None:
+            return xm.all_gather(value.unsqueeze(0), dim=0, pin_layout=False)
+        return sub.gather(value)
 
     @torch.no_grad()
     def allreduce(
         self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions | None = None
     ) -> dist.Work:
-        reduce_type, scale = self._reduce_type(
+        reduce_type, average = self._reduce_type(
             (opts or dist.AllreduceOptions()).reduceOp, "allreduce"
         )
         values = _on_device(tensors)
-        xm.all_reduce(reduce_type, values, scale=scale, pin_layout=False)
+        if self._subgroup() is None:  # one node for the list
+            scale = 1.0 / self.size() if average else 1.0
+            xm.all_reduce(reduce_type, values, scale=scale, pin_layout=False)
+        else:
+            for value in values:
+                value.copy_(self._reduced(value, reduce_type, average))
         _copy_back(tensors, values)
         return _completed(tensors)
 
@@ -279,7 +418,7 @@ class ProcessGroupXla(dist.ProcessGroup):
                     f"{self.size()} output tensors, got {len(outputs)}"
                 )
             (value,) = _on_device([tensor])
-            gathered = xm.all_gather(value.unsqueeze(0), dim=0, pin_layout=False)
+            gathered = self._gathered(value)
             gathered = gathered.to(outputs[0].device)  # CPU outputs: one read, then slices
             for output, value in zip(outputs, gathered):
                 output.copy_(value)
@@ -301,8 +440,7 @@ class ProcessGroupXla(dist.ProcessGroup):
                 f"of shape {stacked} or {concatenated}, got {tuple(output.shape)}"
             )
         (value,) = _on_device([input])
-        gathered = xm.all_gather(value.unsqueeze(0), dim=0, pin_layout=False)
-        output.copy_(gathered.reshape(output.shape))
+        output.copy_(self._gathered(value).reshape(output.shape))
         return _completed([output])
 
     _allgather_base = all_gather_single  # the name torch < 2.13 calls
@@ -331,7 +469,7 @@ class ProcessGroupXla(dist.ProcessGroup):
         opts: dist.ReduceScatterOptions | None = None,
     ) -> dist.Work:
         op = (opts or dist.ReduceScatterOptions()).reduceOp
-        reduce_type, scale = self._reduce_type(op, "reduce_scatter")
+        reduce_type, average = self._reduce_type(op, "reduce_scatter")
         if input.numel() != self.size() * output.numel():
             raise ValueError(
                 f"xla process group: reduce_scatter_tensor of a {tuple(input.shape)} input needs "
@@ -339,7 +477,12 @@ class ProcessGroupXla(dist.ProcessGroup):
             )
         (value,) = _on_device([input])
         rows = value.reshape(self.size(), output.numel())
-        shard = xm.reduce_scatter(reduce_type, rows, scale, 0, self.size(), pin_layout=False)
+        sub = self._subgroup()
+        if sub is None:
+            scale = 1.0 / self.size() if average else 1.0
+            shard = xm.reduce_scatter(reduce_type, rows, scale, 0, self.size(), pin_layout=False)
+        else:
+            shard = sub.own(self._reduced(rows, reduce_type, average))
         output.copy_(shard.reshape(output.shape))
         return _completed([output])
 
@@ -349,9 +492,15 @@ class ProcessGroupXla(dist.ProcessGroup):
     def broadcast(
         self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions | None = None
     ) -> dist.Work:
+        root = (opts or dist.BroadcastOptions()).rootRank  # a rank in the group
+        sub = self._subgroup()
+        if sub is not None:
+            for tensor in tensors:
+                (value,) = _on_device([tensor])
+                tensor.copy_(sub.from_root(value, root))
+            return _completed(tensors)
         # As PyTorch/XLA: an all-reduce in which only the root contributes. The mask is data, not
         # a Python branch, so every replica records the same graph.
-        root = (opts or dist.BroadcastOptions()).rootRank
         (not_root,) = _on_device([torch.tensor(self.rank() != root)])
         for tensor in tensors:
             (value,) = _on_device([tensor])
@@ -363,8 +512,12 @@ class ProcessGroupXla(dist.ProcessGroup):
 
     def barrier(self, opts: dist.BarrierOptions | None = None) -> dist.Work:
         # Replicas meet here (what a script relies on, e.g. rank 0 writes a file the others read);
-        # pending device work is not flushed, as in PyTorch/XLA.
-        xm.rendezvous("torch.distributed.barrier")
+        # pending device work is not flushed, as in PyTorch/XLA. A subgroup's members meet alone.
+        sub = self._subgroup()
+        if sub is None:
+            xm.rendezvous("torch.distributed.barrier")
+        else:
+            xm.rendezvous(f"torch.distributed.barrier:{sub.members}", replicas=sub.members)
         return _completed([])
 
 
@@ -381,11 +534,6 @@ def _create_process_group(
         raise RuntimeError(
             "the xla backend of torch.distributed runs over the replicas of launch/spawn; it is "
             "not supported in SPMD mode (use a CPU process group such as gloo there)"
-        )
-    if size != runtime.world_size():
-        raise NotImplementedError(
-            f"xla process group of {size} of the {runtime.world_size()} replicas: groups must "
-            "span every replica (new_group over a subset is not supported)"
         )
     return ProcessGroupXla(prefix_store, rank, size, timeout)
 

@@ -180,11 +180,6 @@ def test_checkpoint_module_refuses_a_non_module():
         checkpoint_module(lambda x: x)
 
 
-def test_fsdp_v1_names_point_to_fsdpv2():
-    with pytest.raises(ImportError, match="FSDP v1 is not provided; use FSDPv2"):
-        from spmd_torch.distributed.fsdp import XlaFullyShardedDataParallel  # noqa: F401
-
-
 class Scaled(nn.Module):
     def __init__(self):
         super().__init__()

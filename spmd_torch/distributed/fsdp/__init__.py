@@ -1,35 +1,26 @@
-"""torch_xla.distributed.fsdp: wrap policies (``wrap``) and ``checkpoint_module``.
+"""torch_xla.distributed.fsdp: FSDP v1 over the replicas of ``launch``, its checkpoint
+consolidation, wrap policies (``wrap``) and ``checkpoint_module``.
 
-PyTorch/XLA's FSDP v1, ``XlaFullyShardedDataParallel`` (per-replica parameter shards with
-explicit all-gathers and reduce-scatters, and its sharded-checkpoint consolidation), is not
-provided: FSDP here is FSDPv2, ``spmd_torch.experimental.spmd_fully_sharded_data_parallel``, which
-shards parameters over a mesh and lets the partitioner insert the collectives. Importing the v1
-names raises an ``ImportError`` that says so.
+``XlaFullyShardedDataParallel`` shards parameters per replica with explicit all-gathers and
+reduce-scatters (PyTorch/XLA's per-device FSDP); in SPMD mode FSDP is FSDPv2,
+``spmd_torch.experimental.spmd_fully_sharded_data_parallel``, which shards over a mesh and lets the
+partitioner place the collectives.
 
 Example:
-    >>> from spmd_torch.distributed.fsdp import checkpoint_module
+    >>> from spmd_torch.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
+    >>> from spmd_torch.distributed.fsdp import consolidate_sharded_model_checkpoints
     >>> from spmd_torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 """
 
 from __future__ import annotations
 
+from .state_dict_utils import consolidate_sharded_model_checkpoints, consolidate_sharded_state_dicts
 from .utils import checkpoint_module
+from .xla_fully_sharded_data_parallel import XlaFullyShardedDataParallel
 
-__all__ = ["checkpoint_module"]
-
-_FSDP_V1_NAMES = (
+__all__ = [
     "XlaFullyShardedDataParallel",
-    "consolidate_sharded_state_dicts",
+    "checkpoint_module",
     "consolidate_sharded_model_checkpoints",
-)
-
-
-def __getattr__(name: str):
-    if name in _FSDP_V1_NAMES:
-        raise ImportError(
-            f"spmd_torch.distributed.fsdp.{name}: PyTorch/XLA's FSDP v1 is not provided; use "
-            "FSDPv2, spmd_torch.experimental.spmd_fully_sharded_data_parallel."
-            "SpmdFullyShardedDataParallel (it takes the same auto_wrap_policy), with "
-            "spmd_torch.experimental.distributed_checkpoint for sharded checkpoints"
-        )
-    raise AttributeError(f"module 'spmd_torch.distributed.fsdp' has no attribute {name!r}")
+    "consolidate_sharded_state_dicts",
+]

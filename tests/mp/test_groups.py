@@ -1,0 +1,277 @@
+"""Process groups over some of the replicas (``dist.new_group(ranks)``): each collective reaches
+only its group's members, every replica calling it on its own group; DistributedDataParallel over
+subgroups; and the replication helpers ``xm.set_replication`` and ``xmp.MpModelWrapper``."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import spmd_torch.core.xla_model as xm
+import spmd_torch.distributed.xla_backend  # noqa: F401  (registers 'xla' and 'xla://')
+import spmd_torch.distributed.xla_multiprocessing as xmp
+from spmd_torch._lazy.replicas import CollectiveMismatchError
+from tests.helpers import assert_close
+
+DEPRECATED_ALIASES = pytest.mark.filterwarnings("ignore:`torch.distributed.*:FutureWarning")
+
+# Partitions of the replicas into groups, by name: each replica calls the collective on its own.
+PARTITIONS = {
+    "pairs-4": (4, [[0, 1], [2, 3]]),
+    "strided-8": (8, [[0, 2, 4, 6], [1, 3, 5, 7]]),
+    "quarters-8": (8, [[0, 1], [2, 3], [4, 5], [6, 7]]),
+}
+UNEVEN = {"three-and-one-4": (4, [[0, 1, 2], [3]]), "uneven-8": (8, [[0, 5], [1, 2, 3, 4, 6, 7]])}
+
+
+def _launch(replicas: int, partition: list, fn, *args) -> list:
+    """``fn(index, group, *args)`` in each of ``replicas`` replicas, ``group`` the replica's own
+    group of ``partition`` (every replica creates every group, in the same order, as
+    torch.distributed requires); results in ordinal order."""
+
+    def replica(index, *args):
+        dist.init_process_group("xla", init_method="xla://")
+        try:
+            mine = None
+            for ranks in partition:
+                group = dist.new_group(ranks)
+                if index in ranks:
+                    mine = group
+            return fn(index, mine, *args)
+        finally:
+            dist.destroy_process_group()
+
+    results = xmp.spawn(replica, args=args, nprocs=replicas)
+    return [results[i] for i in range(replicas)]
+
+
+def _per_replica(index: int, shape=(5,)) -> np.ndarray:
+    rng = np.random.default_rng(200 + index)
+    return (rng.standard_normal(shape) * 3).astype(np.float32)
+
+
+def _on_device(array: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(array).to(xm.xla_device())
+
+
+def _group_of(index: int, partition: list) -> list:
+    return next(ranks for ranks in partition if index in ranks)
+
+
+_REDUCTIONS = {
+    "SUM": (dist.ReduceOp.SUM, lambda x: x.sum(0)),
+    "AVG": (dist.ReduceOp.AVG, lambda x: x.mean(0)),
+    "MAX": (dist.ReduceOp.MAX, lambda x: x.max(0)),
+    "MIN": (dist.ReduceOp.MIN, lambda x: x.min(0)),
+}
+
+
+@pytest.mark.parametrize("name", [*PARTITIONS, *UNEVEN])
+@pytest.mark.parametrize("op", list(_REDUCTIONS))
+def test_all_reduce_on_a_subgroup_reduces_only_its_members(name, op):
+    replicas, partition = {**PARTITIONS, **UNEVEN}[name]
+    reduce_op, reference = _REDUCTIONS[op]
+
+    def fn(index, group):
+        tensor = _on_device(_per_replica(index))
+        dist.all_reduce(tensor, op=reduce_op, group=group)
+        return tensor.cpu()
+
+    for index, result in enumerate(_launch(replicas, partition, fn)):
+        members = np.stack([_per_replica(k) for k in _group_of(index, partition)])
+        assert_close(result, torch.from_numpy(reference(members)), tol="single_op")
+
+
+@pytest.mark.parametrize("name", list(PARTITIONS))
+def test_all_gather_on_a_subgroup_gathers_its_members_in_group_order(name):
+    replicas, partition = PARTITIONS[name]
+    size = len(partition[0])
+
+    def fn(index, group):
+        outputs = [torch.zeros(2, 3, device=xm.xla_device()) for _ in range(size)]
+        dist.all_gather(outputs, _on_device(_per_replica(index, shape=(2, 3))), group=group)
+        return torch.stack(outputs).cpu(), dist.get_rank(group), dist.get_world_size(group)
+
+    for index, (result, rank, world) in enumerate(_launch(replicas, partition, fn)):
+        members = _group_of(index, partition)
+        assert (rank, world) == (members.index(index), size)
+        expected = np.stack([_per_replica(k, shape=(2, 3)) for k in members])
+        assert_close(result, torch.from_numpy(expected), tol="exact")
+
+
+@DEPRECATED_ALIASES
+@pytest.mark.parametrize("name", list(PARTITIONS))
+def test_all_gather_into_tensor_on_a_subgroup(name):
+    replicas, partition = PARTITIONS[name]
+    size = len(partition[0])
+
+    def fn(index, group):
+        output = torch.zeros(size * 2, 3, device=xm.xla_device())
+        value = _on_device(_per_replica(index, shape=(2, 3)))
+        dist.all_gather_into_tensor(output, value, group=group)
+        return output.cpu()
+
+    for index, result in enumerate(_launch(replicas, partition, fn)):
+        members = _group_of(index, partition)
+        expected = np.concatenate([_per_replica(k, shape=(2, 3)) for k in members])
+        assert_close(result, torch.from_numpy(expected), tol="exact")
+
+
+@DEPRECATED_ALIASES
+@pytest.mark.parametrize("name", list(PARTITIONS))
+@pytest.mark.parametrize("op", ["SUM", "AVG"])
+def test_reduce_scatter_tensor_on_a_subgroup_gives_each_member_its_chunk(name, op):
+    replicas, partition = PARTITIONS[name]
+    size = len(partition[0])
+    reduce_op, reference = _REDUCTIONS[op]
+
+    def fn(index, group):
+        output = torch.zeros(2, 3, device=xm.xla_device())
+        value = _on_device(_per_replica(index, shape=(size * 2, 3)))
+        dist.reduce_scatter_tensor(output, value, op=reduce_op, group=group)
+        return output.cpu()
+
+    for index, result in enumerate(_launch(replicas, partition, fn)):
+        members = _group_of(index, partition)
+        reduced = reference(np.stack([_per_replica(k, shape=(size * 2, 3)) for k in members]))
+        chunk = reduced.reshape(size, 2, 3)[members.index(index)]
+        assert_close(result, torch.from_numpy(chunk), tol="single_op")
+
+
+@pytest.mark.parametrize("name", list(PARTITIONS))
+def test_broadcast_on_a_subgroup_copies_its_roots_tensor(name):
+    replicas, partition = PARTITIONS[name]
+
+    def fn(index, group):
+        tensor = _on_device(_per_replica(index))
+        root = dist.get_global_rank(group, 1)  # each group's second member
+        dist.broadcast(tensor, src=root, group=group)
+        return tensor.cpu()
+
+    for index, result in enumerate(_launch(replicas, partition, fn)):
+        root = _group_of(index, partition)[1]
+        assert_close(result, torch.from_numpy(_per_replica(root)), tol="exact")
+
+
+def test_subgroup_barrier_meets_only_its_members():
+    arrived = []
+
+    def fn(index, group):
+        if index < 2:  # only [0, 1] meet; [2, 3] pass by without a barrier
+            arrived.append(index)
+            dist.barrier(group=group)
+            return sorted(arrived)
+        return None
+
+    results = _launch(4, [[0, 1], [2, 3]], fn)
+    assert results[:2] == [[0, 1], [0, 1]]
+
+
+def test_a_subgroup_collective_only_its_members_call_is_a_mismatch_not_a_hang():
+    def fn(index, group):
+        tensor = torch.ones(2, device=xm.xla_device())
+        if index in (0, 1):
+            dist.all_reduce(tensor, group=group)
+        return tensor.cpu()
+
+    with pytest.raises(CollectiveMismatchError, match=r"replicas \[0, 1\] run \[all_gather\]"):
+        _launch(4, [[0, 1]], fn)
+
+
+def test_a_world_of_one_subgroup_reduces_to_itself():
+    def fn(index, group):
+        tensor = _on_device(_per_replica(index))
+        dist.all_reduce(tensor, group=group)
+        return tensor.cpu()
+
+    for index, result in enumerate(_launch(4, [[0], [1], [2], [3]], fn)):
+        assert_close(result, torch.from_numpy(_per_replica(index)), tol="exact")
+
+
+# --- DistributedDataParallel over subgroups ------------------------------------------------------
+
+STEPS, BATCH = 3, 4
+
+
+def _net() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def _batch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + index)
+    return torch.randn(BATCH, 6, generator=generator), torch.randn(BATCH, 3, generator=generator)
+
+
+def _sgd_on_averaged_gradients(initial: torch.nn.Module, members: list) -> dict:
+    model = copy.deepcopy(initial)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        losses = [
+            torch.nn.functional.mse_loss(model(x), y) for x, y in (_batch(step, i) for i in members)
+        ]
+        torch.stack(losses).mean().backward()
+        optimizer.step()
+    return dict(model.state_dict())
+
+
+def test_ddp_over_subgroups_trains_each_group_on_its_own_averaged_gradient():
+    torch.manual_seed(0)
+    initial = _net()
+    partition = [[0, 2, 4, 6], [1, 3, 5, 7]]
+
+    def fn(index, group):
+        model = copy.deepcopy(initial).to(xm.xla_device())
+        ddp = DistributedDataParallel(model, process_group=group)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for step in range(STEPS):
+            x, y = (t.to(xm.xla_device()) for t in _batch(step, index))
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            optimizer.step()
+            xm.mark_step()
+        return {k: v.cpu() for k, v in model.state_dict().items()}
+
+    expected = {tuple(g): _sgd_on_averaged_gradients(initial, g) for g in partition}
+    for index, state in enumerate(_launch(8, partition, fn)):
+        assert_close(state, expected[tuple(_group_of(index, partition))], tol="training")
+
+
+# --- replication helpers -------------------------------------------------------------------------
+
+
+def test_set_replication_accepts_the_replicas_device_and_checks_its_arguments():
+    def fn(index):
+        device = xm.xla_device()
+        xm.set_replication(device, [device])
+        xm.set_replication(device, [])
+        with pytest.raises(ValueError, match="is not among devices"):
+            xm.set_replication(device, ["xla:1"])
+        with pytest.raises(ValueError, match="is not an xla device"):
+            xm.set_replication("cpu", [])
+        return index
+
+    assert list(xmp.spawn(fn, nprocs=2).values()) == [0, 1]
+
+
+def test_mp_model_wrapper_gives_each_replica_the_model_on_its_device():
+    torch.manual_seed(0)
+    wrapped = xmp.MpModelWrapper(_net())
+    expected = {k: v.clone() for k, v in wrapped._model.state_dict().items()}
+
+    def fn(index):
+        model = wrapped.to(xm.xla_device())
+        assert all(p.device.type == "xla" for p in model.parameters())
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(index)  # each replica's own copy
+        xm.mark_step()
+        return {k: v.cpu() for k, v in model.state_dict().items()}
+
+    for index, state in xmp.spawn(fn, nprocs=4).items():
+        assert_close(state, {k: v + index for k, v in expected.items()}, tol="exact")
