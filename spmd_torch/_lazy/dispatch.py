@@ -20,7 +20,7 @@ from . import counters, placement, rng, views
 from .engine import current
 from .execute import sync, to_cpu
 from .graph import Aval, Value
-from .lowering import LOWERINGS, amp
+from .lowering import LOWERINGS, amp, optim
 from .record import DeviceMismatchError, NoStaticShape, emit, emit_value
 from .tensor import DEVICE, LazyTensor, connect, wrap, wrap_data
 from .transfer import host_copy, to_device_array, upload
@@ -33,7 +33,8 @@ _DECOMPOSITIONS = {
     op: fn
     for op, fn in decomposition_table.items()
     if not getattr(fn, "__module__", "").startswith("torch._refs")
-} | amp.DECOMPOSITIONS
+}
+_DECOMPOSITIONS |= amp.DECOMPOSITIONS | optim.DECOMPOSITIONS
 
 
 def issue(func, args: tuple, kwargs: dict) -> Any:
