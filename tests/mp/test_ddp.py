@@ -120,14 +120,6 @@ def test_new_group_over_every_replica_reduces_like_the_world():
         assert_close(result, expected, tol="single_op")
 
 
-def test_new_group_over_some_replicas_is_not_supported():
-    def fn(index):
-        dist.new_group(ranks=[0, 1])
-
-    with pytest.raises(NotImplementedError, match="2 of the 8 replicas"):
-        _launch(fn)
-
-
 # --- collectives ---------------------------------------------------------------------------------
 
 _REDUCTIONS = {
