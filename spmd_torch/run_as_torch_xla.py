@@ -10,6 +10,7 @@ permanent for an environment (see spmd_torch/_as_torch_xla.py).
 
 from __future__ import annotations
 
+import os
 import runpy
 import sys
 
@@ -28,6 +29,7 @@ def main(argv: list[str] | None = None) -> None:
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
     else:
         sys.argv = argv
+        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as `python script.py` sets it
         runpy.run_path(argv[0], run_name="__main__")
 
 

@@ -49,7 +49,9 @@ class _BackendModule:
 
     @staticmethod
     def is_available() -> bool:
-        return True
+        # Not torch.accelerator's device, as PyTorch/XLA's XLA device type never is: a DataLoader
+        # with pin_memory=True (transformers' default) would pin through PrivateUse1's allocator.
+        return False
 
     @staticmethod
     def is_initialized() -> bool:

@@ -79,6 +79,11 @@ class LazyTensor(torch.Tensor):
     def __init__(self, *args, **kwargs):
         pass
 
+    def untyped_storage(self) -> torch.UntypedStorage:
+        # No host memory (data pointer 0, as PyTorch/XLA's device storages): code looking for
+        # tensors that share memory (safetensors) finds none, instead of an invalid storage.
+        return torch.UntypedStorage(0)
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         start = time.perf_counter_ns()

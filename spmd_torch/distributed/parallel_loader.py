@@ -321,7 +321,7 @@ class MpDeviceLoader:
 
     Each ``iter()`` starts a :class:`ParallelLoader` over ``loader`` (closing the previous one)
     and returns its :class:`PerDeviceLoader`, which issues the barrier (``mark_step``) for you
-    every ``batches_per_execution`` batches.
+    every ``batches_per_execution`` batches. Other attributes are the host loader's.
 
     Args:
         loader: The host loader, e.g. a ``torch.utils.data.DataLoader``.
@@ -354,6 +354,14 @@ class MpDeviceLoader:
 
     def __len__(self) -> int:
         return len(self._loader)
+
+    def __getattr__(self, name: str) -> Any:
+        """The wrapped loader's attributes (``dataset``, ``sampler``, ``batch_size``...): code that
+        reads them off a prepared loader (accelerate's ``save_state``) finds them, where
+        PyTorch/XLA's ``MpDeviceLoader`` raises AttributeError."""
+        if name.startswith("__") or "_loader" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self._loader, name)
 
 
 # ---- the pipeline the threads share ----------------------------------------------------------

@@ -72,6 +72,16 @@ def test_run_as_torch_xla_for_one_run(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_run_as_torch_xla_imports_the_scripts_neighbours(tmp_path):
+    (tmp_path / "helper_module.py").write_text("VALUE = 41\n")  # as `python script.py` finds it
+    script = tmp_path / "script.py"
+    script.write_text("import helper_module, sys\nprint(helper_module.VALUE + 1, sys.argv[1:])\n")
+    done = _child("-m", "spmd_torch.run_as_torch_xla", str(script), "--x", path=str(ROOT))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "42 ['--x']"
+
+
+@pytest.mark.multiprocess
 def test_installed_distribution(tmp_path):
     target = tmp_path / "site"
     install = subprocess.run(
