@@ -1,8 +1,8 @@
 """The barrier that ends a training step, one for every door: ``spmd_torch.sync()``,
 ``xm.mark_step()``, the data loaders, ``StepTrace``, compile regions, checkpoints.
 
-It counts the step (``MarkStep``), runs everything pending as one program (the engine's
-``execute.sync``), appends the metrics report to ``XLA_METRICS_FILE`` when set, and runs the step
+It counts the step (``MarkStep``), appends the graph to ``XLA_SAVE_TENSORS_FILE`` when set, runs
+everything pending as one program (the engine's ``execute.sync``), appends the metrics report to ``XLA_METRICS_FILE`` when set, and runs the step
 closures queued by ``xm.add_step_closure``. A read of values (``.item()``) or eager mode's
 per-op run computes what it needs without ending a step.
 """
@@ -16,15 +16,18 @@ from typing import Any
 
 from spmd_torch import config
 from spmd_torch._lazy import counters, engine, execute
-from spmd_torch.debug import metrics_saver
+from spmd_torch.debug import graph, metrics_saver
 
 
 def barrier(wait: bool = False) -> None:
     """End the step: compile (once) and dispatch every pending computation, then the step's
     side effects, in every mode alike."""
     counters.bump("MarkStep")
-    execute.sync(wait=wait)
     own = engine.current()
+    if config.SAVE_TENSORS_FILE.value:  # one file per process or replica, as PyTorch/XLA's
+        path = f"{config.SAVE_TENSORS_FILE.value}.{own.mode.ordinal}"
+        graph.save_pending(path, str(config.SAVE_TENSORS_FMT.value).lower())
+    execute.sync(wait=wait)
     if own.mode.local_ordinal == 0 and config.METRICS_FILE.value:  # one report per host
         metrics_saver.save_metrics()
     run_step_closures()

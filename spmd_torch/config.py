@@ -105,6 +105,22 @@ USE_SPMD = _flag(
     False,
     "SPMD mode from the start (runtime.use_spmd() sets it too, for scripts and subprocesses).",
 )
+MODELCMP_SAVEDIR = _flag(
+    "MODELCMP_SAVEDIR",
+    "",
+    "debug.model_comparator: where save() writes when configure() named no folder (read each call).",
+)
+SAVE_TENSORS_FILE = _flag(
+    "XLA_SAVE_TENSORS_FILE",
+    None,
+    "At every barrier append the graph about to run to this file plus '.<ordinal>' (debug.graph).",
+    kind=str,
+)
+SAVE_TENSORS_FMT = _flag(
+    "XLA_SAVE_TENSORS_FMT",
+    "text",
+    "XLA_SAVE_TENSORS_FILE's format: 'text' (the graph's op lines) or 'hlo' (StableHLO text).",
+)
 METRICS_FILE = _flag(
     "XLA_METRICS_FILE",
     None,

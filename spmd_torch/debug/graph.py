@@ -1,10 +1,13 @@
 """The pending graph, as text and as StableHLO, without running it: what the next sync compiles.
 
 ``get_tensors_text`` and ``get_tensors_hlo`` answer what PyTorch/XLA's
-``torch_xla._XLAC._get_xla_tensors_text`` / ``_get_xla_tensors_hlo`` answer.
+``torch_xla._XLAC._get_xla_tensors_text`` / ``_get_xla_tensors_hlo`` answer; ``save_pending`` is
+what the barrier writes when ``XLA_SAVE_TENSORS_FILE`` is set.
 """
 
 from __future__ import annotations
+
+import traceback
 
 import torch
 
@@ -98,3 +101,40 @@ def pending_program(tensors: list[torch.Tensor] | None = None) -> Program:
     else:
         refs = [t._ref() for t in tensors]
     return linearize(list({(id(n), i): (n, i) for n, i in refs}.values()))
+
+
+def save_pending(path: str, fmt: str = "text") -> None:
+    """Append the graph the barrier is about to run to ``path``, as PyTorch/XLA's
+    ``XLA_SAVE_TENSORS_FILE`` does: the Python frames that issued the barrier, then the graph
+    between ``## BEGIN_GRAPH`` and ``## END_GRAPH`` (``fmt`` 'text': our op lines; 'hlo':
+    StableHLO), and for 'hlo' each output's sharding between ``#OUTPUT_SHARDING_BEGIN`` and
+    ``#OUTPUT_SHARDING_END``. Nothing is written when nothing is pending.
+
+    Raises:
+        ValueError: ``fmt`` is neither 'text' nor 'hlo'.
+
+    Example:
+        >>> graph.save_pending('/tmp/graphs.0', 'hlo')
+    """
+    if fmt not in ("text", "hlo"):
+        raise ValueError(f"XLA_SAVE_TENSORS_FMT={fmt!r}: spmd_torch writes 'text' or 'hlo'")
+    key = _engine.current().rng
+    outputs = [s for s in live_pending() if s is not key and not s.ref[0].is_leaf(s.ref[1])]
+    if not outputs:
+        return
+    frames = [f for f in traceback.extract_stack()[:-1] if "/spmd_torch/" not in f.filename]
+    lines = ["[ScheduleSyncTensorsGraph]", "TensorsGraphInfo:"]
+    lines += [f"  {f.name} ({f.filename}:{f.lineno})" for f in reversed(frames)]
+    body = pending_hlo() if fmt == "hlo" else pending_text()
+    lines += ["", "## BEGIN_GRAPH", body.rstrip("\n"), "## END_GRAPH", ""]
+    if fmt == "hlo":
+        avals = [s.ref[0].avals[s.ref[1]] for s in outputs]
+        shardings = [_placement.output_sharding(s, a) for s, a in zip(outputs, avals)]
+        lines += ["#OUTPUT_SHARDING_BEGIN"]
+        lines += [
+            f"{s.spec} on mesh {dict(s.mesh.shape)}" if s else "partitioner decides"
+            for s in shardings
+        ]
+        lines += ["#OUTPUT_SHARDING_END", ""]
+    with open(path, "a") as f:
+        f.write("\n".join(lines) + "\n")

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+import spmd_torch
 import spmd_torch.core.xla_model as xm
 import spmd_torch.distributed.spmd as xs
 import spmd_torch.runtime as xr
@@ -202,3 +203,31 @@ def test_checkpoint_module_passes_keyword_arguments():
     assert_close(x2.grad, x.grad, tol="exact")  # both on CPU, as above
     assert_close(shift2.grad, shift.grad, tol="exact")
     assert_close(checkpointed.linear.weight.grad, plain.linear.weight.grad, tol="exact")
+
+
+def test_fsdp_patch_of_nn_linear_keeps_modules_and_matches_eager():
+    from spmd_torch.distributed.fsdp.utils import apply_xla_patch_to_nn_linear
+
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), checkpoint_module(nn.Linear(5, 3)))
+    x = torch.randn(4, 6)
+    eager(x).sum().backward()
+    model = copy.deepcopy(eager).to(spmd_torch.device())
+    model.zero_grad()
+    params = list(model.parameters())
+    calls = []
+
+    def counted(linear, input):
+        calls.append(linear)
+        return xs.xla_patched_nn_linear_forward(linear, input)
+
+    assert apply_xla_patch_to_nn_linear(model, counted) is model
+    assert list(model.parameters()) == params  # in place: the optimizer's parameters stay
+    out = model(x.to(spmd_torch.device()))
+    out.sum().backward()
+    # The checkpointed layer's inner forward is patched too, and runs again in the backward pass.
+    assert calls == [model[0], model[2], model[2]]
+    assert_close(out, eager(x))
+    assert_close(
+        [p.grad for p in model.parameters()], [p.grad for p in eager.parameters()], kind="grad"
+    )
