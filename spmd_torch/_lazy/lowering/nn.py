@@ -600,6 +600,77 @@ def _embedding_dense_backward(grad_output, indices, num_weights, padding_idx, sc
     return jnp.zeros((num_weights, grad.shape[1]), grad.dtype).at[index].add(grad)
 
 
+_BAG_SUM, _BAG_MEAN, _BAG_MAX = 0, 1, 2
+
+
+def _kept(indices: jax.Array, padding_idx: int) -> jax.Array:
+    """Which indices count: all but ``padding_idx`` (negative: none is padding)."""
+    return indices != padding_idx if padding_idx >= 0 else jnp.ones(indices.shape, bool)
+
+
+@lowers(aten._embedding_bag.default, aten._embedding_bag_forward_only.default)
+def _embedding_bag(
+    weight,
+    indices,
+    offsets,
+    scale_grad_by_freq=False,
+    mode=_BAG_SUM,
+    sparse=False,
+    per_sample_weights=None,
+    include_last_offset=False,
+    padding_idx=-1,
+):
+    """(output, offset2bag, bag_size, max_indices) as PyTorch's CPU kernel: padding indices count
+    in no bag, an empty bag gives zeros; max picks the first maximum of each column."""
+    num_bags, n = offsets.shape[0] - int(include_last_offset), indices.shape[0]
+    bag = jnp.maximum(jnp.searchsorted(offsets[:num_bags], jnp.arange(n), side="right") - 1, 0)
+    keep = _kept(indices, padding_idx)
+    bag_size = jnp.zeros(num_bags, indices.dtype).at[bag].add(keep.astype(indices.dtype))
+    rows = _upcast(jnp.take(weight, indices, axis=0))
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights[:, None]
+    shape = (num_bags, weight.shape[1])
+    if mode != _BAG_MAX:
+        out = jnp.zeros(shape, rows.dtype).at[bag].add(jnp.where(keep[:, None], rows, 0))
+        if mode == _BAG_MEAN:
+            out = out / jnp.maximum(bag_size, 1)[:, None].astype(out.dtype)
+        return out, bag, bag_size, jnp.zeros((0,), indices.dtype)
+    rows = jnp.where(keep[:, None], rows, -jnp.inf)
+    out = jnp.full(shape, -jnp.inf, rows.dtype).at[bag].max(rows)
+    position = jnp.where(rows == out[bag], jnp.arange(n)[:, None], n)
+    first = jnp.full(shape, n).at[bag].min(position)
+    filled = (bag_size > 0)[:, None]
+    max_indices = jnp.where(filled, jnp.append(indices, 0)[first], 0)
+    return jnp.where(filled, out, 0), bag, bag_size, max_indices
+
+
+@lowers(aten._embedding_bag_backward.default, aten._embedding_bag_dense_backward.default)
+def _embedding_bag_backward(grad, indices, *args):
+    """The dense gradient of the weight. PyTorch/XLA has no sparse tensors, so ``sparse=True`` gets
+    the dense gradient too (PyTorch/XLA runs the dense CPU kernel for it)."""
+    if len(args) == 10:  # _embedding_bag_backward: offsets first, sparse after mode
+        args = args[1:8] + args[9:]
+    offset2bag, bag_size, max_indices, num_weights, scale_grad_by_freq, mode = args[:6]
+    per_sample_weights, padding_idx = args[6:]
+    shape = (num_weights, grad.shape[1])
+    grad = _upcast(grad)
+    if mode == _BAG_MAX:
+        columns = jnp.arange(grad.shape[1])[None, :]
+        rows = jnp.where(max_indices >= 0, max_indices, 0)
+        grad = jnp.where((bag_size > 0)[:, None], grad, 0)
+        return jnp.zeros(shape, grad.dtype).at[rows, columns].add(grad)
+    rows = grad[offset2bag]
+    if mode == _BAG_MEAN:
+        rows = rows / jnp.maximum(bag_size[offset2bag], 1)[:, None].astype(rows.dtype)
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights[:, None]
+    if scale_grad_by_freq:
+        counts = jnp.zeros(num_weights, rows.dtype).at[indices].add(1)
+        rows = rows / counts[indices][:, None]
+    rows = jnp.where(_kept(indices, padding_idx)[:, None], rows, 0)
+    return jnp.zeros(shape, rows.dtype).at[indices].add(rows)
+
+
 # --- upsampling ----------------------------------------------------------------------------------
 
 
