@@ -8,11 +8,14 @@ apart with ``_xla_get_tensor_id``. Device names follow PyTorch/XLA's: ``'xla:0'`
 logical device of the process (as under SPMD), ``'CPU:3'``/``'CUDA:3'``/``'TPU:3'`` a real one.
 
 Calls whose meaning is PyTorch/XLA's own machinery are absent rather than faked: IR and buffer
-internals (``_get_xla_tensor_debug_info``, ``_get_graph_hash``, buffer donation flags,
-``_get_tensors_xla_device_data_node``, ``_run_cached_graph``), dynamic shapes
-(``_xla_mark_dynamic``), ``xla::OpSharding`` values (``OpSharding``, ``_xla_mark_sharding``,
+internals (``_get_graph_hash``, buffer donation flags, ``_get_tensors_xla_device_data_node``,
+``_run_cached_graph``, ``_replace_xla_tensor``), dynamic shapes (``_xla_mark_dynamic``),
+``xla::OpSharding`` values (``OpSharding``, ``_xla_mark_sharding``,
 ``_global_tensor_from_cpu_shards``, ``_spmd_full_to_shard_shape``), custom calls and lowering
-hooks (``_xla_tpu_custom_call``, ``lowering``), and the preemption sync manager.
+hooks (``_xla_tpu_custom_call``, ``lowering``: its ``LoweringContext`` builds an HLO module proto
+from PyTorch/XLA's IR, which does not exist here), and the preemption sync manager.
+``_get_xla_tensor_debug_info`` describes this runtime's own state of a tensor (its pending op or
+its device buffer) in PyTorch/XLA's layout.
 
 Example:
     >>> import spmd_torch._XLAC as xlac
@@ -29,15 +32,19 @@ import weakref
 from collections.abc import Sequence
 
 import jax
+import jax.version
+import jaxlib.version
 import torch
 from jax._src import xla_bridge  # backends_are_initialized: JAX has no public query for it
 
 from spmd_torch import config, runtime
 from spmd_torch._lazy import counters, execute
+from spmd_torch._lazy.graph import Aval, aval_text
+from spmd_torch._lazy.lowering.dtypes import to_jax_dtype, to_torch_dtype
 from spmd_torch.core import xla_model as xm
 from spmd_torch.core.xla_builder import _user_computation as _xla_user_computation
 from spmd_torch.debug.graph import get_tensors_hlo as _get_xla_tensors_hlo
-from spmd_torch.debug.graph import get_tensors_text as _get_xla_tensors_text
+from spmd_torch.debug.graph import get_tensors_text
 from spmd_torch.debug.metrics import clear_counters as _clear_xla_counters
 from spmd_torch.debug.metrics import clear_metrics as _clear_xla_metrics
 from spmd_torch.debug.metrics import counter_names as _xla_counter_names
@@ -55,13 +62,17 @@ __all__ = [
     "_clear_xla_metrics",
     "_ensure_xla_coordinator_initialized",
     "_get_executed_fallback_ops",
+    "_get_git_revs",
     "_get_xla_sharding_spec",
     "_get_xla_sharding_specs",
     "_get_xla_sharding_type",
+    "_get_xla_tensor_debug_info",
     "_get_xla_tensor_dimension_size",
+    "_get_xla_tensor_shape_type",
     "_get_xla_tensors_hlo",
     "_get_xla_tensors_text",
     "_short_xla_metrics_report",
+    "_unsafe_buffer_pointer",
     "_xla_clear_sharding",
     "_xla_counter_names",
     "_xla_counter_value",
@@ -85,6 +96,7 @@ __all__ = [
     "_xla_set_mat_mul_precision",
     "_xla_set_rng_seed",
     "_xla_sync_multi",
+    "_xla_tensors_from_aten",
     "_xla_user_computation",
     "_xla_wait_device_ops",
 ]
@@ -206,6 +218,117 @@ def _get_xla_tensor_dimension_size(t: torch.Tensor, dim: int) -> torch.Tensor:
         )
     size = t.shape[dim] if t.dim() else 1
     return torch.full((), size, dtype=torch.int32, device=t.device)
+
+
+def _get_xla_tensors_text(tensors: Sequence[torch.Tensor]) -> str:
+    """The graph computing ``tensors`` as text, one typed line per op, ending in a line break as
+    PyTorch/XLA's dump does (``text.split('\\n')[-3]`` is the last op).
+
+    Example:
+        >>> print(_get_xla_tensors_text([x + 1]))
+        %in0:f32[2] = input
+        %0:f32[2] = aten.add.Tensor(%in0, 1)
+        return %0
+    """
+    return get_tensors_text(list(tensors)) + "\n"
+
+
+def _device_shape(t: torch.Tensor) -> str:
+    """The tensor's shape as the device holds it (``XLA_USE_BF16`` applied): ``f32[4,2]``."""
+    return aval_text(Aval(tuple(t.shape), to_torch_dtype(to_jax_dtype(t.dtype))))
+
+
+def _get_xla_tensor_shape_type(t: torch.Tensor) -> str:
+    """The element type the device holds the tensor in, XLA's name: ``'f16'``, ``'bf16'``...
+    (``bf16`` for a float32 tensor under ``XLA_USE_BF16=1``).
+
+    Example:
+        >>> _get_xla_tensor_shape_type(torch.zeros(2, dtype=torch.half, device='xla'))
+        'f16'
+    """
+    return _device_shape(_xla_tensor(t, "_get_xla_tensor_shape_type")).split("[")[0]
+
+
+def _get_xla_tensor_debug_info(t: torch.Tensor) -> str:
+    """What this runtime holds for the tensor, in PyTorch/XLA's layout: its id, device and shape,
+    its sharding, the pending op computing it (``IR``) or else its device buffer (``XLAData``),
+    or the host copy an SPMD upload waits in. ``'Not a XLATensor'`` for other tensors.
+
+    Example:
+        >>> print(_get_xla_tensor_debug_info(x + 5))
+        XLATensor {
+        TensorID: 3
+        Device: xla:0
+        XLA Shape: f32[5]
+        ShardingSpec: None
+        IR: aten::add.Tensor
+        XLAData: None
+        Tensor on host: None
+        }
+    """
+    t = xs.unwrap_sharded_tensor(t)
+    if not isinstance(t, torch.Tensor) or t.device.type != "xla":
+        return "Not a XLATensor\n"
+    node, index = t._ref()
+    spec = _get_xla_sharding_spec(t)
+    lines = [
+        "XLATensor {",
+        f"TensorID: {_xla_get_tensor_id(t)}",
+        f"Device: {t.device}",
+        f"XLA Shape: {_device_shape(t)}",
+        f"ShardingSpec: {spec or 'None'}",
+    ]
+    if not node.is_leaf(index):
+        name = node.op.name() if hasattr(node.op, "name") else str(node.op)
+        return "\n".join(lines + [f"IR: {name}", "XLAData: None", "Tensor on host: None", "}\n"])
+    lines.append("IR: None")
+    array = node.arrays[index]
+    sharding = getattr(array, "sharding", None)
+    if not isinstance(array, jax.Array) or sharding is None:  # an upload waiting on the host
+        return "\n".join(
+            lines + ["XLAData: None", f"Tensor on host: with size {list(t.shape)}", "}\n"]
+        )
+    devices = sorted(sharding.device_set, key=lambda d: d.id)
+    data = "XLAData: " if len(devices) == 1 else "XLAShardedData: "
+    where = _runtime_name(devices[0]) if len(devices) == 1 else "SPMD:0"
+    lines += [data, f"  Data Device: {where}", f"  Data Shape: {_device_shape(t)}"]
+    if len(devices) > 1:
+        lines += [f"  OpSharding: {spec or '{replicated}'}", f"  NumShards: {len(devices)}"]
+    return "\n".join(lines + ["Tensor on host: None", "}\n"])
+
+
+def _unsafe_buffer_pointer(t: torch.Tensor) -> int:
+    """The address of the tensor's device buffer (computing a pending value first): what DLPack
+    and custom kernels hand to native code. Only a tensor held whole on one device has one.
+
+    Example:
+        >>> _unsafe_buffer_pointer(torch.arange(5, device='xla')) > 0
+        True
+    """
+    (array,) = execute.materialize([_xla_tensor(t, "_unsafe_buffer_pointer")])
+    if len(array.sharding.device_set) != 1:
+        raise RuntimeError(
+            f"_unsafe_buffer_pointer: the tensor of shape {tuple(t.shape)} is sharded over "
+            f"{len(array.sharding.device_set)} devices; it has no single buffer"
+        )
+    return array.unsafe_buffer_pointer()
+
+
+def _xla_tensors_from_aten(
+    tensors: Sequence[torch.Tensor], devices: Sequence[str]
+) -> list[torch.Tensor]:
+    """Copies of CPU ``tensors`` on the xla devices named one per tensor (what
+    ``xm.ToXlaTensorArena`` converts with); new tensors, outside autograd, as PyTorch/XLA's.
+
+    Example:
+        >>> _xla_tensors_from_aten([torch.ones(2)], ['xla:0'])[0].device
+        device(type='xla', index=0)
+    """
+    if len(tensors) != len(devices):
+        raise ValueError(
+            f"_xla_tensors_from_aten: {len(tensors)} tensors but {len(devices)} devices"
+        )
+    return [t.detach().to(torch.device(d)) for t, d in zip(tensors, devices)]
 
 
 def _xla_sync_multi(
@@ -452,3 +575,18 @@ def _xla_increment_counter(name: str, value: int) -> None:
     if value < 0:
         raise RuntimeError(f"_xla_increment_counter({name!r}, {value}): counters only grow")
     counters.bump(name, int(value))
+
+
+def _get_git_revs() -> dict[str, str]:
+    """The source revisions this runtime is built from: ``'xla'`` the jaxlib build that carries
+    the XLA compiler running the programs, ``'jax'`` and ``'torch'``.
+
+    Example:
+        >>> sorted(_get_git_revs())
+        ['jax', 'torch', 'xla']
+    """
+    return {
+        "xla": jaxlib.version._git_hash or f"jaxlib {jaxlib.version.__version__}",
+        "jax": jax.version._git_hash or f"jax {jax.__version__}",
+        "torch": torch.version.git_version,
+    }

@@ -201,23 +201,14 @@ def linearize(outputs: list[Ref]) -> Program:
     return Program(nodes, leaves, scalars, list(outputs), index, rows)
 
 
-_DTYPE_NAMES = {
-    torch.float32: "f32",
-    torch.float64: "f64",
-    torch.bfloat16: "bf16",
-    torch.float16: "f16",
-    torch.int64: "i64",
-    torch.int32: "i32",
-    torch.int16: "i16",
-    torch.int8: "i8",
-    torch.uint8: "u8",
-    torch.bool: "pred",
-}
+_DTYPE_NAMES = {torch.bool: "pred", torch.bfloat16: "bf16"}  # the rest: f32, i64, u8, c64...
 
 
-def _aval_text(aval: Aval) -> str:
-    name = _DTYPE_NAMES.get(aval.dtype, str(aval.dtype).removeprefix("torch."))
-    return f"{name}[{','.join(map(str, aval.shape))}]"
+def aval_text(aval: Aval) -> str:
+    """XLA's spelling of a shape: ``f32[4,2]``, ``pred[3]``, ``c64[4]``."""
+    d = aval.dtype
+    kind = "c" if d.is_complex else "f" if d.is_floating_point else "i" if d.is_signed else "u"
+    return f"{_DTYPE_NAMES.get(d, f'{kind}{d.itemsize * 8}')}[{','.join(map(str, aval.shape))}]"
 
 
 def _layout_text(sharding, rank: int) -> str:
@@ -246,7 +237,7 @@ def to_text(program: Program) -> str:
     for k, (node, i) in enumerate(program.leaves):
         sharding = getattr(node.arrays[i], "sharding", None)  # None: still on the host
         layout = _layout_text(sharding, len(node.avals[i].shape))
-        lines.append(f"%in{k}:{_aval_text(node.avals[i])}{layout} = input")
+        lines.append(f"%in{k}:{aval_text(node.avals[i])}{layout} = input")
     for k, node in enumerate(program.scalars):
         lines.append(f"%s{k} = scalar")
 
@@ -259,7 +250,7 @@ def to_text(program: Program) -> str:
         return f"%{pos[0]}" + (f".{pos[1]}" if pos[1] else "")
 
     for k, node in enumerate(program.nodes):
-        avals = ", ".join(_aval_text(a) for a in node.avals)
+        avals = ", ".join(aval_text(a) for a in node.avals)
         refs = [name(ref) for ref in node.src]
         rank = len(node.avals[0].shape)
         static = [_arg_text(a, rank) for a in substitute(node.args, refs)]

@@ -6,6 +6,9 @@ the kernel's values on every platform, autograd differentiates it, and XLA fuses
 memory is that of plain attention (the ``[..., q_seq_len, kv_seq_len]`` scores are materialised),
 not the blockwise O(seq) of a flash kernel.
 
+``repeat_with_fixed_output_size`` (the helper of its grouped matmul kernel) is provided too: a
+``repeat_interleave`` with a static output length, traced without a graph break.
+
 The inference kernels of the same module (``paged_attention``, ``multi_queries_paged_attention``,
 ``ragged_paged_attention``) are not provided.
 """
@@ -18,7 +21,7 @@ import torch
 
 import spmd_torch.distributed.spmd as xs
 
-__all__ = ["DEFAULT_MASK_VALUE", "flash_attention"]
+__all__ = ["DEFAULT_MASK_VALUE", "flash_attention", "repeat_with_fixed_output_size"]
 
 DEFAULT_MASK_VALUE = -0.7 * float(torch.finfo(torch.float32).max)
 """What the kernel adds to a masked score: finite, so a row with every key masked stays finite."""
@@ -209,3 +212,31 @@ def _check_arguments(
                 f"flash_attention: {name} must be {(*batch, seq_len)} [batch, seq_len], "
                 f"got {tuple(ids.shape)}"
             )
+
+
+def repeat_with_fixed_output_size(
+    input: torch.Tensor, repeats: torch.Tensor, total_repeat_length: int
+) -> torch.Tensor:
+    """``torch.repeat_interleave(input, repeats)`` with exactly ``total_repeat_length`` elements:
+    cut there when the repeats add up to more, padded with ``input[-1]`` when they add up to less.
+
+    The length is static, so the result is traced (no data-dependent shape, no device read).
+
+    Args:
+        input: a 1-d tensor.
+        repeats: a 1-d integer tensor, one count per element of ``input``.
+        total_repeat_length: the length of the result.
+
+    Example:
+        >>> repeats = torch.tensor([0, 2, 1], device="xla")
+        >>> repeat_with_fixed_output_size(x, repeats, 4)  # x[1], x[1], x[2], x[2]
+    """
+    if input.dim() != 1 or repeats.dim() != 1:
+        raise ValueError(
+            "repeat_with_fixed_output_size: input and repeats must be 1-d, got shapes "
+            f"{tuple(input.shape)} and {tuple(repeats.shape)}"
+        )
+    ends = torch.cumsum(repeats, dim=0)  # output position j reads the first element ending after j
+    positions = torch.arange(total_repeat_length, device=input.device, dtype=ends.dtype)
+    source = torch.searchsorted(ends, positions, right=True).clamp(max=input.shape[0] - 1)
+    return input[source]

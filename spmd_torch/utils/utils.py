@@ -267,6 +267,15 @@ def check_env_flag(name: str, default: str = "") -> bool:
 
 _ATOMS = (str, bytes, int, float, complex, bool, type(None), torch.Tensor)
 _OPAQUE = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType)
+_WALKING = object()  # the memo's mark of a container whose walk is under way
+
+
+def _fillable(item: Any) -> bool:
+    """Whether a rewrite can copy ``item`` before walking it and fill the copy in afterwards
+    (what a cycle back to it needs): dicts, lists and plain objects."""
+    if isinstance(item, (dict, list)):
+        return True
+    return hasattr(item, "__dict__") and not isinstance(item, (tuple, set, frozenset, DataWrapper))
 
 
 def for_each_instance(value: Any, select_fn: Callable[[Any], bool], fn: Callable[[Any], Any]):
@@ -321,7 +330,9 @@ def for_each_instance_rewrite(
     Walks what :func:`for_each_instance` walks. A value held twice is converted once and both
     places get the same result, so aliasing survives. Containers and objects holding nothing
     selected are returned as they are; the others are copied (shallowly), never mutated. Tuples
-    stay tuples and namedtuples keep their type (PyTorch/XLA turns tuples into lists).
+    stay tuples and namedtuples keep their type (PyTorch/XLA turns tuples into lists). Objects
+    are walked through their attribute values. Cycles are followed once: a reference back to a
+    dict, list or object being copied points at its copy.
 
     Args:
         value: Any nesting of containers and objects.
@@ -332,14 +343,24 @@ def for_each_instance_rewrite(
         >>> cpu = xu.for_each_instance_rewrite(batch, xm.is_xla_tensor, lambda t: t.cpu())
     """
     memo: dict[int, tuple[Any, Any]] = {}  # id -> (result, original): originals keep ids unique
+    early: dict[int, Any] = {}  # id -> the copy a cycle back to a container being walked got
 
     def rewrite(item: Any) -> Any:
         key = id(item)
         if key in memo:
-            return memo[key][0]
+            result = memo[key][0]
+            if result is not _WALKING:
+                return result
+            if key not in early:  # a cycle: it gets the copy this item will be filled into
+                early[key] = copy.copy(item) if _fillable(item) else item
+            return early[key]
+        memo[key] = (_WALKING, item)
         result = _rewritten(item)
         memo[key] = (result, item)
         return result
+
+    def _copy(item: Any) -> Any:
+        return early.pop(id(item)) if id(item) in early else copy.copy(item)
 
     def _rewritten(item: Any) -> Any:
         if select_fn(item):
@@ -348,20 +369,21 @@ def for_each_instance_rewrite(
             return item
         if isinstance(item, dict):
             pairs = [(rewrite(k), rewrite(v)) for k, v in item.items()]
-            if all(nk is k and nv is v for (nk, nv), (k, v) in zip(pairs, item.items())):
+            same = all(nk is k and nv is v for (nk, nv), (k, v) in zip(pairs, item.items()))
+            if same and id(item) not in early:
                 return item
-            result = copy.copy(item)
+            result = _copy(item)
             result.clear()
             result.update(pairs)
             return result
         if isinstance(item, (list, tuple, set, frozenset)):
             entries = [rewrite(entry) for entry in item]
-            if all(new is old for new, old in zip(entries, item)):
+            if all(new is old for new, old in zip(entries, item)) and id(item) not in early:
                 return item
             if isinstance(item, tuple) and hasattr(item, "_fields"):
                 return type(item)(*entries)
-            if isinstance(item, list) and type(item) is not list:
-                result = copy.copy(item)
+            if isinstance(item, list):
+                result = _copy(item)
                 result[:] = entries
                 return result
             return type(item)(entries)
@@ -371,12 +393,13 @@ def for_each_instance_rewrite(
             if all(new is old for new, old in zip(entries, tensors)):
                 return item
             return item.from_tensors(entries)
-        if hasattr(item, "__dict__"):
-            state = rewrite(vars(item))
-            if state is vars(item):
+        if hasattr(item, "__dict__"):  # attribute values only, as PyTorch/XLA (not their names)
+            state = {name: rewrite(v) for name, v in vars(item).items()}
+            changed = {n: v for n, v in state.items() if v is not vars(item)[n]}
+            if not changed and id(item) not in early:
                 return item
-            result = copy.copy(item)
-            result.__dict__.update(state)
+            result = _copy(item)
+            result.__dict__.update(changed)
             return result
         return item
 

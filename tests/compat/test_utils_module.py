@@ -122,6 +122,38 @@ def test_for_each_instance_rewrite_converts_a_shared_value_once():
     assert out == [9, [9]] and len(calls) == 1
 
 
+def test_rewrite_visits_attribute_values_not_names_in_the_walks_order():
+    class Obj:
+        def __init__(self):
+            self.a = {"k": [1, 2], 4.5: "y"}
+            self.b = ("f", 17)
+
+    shared = Obj()
+    data = {2.5: 11, "w": [12, Obj(), shared], 123: shared}
+    walked, rewritten = [], []
+    atom = lambda x: isinstance(x, (int, str, float))  # noqa: E731
+    xu.for_each_instance(data, atom, walked.append)
+    xu.for_each_instance_rewrite(data, atom, lambda x: rewritten.append(x) or x)
+    assert walked == rewritten == [2.5, 11, "w", 12, "k", 1, 2, 4.5, "y", "f", 17, 123]
+
+
+def test_rewrite_follows_cycles_once_and_points_them_at_the_copies():
+    class Node:
+        pass
+
+    node, ring = Node(), [1]
+    node.value, node.me, node.ring = 1, node, ring
+    ring.append(ring)
+    calls = []
+    out = xu.for_each_instance_rewrite(
+        node, lambda x: type(x) is int, lambda x: calls.append(x) or x + 1
+    )
+    assert calls == [1]  # the shared int 1 converted once
+    assert out is not node and out.value == 2 and out.me is out
+    assert out.ring == [2, out.ring] and out.ring[1] is out.ring
+    assert node.value == 1 and node.me is node and ring[0] == 1  # the input is not mutated
+
+
 def test_shape_and_flatten():
     assert xu.shape([[1, 2, 3], [4, 5, 6]]) == [2, 3]
     assert xu.shape(7) == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import warnings
 
+import jaxlib.version
 import numpy as np
 import pytest
 import torch
@@ -17,6 +18,8 @@ import spmd_torch.debug.graph as graph
 import spmd_torch.debug.metrics as met
 import spmd_torch.distributed.spmd as xs
 import spmd_torch.runtime as xr
+from spmd_torch import config
+from spmd_torch._lazy import execute
 from tests.helpers import assert_close
 
 dev = spmd_torch.device()
@@ -291,3 +294,65 @@ def test_tensor_to_data_is_the_upload_time():
     assert "TensorToData" in met.short_metrics_report([], ["TensorToData"])
     met.clear_metrics()
     assert "TensorToData" not in met.metrics_report()
+
+
+# ---- tensor debug info, device types, buffers, uploads, revisions ------------------------------
+
+
+def test_debug_info_shows_the_pending_op_then_the_device_data():
+    assert xlac._get_xla_tensor_debug_info(torch.randn(5)) == "Not a XLATensor\n"
+    y = torch.randn(5).to(dev) + 5
+    info = xlac._get_xla_tensor_debug_info(y)
+    assert info.startswith("XLATensor {\n") and info.endswith("}\n")
+    assert "XLA Shape: f32[5]" in info and "IR: aten::add.Tensor" in info
+    assert "XLAData: None" in info
+    spmd_torch.sync()
+    info = xlac._get_xla_tensor_debug_info(y)
+    assert "IR: None" in info and "XLAData: None" not in info
+    assert "Data Shape: f32[5]" in info and f"Data Device: {xr.device_type()}:" in info
+
+
+@pytest.mark.parametrize(
+    "make,shape",
+    [
+        (lambda: torch.view_as_real(torch.randn(4, dtype=torch.cfloat).to(dev)), "f32[4,2]"),
+        (lambda: torch.view_as_complex(torch.randn(4, 2, dtype=torch.double).to(dev)), "c128[4]"),
+    ],
+)
+def test_debug_info_and_text_name_complex_views_by_their_own_type(make, shape):
+    t = make()
+    assert f"XLA Shape: {shape}" in xlac._get_xla_tensor_debug_info(t)
+    text = xlac._get_xla_tensors_text([t])
+    assert text.endswith("\n") and shape in text.split("\n")[-3]
+
+
+def test_shape_type_is_the_element_type_the_device_holds(monkeypatch):
+    half = torch.rand(3, dtype=torch.half).to(dev)
+    assert xlac._get_xla_tensor_shape_type(half * torch.tensor(7.0, dtype=torch.double)) == "f16"
+    assert xlac._get_xla_tensor_shape_type(torch.zeros(2, dtype=torch.bool).to(dev)) == "pred"
+    monkeypatch.setattr(config.USE_BF16, "value", True)
+    assert xlac._get_xla_tensor_shape_type(torch.zeros(2).to(dev)) == "bf16"
+
+
+def test_unsafe_buffer_pointer_is_the_device_arrays():
+    t = torch.arange(5, device=dev) * 2  # pending: computed first
+    pointer = xlac._unsafe_buffer_pointer(t)
+    (array,) = execute.materialize([t])
+    assert pointer > 0 and pointer == array.unsafe_buffer_pointer()
+    assert xlac._unsafe_buffer_pointer(torch.tensor(42, device=dev)) > 0
+
+
+def test_tensors_from_aten_uploads_each_to_its_device_outside_autograd():
+    cpu = [torch.randn(2, 3, requires_grad=True), torch.arange(4)]
+    out = xlac._xla_tensors_from_aten(cpu, ["xla:0", "xla:0"])
+    assert [t.device.type for t in out] == ["xla", "xla"] and not out[0].requires_grad
+    for got, want in zip(out, cpu):
+        assert_close(got.cpu(), want.detach())
+    with pytest.raises(ValueError, match="2 tensors but 1 devices"):
+        xlac._xla_tensors_from_aten(cpu, ["xla:0"])
+
+
+def test_git_revs_name_the_xla_jax_and_torch_builds():
+    revs = xlac._get_git_revs()
+    assert revs["torch"] == torch.version.git_version
+    assert revs["xla"] and revs["xla"] in (jaxlib.version._git_hash, f"jaxlib {jaxlib.__version__}")

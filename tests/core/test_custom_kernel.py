@@ -266,3 +266,26 @@ def test_bad_arguments_raise(kwargs, error, match):
     arguments = {n: t.to(dev) if isinstance(t, torch.Tensor) else t for n, t in arguments.items()}
     with pytest.raises(error, match=match):
         flash_attention(**arguments)
+
+
+# ---- repeat_with_fixed_output_size ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "repeats,total",
+    [
+        ([0, 1, 2, 0, 4, 0, 6, 7, 8, 9], 20),  # cut short
+        ([0, 5, 2, 0, 4, 9, 6, 7, 8, 0], 100),  # padded with the last element
+        ([3, 6, 2, 14, 27, 47, 8, 28, 0, 1], 135),
+    ],
+)
+def test_repeat_with_fixed_output_size_is_repeat_interleave_cut_or_padded(repeats, total):
+    from spmd_torch.experimental.custom_kernel import repeat_with_fixed_output_size
+
+    x, repeats = torch.arange(10, dtype=torch.int32), torch.tensor(repeats)
+    expected = torch.repeat_interleave(x, repeats)[:total]
+    expected = torch.cat([expected, x[-1].repeat(total - expected.shape[0])])
+    counters.COUNTERS.clear()
+    result = repeat_with_fixed_output_size(x.to(dev), repeats.to(dev), total)
+    assert not [n for n in counters.COUNTERS if n.startswith("aten::")]  # no CPU fallback
+    assert torch.equal(result.cpu(), expected)

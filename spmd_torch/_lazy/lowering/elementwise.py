@@ -28,6 +28,14 @@ def _sign(x):
     return (x > 0).astype(x.dtype) - (x < 0).astype(x.dtype)
 
 
+def _sgn(x):
+    """Complex: x / |x| (0 at 0; NaN where an infinite part makes |x| infinite), as ATen's."""
+    if not jnp.iscomplexobj(x):
+        return _sign(x)
+    magnitude = jnp.abs(x)
+    return jnp.where(magnitude == 0, 0, x / jnp.where(magnitude == 0, 1, magnitude))
+
+
 def _nan_to_num(x, nan=None, posinf=None, neginf=None):
     return jnp.nan_to_num(x, nan=0.0 if nan is None else nan, posinf=posinf, neginf=neginf)
 
@@ -56,10 +64,13 @@ register_table(
         aten.floor.default: jnp.floor,
         aten.round.default: jnp.round,
         aten.trunc.default: jnp.trunc,
-        (aten.sign.default, aten.sgn.default): _sign,
+        aten.sign.default: _sign,
+        aten.sgn.default: _sgn,
         aten.relu.default: lambda x: jnp.maximum(x, 0),
         aten.isnan.default: jnp.isnan,
         aten.isinf.default: jnp.isinf,
+        aten.isposinf.default: jnp.isposinf,
+        aten.isneginf.default: jnp.isneginf,
         aten.isfinite.default: jnp.isfinite,
         aten.signbit.default: jnp.signbit,
         aten.logical_not.default: jnp.logical_not,

@@ -8,6 +8,7 @@ contiguous arrays, so a view is just the array it reads.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -286,6 +287,21 @@ def _index_select(x, dim, index):
     return jnp.take(x, index.reshape(-1), axis=dim)
 
 
+@lowers(aten.searchsorted.Tensor, aten.searchsorted.Scalar)
+def _searchsorted(sorted_sequence, x, *, out_int32=False, right=False, side=None, sorter=None):
+    """Per row of the leading dims (or one 1-d sequence for every value), as ATen's."""
+    side = side or ("right" if right else "left")
+    if sorter is not None:
+        sorted_sequence = jnp.take_along_axis(sorted_sequence, sorter, axis=-1)
+    x = jnp.asarray(x)
+    search = partial(jnp.searchsorted, side=side)
+    if sorted_sequence.ndim == 1:
+        return search(sorted_sequence, x)
+    flat = jax.vmap(search)(sorted_sequence.reshape(-1, sorted_sequence.shape[-1]),
+                            x.reshape(-1, x.shape[-1]))  # fmt: skip
+    return flat.reshape(x.shape)
+
+
 @lowers(aten.gather.default)
 def _gather(x, dim, index, sparse_grad=False):
     """The index may be smaller than self along the other axes: gather from that corner of self.
@@ -308,7 +324,10 @@ def _scatter(x, dim, index, src):
 @lowers(aten.scatter_add.default)
 @_scalar_as_vector
 def _scatter_add(x, dim, index, src):
-    return x.at[_scatter_index(index, dim)].add(crop(src, index.shape))
+    """bool adds as PyTorch's bool addition does: True + True is True (a logical or)."""
+    at = x.at[_scatter_index(index, dim)]
+    src = crop(src, index.shape)
+    return at.max(src) if x.dtype == jnp.bool_ else at.add(src)
 
 
 @lowers(aten.scatter_reduce.two)

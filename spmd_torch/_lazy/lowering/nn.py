@@ -625,7 +625,8 @@ def _embedding_bag(
     num_bags, n = offsets.shape[0] - int(include_last_offset), indices.shape[0]
     bag = jnp.maximum(jnp.searchsorted(offsets[:num_bags], jnp.arange(n), side="right") - 1, 0)
     keep = _kept(indices, padding_idx)
-    bag_size = jnp.zeros(num_bags, indices.dtype).at[bag].add(keep.astype(indices.dtype))
+    # one per offset, as PyTorch's meta kernel has it (include_last_offset: a last one of 0)
+    bag_size = jnp.zeros(offsets.shape[0], indices.dtype).at[bag].add(keep.astype(indices.dtype))
     rows = _upcast(jnp.take(weight, indices, axis=0))
     if per_sample_weights is not None:
         rows = rows * per_sample_weights[:, None]
@@ -639,25 +640,54 @@ def _embedding_bag(
     out = jnp.full(shape, -jnp.inf, rows.dtype).at[bag].max(rows)
     position = jnp.where(rows == out[bag], jnp.arange(n)[:, None], n)
     first = jnp.full(shape, n).at[bag].min(position)
-    filled = (bag_size > 0)[:, None]
+    filled = (bag_size[:num_bags] > 0)[:, None]
     max_indices = jnp.where(filled, jnp.append(indices, 0)[first], 0)
     return jnp.where(filled, out, 0), bag, bag_size, max_indices
 
 
-@lowers(aten._embedding_bag_backward.default, aten._embedding_bag_dense_backward.default)
-def _embedding_bag_backward(grad, indices, *args):
-    """The dense gradient of the weight. PyTorch/XLA has no sparse tensors, so ``sparse=True`` gets
-    the dense gradient too (PyTorch/XLA runs the dense CPU kernel for it)."""
-    if len(args) == 10:  # _embedding_bag_backward: offsets first, sparse after mode
-        args = args[1:8] + args[9:]
-    offset2bag, bag_size, max_indices, num_weights, scale_grad_by_freq, mode = args[:6]
-    per_sample_weights, padding_idx = args[6:]
+@lowers(aten._embedding_bag_backward.default)
+def _embedding_bag_backward(
+    grad,
+    indices,
+    offsets,
+    offset2bag,
+    bag_size,
+    max_indices,
+    num_weights,
+    scale_grad_by_freq,
+    mode,
+    sparse,
+    per_sample_weights=None,
+    padding_idx=-1,
+):
+    """The weight's gradient, dense: PyTorch/XLA has no sparse tensors, so ``sparse=True`` gets
+    the dense gradient too (PyTorch/XLA runs the dense kernel for it)."""
+    return _embedding_bag_dense_backward(
+        grad, indices, offset2bag, bag_size, max_indices, num_weights,
+        scale_grad_by_freq, mode, per_sample_weights, padding_idx,
+    )  # fmt: skip
+
+
+@lowers(aten._embedding_bag_dense_backward.default)
+def _embedding_bag_dense_backward(
+    grad,
+    indices,
+    offset2bag,
+    bag_size,
+    max_indices,
+    num_weights,
+    scale_grad_by_freq,
+    mode,
+    per_sample_weights=None,
+    padding_idx=-1,
+):
+    """Each bag's gradient back to its rows (max: to the row each column's maximum came from)."""
     shape = (num_weights, grad.shape[1])
     grad = _upcast(grad)
     if mode == _BAG_MAX:
         columns = jnp.arange(grad.shape[1])[None, :]
         rows = jnp.where(max_indices >= 0, max_indices, 0)
-        grad = jnp.where((bag_size > 0)[:, None], grad, 0)
+        grad = jnp.where((bag_size[: grad.shape[0]] > 0)[:, None], grad, 0)
         return jnp.zeros(shape, grad.dtype).at[rows, columns].add(grad)
     rows = grad[offset2bag]
     if mode == _BAG_MEAN:
@@ -669,6 +699,15 @@ def _embedding_bag_backward(grad, indices, *args):
         rows = rows / counts[indices][:, None]
     rows = jnp.where(_kept(indices, padding_idx)[:, None], rows, 0)
     return jnp.zeros(shape, rows.dtype).at[indices].add(rows)
+
+
+@lowers(aten._embedding_bag_per_sample_weights_backward.default)
+def _embedding_bag_per_sample_weights_backward(
+    grad, weight, indices, offsets, offset2bag, mode, padding_idx=-1
+):
+    """d(out)/d(per_sample_weights): each index's row dotted with its bag's gradient (sum mode)."""
+    dots = jnp.sum(_upcast(grad)[offset2bag] * jnp.take(weight, indices, axis=0), axis=1)
+    return jnp.where(_kept(indices, padding_idx), dots, 0)
 
 
 # --- upsampling ----------------------------------------------------------------------------------

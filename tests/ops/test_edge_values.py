@@ -1,0 +1,47 @@
+"""Lowerings at the values OpInfo samples miss: bool scatter_add, complex sgn at zero, inf and NaN,
+isneginf/isposinf in half precision, searchsorted over rows and with a sorter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import assert_matches_eager
+
+
+def test_scatter_add_on_bool_is_a_logical_or():
+    index = torch.tensor([[0, 1, 2, 0, 0], [2, 0, 0, 1, 2]])
+    src = torch.tensor([[True, False, True, True, False], [True, True, False, False, True]])
+    assert_matches_eager(
+        lambda b, i, s: b.scatter_add(0, i, s), torch.zeros(3, 5, dtype=torch.bool), index, src
+    )
+
+
+def test_sgn_of_complex_zero_inf_and_nan():
+    inf, nan = float("inf"), float("nan")
+    values = [complex(inf, -inf), complex(nan, nan), 0j, complex(inf, 0), complex(-inf, 0), 3 + 4j]
+    assert_matches_eager(torch.sgn, torch.tensor(values, dtype=torch.complex64))
+
+
+@pytest.mark.parametrize("op", [torch.isneginf, torch.isposinf])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.int64])
+def test_isneginf_isposinf(op, dtype):
+    values = torch.tensor([float("-inf"), -1, 0, float("inf"), float("nan")])
+    if dtype == torch.int64:
+        values = torch.tensor([-(2**40), 0, 7])
+    assert_matches_eager(op, values.to(dtype))
+
+
+@pytest.mark.parametrize("right", [False, True])
+def test_searchsorted_rows_scalar_and_sorter(right):
+    rows = torch.tensor([[1, 3, 5, 7, 9], [2, 4, 6, 8, 10]])
+    values = torch.tensor([[3, 6, 9], [0, 6, 11]])
+    assert_matches_eager(lambda s, v: torch.searchsorted(s, v, right=right), rows, values)
+    assert_matches_eager(
+        lambda s, v: torch.searchsorted(s, v, right=right, out_int32=True), rows[0], values
+    )
+    shuffled, sorter = torch.tensor([5, 1, 9, 3, 7]), torch.tensor([1, 3, 0, 4, 2])
+    assert_matches_eager(
+        lambda s, v, o: torch.searchsorted(s, v, sorter=o, right=right), shuffled, values, sorter
+    )
+    assert_matches_eager(lambda s: torch.searchsorted(s, 5, right=right), rows[0])
