@@ -13,7 +13,8 @@ internals (``_get_graph_hash``, buffer donation flags, ``_get_tensors_xla_device
 ``xla::OpSharding`` values (``OpSharding``, ``_xla_mark_sharding``,
 ``_global_tensor_from_cpu_shards``, ``_spmd_full_to_shard_shape``), custom calls and lowering
 hooks (``_xla_tpu_custom_call``, ``lowering``: its ``LoweringContext`` builds an HLO module proto
-from PyTorch/XLA's IR, which does not exist here), and the preemption sync manager.
+from PyTorch/XLA's IR, which does not exist here). The preemption sync manager's calls are the
+distributed checkpoint package's (JAX's preemption service across processes).
 ``_get_xla_tensor_debug_info`` describes this runtime's own state of a tensor (its pending op or
 its device buffer) in PyTorch/XLA's layout.
 
@@ -56,9 +57,20 @@ from spmd_torch.debug.metrics import metrics_report as _xla_metrics_report
 from spmd_torch.debug.metrics import short_metrics_report as _short_xla_metrics_report
 from spmd_torch.distributed.spmd import xla_sharding as xs
 from spmd_torch.distributed.spmd.xla_sharded_tensor import annotated_tiling
+from spmd_torch.experimental.distributed_checkpoint._preemption import (
+    activate_preemption_sync_manager as _activate_preemption_sync_manager,
+)
+from spmd_torch.experimental.distributed_checkpoint._preemption import (
+    deactivate_preemption_sync_manager as _deactivate_preemption_sync_manager,
+)
+from spmd_torch.experimental.distributed_checkpoint._preemption import (
+    sync_point_reached as _sync_point_reached,
+)
 
 __all__ = [
+    "_activate_preemption_sync_manager",
     "_clear_xla_counters",
+    "_deactivate_preemption_sync_manager",
     "_clear_xla_metrics",
     "_ensure_xla_coordinator_initialized",
     "_get_executed_fallback_ops",
@@ -72,6 +84,7 @@ __all__ = [
     "_get_xla_tensors_hlo",
     "_get_xla_tensors_text",
     "_short_xla_metrics_report",
+    "_sync_point_reached",
     "_unsafe_buffer_pointer",
     "_xla_clear_sharding",
     "_xla_counter_names",

@@ -77,6 +77,25 @@ def test_max_to_keep_deletes_the_lowest_steps_and_keeps_the_newest(tmp_path):
     assert torch.equal(values, torch.full((16, 4), 5.0))
 
 
+def test_max_to_keep_deletes_the_earliest_saved_whatever_the_step(tmp_path):
+    """PyTorch/XLA's retention: the oldest checkpoint goes, by when it was saved (a step saved
+    again is new), and the order holds for a new manager on the directory."""
+    manager = xc.CheckpointManager(tmp_path, save_interval=10, max_to_keep=2)
+    kept = []
+    for step, expected in ((10, [10]), (20, [10, 20]), (30, [20, 30]), (10, [10, 30])):
+        assert manager.save(step, {"w": sharded(torch.full((16, 4), float(step))), "step": step})
+        kept.append(manager.all_steps())
+    assert kept == [[10], [10, 20], [20, 30], [10, 30]]
+
+    manager = xc.CheckpointManager(tmp_path, save_interval=10, max_to_keep=2)
+    manager.save_async(20, {"w": sharded(torch.full((16, 4), 21.0)), "step": 20})
+    manager.join()
+    assert manager.all_steps() == [10, 20]
+    assert sorted(os.listdir(tmp_path)) == ["10", "20"]
+    values, step = restored(manager, 10)
+    assert torch.equal(values, torch.full((16, 4), 10.0)) and step == 10
+
+
 def test_async_save_holds_the_values_of_its_step_whatever_runs_next(tmp_path):
     manager = xc.CheckpointManager(tmp_path, save_interval=1, max_pending_async=2)
     torch.manual_seed(0)

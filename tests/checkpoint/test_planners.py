@@ -19,6 +19,10 @@ import spmd_torch
 import spmd_torch.distributed.spmd as xs
 import spmd_torch.runtime as xr
 from spmd_torch._lazy import placement
+from spmd_torch.experimental.distributed_checkpoint._helpers import (
+    _CpuShards,
+    _sharded_cpu_state_dict,
+)
 from spmd_torch.experimental.distributed_checkpoint.planners import SPMDLoadPlanner, SPMDSavePlanner
 from tests.helpers import assert_close
 
@@ -238,6 +242,110 @@ def test_each_distinct_target_shard_reads_only_the_chunks_it_overlaps(spmd_mode,
     assert got == [(shard, shard + row) for shard in (0, 2, 4, 6) for row in (0, 1)]
     _load({"w": wrapped}, tmp_path)
     assert_close(target, values, tol="exact")
+
+
+def _mixed_state() -> tuple[dict, dict]:
+    """A nested state dict with tiled, partially replicated, replicated, single-layout and CPU
+    tensors and a Python value, and its CPU values."""
+    values = {"tiled": torch.randn(8, 4), "partial": torch.randn(20, 3), "repl": torch.randn(6)}
+    tiled, partial, repl = (values[k].to(dev) for k in ("tiled", "partial", "repl"))
+    xs.mark_sharding(tiled, MESHES["4x2"](), ("x", "y"))
+    xs.mark_sharding(partial, MESHES["4x2"](), ("x", None))  # uneven, replicated over "y"
+    xs.mark_sharding(repl, MESHES["4x2"](), (None,))
+    cpu = torch.randn(3)
+    state = {"m": {"tiled": tiled, "partial": partial, "repl": repl}, "cpu": cpu, "step": 7}
+    expected = {"m": dict(values), "cpu": cpu.clone(), "step": 7}
+    return state, expected
+
+
+UNSHARDED = ["m.repl", "cpu", "step"]
+
+
+@pytest.mark.parametrize("on_cpu", [False, True], ids=["xla", "cpu_shards"])
+def test_save_planner_separates_tensors_split_over_devices(spmd_mode, on_cpu):
+    state, _ = _mixed_state()
+    planner = SPMDSavePlanner()
+    planner.set_up_planner(_sharded_cpu_state_dict(state) if on_cpu else state, True)
+
+    assert planner.is_coordinator
+    assert sorted(planner.sharded_state_dict) == ["m.partial", "m.tiled"]
+    kind = _CpuShards if on_cpu else xs.XLAShardedTensor
+    assert all(type(v) is kind for v in planner.sharded_state_dict.values())
+    assert sorted(planner.unsharded_state_dict) == sorted(UNSHARDED)
+    assert planner.unsharded_state_dict["step"] == 7
+    repl = planner.unsharded_state_dict["m.repl"]
+    assert repl.device.type == ("cpu" if on_cpu else "xla")
+    assert not isinstance(repl, xs.XLAShardedTensor)
+
+
+def test_load_planner_separates_tensors_split_over_devices(spmd_mode, tmp_path):
+    state, _ = _mixed_state()
+    _save(state, tmp_path)
+    planner = SPMDLoadPlanner()
+    planner.set_up_planner(state, dist_cp.FileSystemReader(tmp_path).read_metadata(), True)
+
+    assert sorted(planner.sharded_state_dict) == ["m.partial", "m.tiled"]
+    assert planner.sharded_state_dict["m.tiled"].global_tensor is state["m"]["tiled"]
+    assert sorted(planner.unsharded_state_dict) == sorted(UNSHARDED)
+    assert planner.unsharded_state_dict["m.repl"] is state["m"]["repl"]
+
+
+@pytest.mark.parametrize("on_cpu", [False, True], ids=["xla", "cpu_shards"])
+def test_a_write_item_names_its_local_shard(spmd_mode, on_cpu):
+    """One write item per distinct shard, ``index.index`` its place in ``local_shards`` (replicas
+    on devices 1, 3, 5, 7 and the shard of padding are not written); one per unsharded tensor."""
+    state, _ = _mixed_state()
+    planner = SPMDSavePlanner()
+    planner.set_up_planner(_sharded_cpu_state_dict(state) if on_cpu else state, True)
+
+    items = planner.create_local_plan().items
+
+    by_key: dict = {}
+    for item in items:
+        by_key.setdefault(item.index.fqn, []).append(item)
+    assert sorted(by_key) == ["cpu", "m.partial", "m.repl", "m.tiled", "step"]
+    assert [len(by_key[k]) for k in ("cpu", "m.repl", "step")] == [1, 1, 1]
+    partial = sorted(by_key["m.partial"], key=lambda item: item.index.index)
+    # 20 rows over 4: rows 0-4, 5-9, 10-14, 15-19 on devices 0/1, 2/3, 4/5, 6/7.
+    assert [item.index.index for item in partial] == [0, 2, 4, 6]
+    assert [item.index.offset for item in partial] == [(0, 0), (5, 0), (10, 0), (15, 0)]
+    assert sorted(item.index.index for item in by_key["m.tiled"]) == list(range(8))
+    for key in ("m.tiled", "m.partial"):
+        shards = xs.wrap_if_sharded(_fqn(state, key)).local_shards
+        for item in by_key[key]:
+            shard = shards[item.index.index]
+            assert item.index.offset == torch.Size(s.start for s in shard.indices)
+            assert_close(planner.resolve_data(item), shard.data, tol="exact")
+
+
+def _fqn(state: dict, key: str):
+    value = state
+    for part in key.split("."):
+        value = value[part]
+    return value
+
+
+@pytest.mark.parametrize("target", ["cpu", "xla_default", "xla_spmd"])
+def test_cpu_shards_round_trip(spmd_mode, tmp_path, target):
+    state, expected = _mixed_state()
+    _save(_sharded_cpu_state_dict(state), tmp_path)
+
+    metadata = dist_cp.FileSystemReader(tmp_path).read_metadata().state_dict_metadata
+    chunks = sorted(tuple(c.offsets) for c in metadata["m.partial"].chunks)
+    assert chunks == [(0, 0), (5, 0), (10, 0), (15, 0)]  # each distinct shard once
+    out = {"m": {k: torch.zeros_like(v) for k, v in expected["m"].items()}}
+    out.update(cpu=torch.zeros(3), step=0)
+    if target == "cpu":  # DCP's default planner
+        dist_cp.load(out, storage_reader=dist_cp.FileSystemReader(tmp_path))
+    else:
+        out["m"] = {k: v.to(dev) for k, v in out["m"].items()}
+        if target == "xla_spmd":
+            xs.mark_sharding(out["m"]["tiled"], MESHES["2x4"](), ("y", None))
+            xs.mark_sharding(out["m"]["partial"], MESHES["1d"](), (None, "data"))
+            _load(out, tmp_path)
+        else:
+            dist_cp.load(out, storage_reader=dist_cp.FileSystemReader(tmp_path))
+    assert_close(out, expected, tol="exact")
 
 
 def test_a_planner_keeps_nothing_from_its_last_checkpoint(spmd_mode, tmp_path):

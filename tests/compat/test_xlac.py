@@ -356,3 +356,14 @@ def test_git_revs_name_the_xla_jax_and_torch_builds():
     revs = xlac._get_git_revs()
     assert revs["torch"] == torch.version.git_version
     assert revs["xla"] and revs["xla"] in (jaxlib.version._git_hash, f"jaxlib {jaxlib.__version__}")
+
+
+def test_preemption_sync_manager_calls_reach_the_checkpoint_package():
+    from spmd_torch.experimental.distributed_checkpoint import _preemption
+
+    xlac._activate_preemption_sync_manager()
+    try:
+        assert xlac._sync_point_reached(1) is False  # no SIGTERM seen
+    finally:
+        xlac._deactivate_preemption_sync_manager()
+    assert xlac._sync_point_reached is _preemption.sync_point_reached

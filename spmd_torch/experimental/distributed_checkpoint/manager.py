@@ -10,9 +10,10 @@ import threading
 from collections import deque
 
 import jax
+import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from . import _io, _orbax
+from . import _io, _orbax, _preemption
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +34,9 @@ class CheckpointManager:
     Args:
         path: The directory holding the checkpoints (created if missing).
         save_interval: Take a checkpoint when ``step % save_interval == 0``.
-        max_to_keep: Keep at most this many checkpoints, deleting the lowest steps; 0 keeps all.
-            The newest complete checkpoint is never deleted.
+        max_to_keep: Keep at most this many checkpoints, deleting the oldest (the earliest
+            saved, whatever their steps, as in PyTorch/XLA; a step saved again counts as new);
+            0 keeps all. The newest complete checkpoint is never deleted.
         max_pending_async: At most this many :meth:`save_async` writes in flight; the next one
             waits for the oldest.
         process_group: Ignored (PyTorch/XLA needs a gloo group; this runtime does not).
@@ -161,13 +163,22 @@ class CheckpointManager:
         return True
 
     def _release_oldest(self) -> None:
-        """Delete the lowest steps beyond ``max_to_keep`` (never the newest complete one); the
-        first host does, for all of them."""
+        """Delete the oldest checkpoints beyond ``max_to_keep``, by the time their save began (as
+        PyTorch/XLA, whatever their steps; never the newest complete one); the first host does,
+        for all of them."""
         if not self.max_to_keep or jax.process_index() != 0:
             return
-        steps = self._complete_steps()
+        steps = sorted(self._complete_steps(), key=lambda step: (self._created(step), step))
         for step in steps[: max(0, len(steps) - self.max_to_keep)]:
             shutil.rmtree(self._path(step), ignore_errors=True)
+
+    def _created(self, step: int) -> int:
+        """When the checkpoint of ``step`` began to be written (ns), from orbax's step metadata;
+        0 for a directory without it, so those go first."""
+        try:
+            return ocp.metadata.get_step_metadata(self._path(step)).init_timestamp_nsecs or 0
+        except (OSError, ValueError):
+            return 0
 
     def _reap(self) -> None:
         """Finish background writes that are done or about to be, raising the error of a failed
@@ -226,15 +237,7 @@ class CheckpointManager:
         if self._preempted.is_set():
             return True
         if jax.process_count() > 1:
-            return _jax_preemption(step)
-        return False
-
-
-def _jax_preemption(step: int) -> bool:
-    """JAX's preemption sync point, agreed by every process (needs jax.distributed)."""
-    try:
-        return multihost_utils.reached_preemption_sync_point(step)
-    except RuntimeError:  # the distributed runtime has no preemption service
+            return _preemption.jax_sync_point_reached(step)
         return False
 
 
