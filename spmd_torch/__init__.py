@@ -34,11 +34,21 @@ __version__ = "0.1.0"
 def device(index: int | None = None) -> torch.device:
     """The xla device (``torch.device('xla:0')``); tensors moved there are traced lazily.
 
+    Raises:
+        IndexError: ``index`` is not 0: the process has one logical device, spanning every
+            accelerator (shard tensors over them with a mesh).
+
     Example:
         >>> dev = spmd_torch.device()
         >>> x = torch.ones(2, 2, device=dev) * 3
     """
-    return torch.device(_DEVICE.type, index or 0)
+    if index not in (None, 0):
+        raise IndexError(
+            f"device({index}): this process has one logical device, xla:0, spanning its "
+            f"{_runtime.addressable_runtime_device_count()} accelerators; shard tensors over "
+            "them with a mesh"
+        )
+    return torch.device(_DEVICE.type, 0)
 
 
 def devices() -> list[torch.device]:

@@ -64,12 +64,15 @@ def xla_device(n: int | None = None, devkind: str | None = None) -> torch.device
         devkind: Deprecated in PyTorch/XLA; if given it must equal
             :func:`spmd_torch.runtime.device_type`.
 
+    Raises:
+        IndexError: ``n`` is another ordinal (as PyTorch/XLA for an ordinal out of range).
+
     Example:
         >>> dev = xm.xla_device()
         >>> x = torch.zeros(4, device=dev)
     """
     if n not in (None, 0):
-        raise ValueError(
+        raise IndexError(
             f"xla_device(n={n}): the SPMD program has one logical device, xla:0; shard tensors "
             f"over the {runtime.global_runtime_device_count()} accelerators with a mesh instead"
         )

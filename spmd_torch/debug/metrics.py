@@ -10,7 +10,8 @@ PyTorch/XLA's, and tests can count events instead of timing them.
 
 A few of PyTorch/XLA's names are other names of events recorded here (``ALIASES``): the counters
 ``ExecuteComputation`` and ``ExecuteReplicated`` count the programs run on one device and over
-several (the samples of ``ExecuteTime`` and ``ExecuteReplicatedTime``), and the metric
+several (the samples of ``ExecuteTime`` and ``ExecuteReplicatedTime``), ``CreateCompileHandles``
+the programs compiled (``CompileTime``'s samples), and the metric
 ``TensorToData`` times each tensor's upload (``TransferToDeviceTime``'s samples).
 """
 
@@ -38,6 +39,7 @@ _BYTE_METRICS = ("OutboundData", "InboundData")  # PyTorch/XLA reports these in 
 _DEFAULT_COUNTERS = ("CachedCompile", "MarkStep")
 # PyTorch/XLA's name -> the metric recording the same event (a counter counts its samples).
 COUNTED_METRICS = {
+    "CreateCompileHandles": "CompileTime",
     "ExecuteComputation": "ExecuteTime",
     "ExecuteReplicated": "ExecuteReplicatedTime",
 }

@@ -272,6 +272,15 @@ def test_execute_computation_counts_one_device_programs():
     assert "Counter: ExecuteComputation\n  Value: 3" in met.metrics_report()
 
 
+def test_create_compile_handles_counts_compiles():
+    met.clear_all()
+    for shape in [(13, 7), (11, 7), (13, 7)]:  # two distinct programs, then a cache hit
+        (torch.ones(shape).to(dev) * 5).cpu()
+    assert met.counter_value("CreateCompileHandles") == met.metric_data("CompileTime")[0] == 2
+    report = met.short_metrics_report(counter_names=["CreateCompileHandles"])
+    assert "Counter: CreateCompileHandles\n  Value: 2" in report
+
+
 def test_execute_replicated_counts_programs_over_the_mesh_from_the_last_clear(spmd_mode):
     (torch.ones(8).to(dev) + 1).cpu()
     met.clear_counters()  # the metric keeps its samples; the counter starts over

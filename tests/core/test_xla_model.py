@@ -128,8 +128,10 @@ def test_xla_device_is_the_one_logical_device():
 
 
 def test_xla_device_rejects_other_ordinals_and_kinds():
-    with pytest.raises(ValueError, match="n=1"):
+    with pytest.raises(IndexError, match="n=1"):
         xm.xla_device(1)
+    with pytest.raises(IndexError, match=r"device\(10\): this process has one logical device"):
+        spmd_torch.device(10)
     with pytest.raises(RuntimeError, match="'TPU'"):
         xm.xla_device(devkind="TPU")
 
