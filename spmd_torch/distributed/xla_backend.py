@@ -21,6 +21,14 @@ all_gather and reduce_scatter groups need one size. A collective that only the m
 the other replicas record none, is a ``CollectiveMismatchError`` at the barrier (naming the
 replicas), never a hang.
 
+A group's ``_mesh`` (PyTorch/XLA's name) holds the replica groups its collectives run over, and
+``dist.new_group`` chooses it as PyTorch/XLA's does: ``pg_options={'xla_pg_options': {'spmd':
+True}}`` infers the rectangular mesh ``ranks`` is a row or a column of (one group per replica for
+a single rank; any other slice is a ValueError), ``{'mesh': [[...], ...]}`` names it. A mesh that
+splits every replica into groups of one size is passed to the xm collectives as their ``groups``
+(one grouped collective, no gather of the whole world); a group without those options keeps its
+own ranks as its mesh and runs through the membership mask above.
+
 Replicas are threads of one process, while ``torch.distributed`` keeps its groups in one global
 (``distributed_c10d._world``). This module replaces that global with one that gives each replica
 thread a world of its own, created fresh when the replica first touches ``torch.distributed``;
@@ -30,12 +38,15 @@ below the imports.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 import threading
 import urllib.parse
 import weakref
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -306,7 +317,10 @@ class ProcessGroupXla(dist.ProcessGroup):
     result is copied back, which is a barrier), so ``all_gather_object`` and
     ``broadcast_object_list`` work. A group of ``dist.new_group(ranks)`` over some replicas
     reduces, gathers and broadcasts among its members only (see the module's docstring for how,
-    and what every replica must do); its ``barrier`` meets only its members.
+    and what every replica must do); its ``barrier`` meets only its members. ``_mesh`` holds the
+    replica groups the collectives run over (``[]``: every replica). ``allgather_coalesced``
+    gathers each input; ``allreduce_coalesced``, ``recv_anysource`` and ``monitored_barrier``
+    raise NotImplementedError, as in PyTorch/XLA.
 
     Args:
         prefix_store: The store c10d hands the backend (unused: replicas meet in the graph).
@@ -327,7 +341,11 @@ class ProcessGroupXla(dist.ProcessGroup):
         super().__init__(rank, size)
         self.prefix_store = prefix_store
         self.timeout = timeout
-        self._group: _Subgroup | None | bool = False  # False: not looked up yet
+        # The replica groups this group's collectives run over, global ranks in group-rank order
+        # (PyTorch/XLA's name): [] for every replica as one group, until dist.new_group sets it
+        # (see _new_group) or the first collective reads the members c10d registered.
+        self._mesh: list[list[int]] = []
+        self._plan: _Subgroup | list[list[int]] | None | bool = False  # False: not resolved yet
 
     def getBackendName(self) -> str:
         return "xla"
@@ -341,22 +359,46 @@ class ProcessGroupXla(dist.ProcessGroup):
     def group_name(self) -> str:
         return self._group_name
 
-    def _subgroup(self) -> _Subgroup | None:
-        """None for a group of every replica, else its members as data (looked up once: c10d
-        records a group's ranks in the replica's world after creating it)."""
-        if self._group is False:
-            ranks = c10d._world.pg_group_ranks.get(self)
-            members = list(range(runtime.world_size()))
+    def _groups(self) -> _Subgroup | list[list[int]] | None:
+        """How this group's collectives run, resolved once from ``_mesh``: None over every
+        replica; the mesh itself when it splits the replicas into groups of one size (the xm
+        collectives' ``groups``: each replica's collective on its own group is one node); else a
+        ``_Subgroup`` of its one group's members (a group that other replicas need not share)."""
+        if self._plan is not False:
+            return self._plan
+        world = list(range(runtime.world_size()))
+        if not self._mesh:
+            ranks = c10d._world.pg_group_ranks.get(self)  # c10d records them after creating us
             if ranks is not None:
-                members = sorted(ranks, key=ranks.get)  # global ranks in group-rank order
-            elif self.size() != len(members):
+                self._mesh = [sorted(ranks, key=ranks.get)]  # global ranks in group-rank order
+            elif self.size() != len(world):
                 raise RuntimeError(
                     f"xla process group of {self.size()} replicas that torch.distributed did not "
                     "register: create subgroups with dist.new_group(ranks)"
                 )
-            spans = members == list(range(runtime.world_size()))
-            self._group = None if spans else _Subgroup(members)
-        return self._group
+        mesh = self._mesh
+        if not mesh or mesh == [world]:
+            self._plan = None
+        elif _splits(mesh, len(world)):
+            self._plan = mesh
+        elif len(mesh) == 1 and set(mesh[0]) <= set(world):
+            self._plan = _Subgroup(mesh[0])
+        else:
+            raise ValueError(
+                f"xla process group: its mesh {mesh} does not split the {len(world)} replicas of "
+                "this launch into groups of one size"
+            )
+        return self._plan
+
+    def _own_group(self) -> list[int]:
+        """The global ranks of this replica's group, in group-rank order."""
+        groups = self._groups()
+        if groups is None:
+            return list(range(runtime.world_size()))
+        if isinstance(groups, _Subgroup):
+            return groups.members
+        ordinal = runtime.global_ordinal()
+        return next(group for group in groups if ordinal in group)
 
     def _reduce_type(self, op: dist.ReduceOp, collective: str) -> tuple[str, bool]:
         """The xm reduce type of a c10d reduce op, and whether to average."""
@@ -369,10 +411,10 @@ class ProcessGroupXla(dist.ProcessGroup):
 
     def _reduced(self, value: torch.Tensor, reduce_type: str, average: bool) -> torch.Tensor:
         """``value`` reduced over the group (averaged if ``average``)."""
-        sub = self._subgroup()
-        if sub is None:
+        sub = self._groups()
+        if not isinstance(sub, _Subgroup):
             scale = 1.0 / self.size() if average else 1.0
-            return xm.all_reduce(reduce_type, value, scale=scale, pin_layout=False)
+            return xm.all_reduce(reduce_type, value, scale=scale, groups=sub, pin_layout=False)
         reduced = sub.reduce(value, reduce_type)
         if not average:
             return reduced
@@ -382,9 +424,9 @@ class ProcessGroupXla(dist.ProcessGroup):
 
     def _gathered(self, value: torch.Tensor) -> torch.Tensor:
         """The members' values stacked in group order."""
-        sub = self._subgroup()
-        if sub is None:
-            return xm.all_gather(value.unsqueeze(0), dim=0, pin_layout=False)
+        sub = self._groups()
+        if not isinstance(sub, _Subgroup):
+            return xm.all_gather(value.unsqueeze(0), dim=0, groups=sub, pin_layout=False)
         return sub.gather(value)
 
     @torch.no_grad()
@@ -395,9 +437,10 @@ class ProcessGroupXla(dist.ProcessGroup):
             (opts or dist.AllreduceOptions()).reduceOp, "allreduce"
         )
         values = _on_device(tensors)
-        if self._subgroup() is None:  # one node for the list
+        groups = self._groups()
+        if not isinstance(groups, _Subgroup):  # one node for the list
             scale = 1.0 / self.size() if average else 1.0
-            xm.all_reduce(reduce_type, values, scale=scale, pin_layout=False)
+            xm.all_reduce(reduce_type, values, scale=scale, groups=groups, pin_layout=False)
         else:
             for value in values:
                 value.copy_(self._reduced(value, reduce_type, average))
@@ -477,10 +520,12 @@ class ProcessGroupXla(dist.ProcessGroup):
             )
         (value,) = _on_device([input])
         rows = value.reshape(self.size(), output.numel())
-        sub = self._subgroup()
-        if sub is None:
+        sub = self._groups()
+        if not isinstance(sub, _Subgroup):
             scale = 1.0 / self.size() if average else 1.0
-            shard = xm.reduce_scatter(reduce_type, rows, scale, 0, self.size(), pin_layout=False)
+            shard = xm.reduce_scatter(
+                reduce_type, rows, scale, 0, self.size(), groups=sub, pin_layout=False
+            )
         else:
             shard = sub.own(self._reduced(rows, reduce_type, average))
         output.copy_(shard.reshape(output.shape))
@@ -493,32 +538,53 @@ class ProcessGroupXla(dist.ProcessGroup):
         self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions | None = None
     ) -> dist.Work:
         root = (opts or dist.BroadcastOptions()).rootRank  # a rank in the group
-        sub = self._subgroup()
-        if sub is not None:
+        sub = self._groups()
+        if isinstance(sub, _Subgroup):
             for tensor in tensors:
                 (value,) = _on_device([tensor])
                 tensor.copy_(sub.from_root(value, root))
             return _completed(tensors)
-        # As PyTorch/XLA: an all-reduce in which only the root contributes. The mask is data, not
-        # a Python branch, so every replica records the same graph.
+        # As PyTorch/XLA: an all-reduce (over each group of the mesh) in which only the root
+        # contributes. The mask is data, not a Python branch, so every replica records the same
+        # graph.
         (not_root,) = _on_device([torch.tensor(self.rank() != root)])
         for tensor in tensors:
             (value,) = _on_device([tensor])
             contribution = [value.masked_fill(not_root, 0)]
             reduce_type = xm.REDUCE_OR if tensor.dtype == torch.bool else xm.REDUCE_SUM
-            xm.all_reduce(reduce_type, contribution, pin_layout=False)
+            xm.all_reduce(reduce_type, contribution, groups=sub, pin_layout=False)
             tensor.copy_(contribution[0])
         return _completed(tensors)
 
     def barrier(self, opts: dist.BarrierOptions | None = None) -> dist.Work:
         # Replicas meet here (what a script relies on, e.g. rank 0 writes a file the others read);
         # pending device work is not flushed, as in PyTorch/XLA. A subgroup's members meet alone.
-        sub = self._subgroup()
-        if sub is None:
+        if self._groups() is None:
             xm.rendezvous("torch.distributed.barrier")
         else:
-            xm.rendezvous(f"torch.distributed.barrier:{sub.members}", replicas=sub.members)
+            members = self._own_group()
+            xm.rendezvous(f"torch.distributed.barrier:{members}", replicas=members)
         return _completed([])
+
+    @torch.no_grad()
+    def allgather_coalesced(
+        self,
+        output_tensors: list[list[torch.Tensor]],
+        input_tensors: list[torch.Tensor],
+        opts: dist.AllgatherOptions | None = None,
+    ) -> dist.Work:
+        """``all_gather`` of each input into its list of outputs (all in the step's program)."""
+        return self.allgather(output_tensors, input_tensors, opts)
+
+    # Not provided, as in PyTorch/XLA: a clear error rather than c10d's argument mismatch.
+    def allreduce_coalesced(self, *args: object) -> dist.Work:
+        raise NotImplementedError("xla process group: allreduce_coalesced is not implemented")
+
+    def recv_anysource(self, *args: object) -> dist.Work:
+        raise NotImplementedError("xla process group: recv_anysource is not implemented")
+
+    def monitored_barrier(self, *args: object) -> dist.Work:
+        raise NotImplementedError("xla process group: monitored_barrier is not implemented")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -556,9 +622,89 @@ def _rendezvous_handler(url: str, **kwargs: object) -> Iterator[tuple[dist.Store
     yield dist.HashStore(), rank, size
 
 
+def _splits(mesh: list[list[int]], world_size: int) -> bool:
+    """Whether ``mesh`` splits ranks ``0..world_size-1`` into disjoint groups of one size."""
+    members = sorted(rank for group in mesh for rank in group)
+    return members == list(range(world_size)) and len({len(group) for group in mesh}) == 1
+
+
+def _infer_mesh(ranks: list[int], world_size: int) -> list[list[int]]:
+    """The rectangular mesh of ``world_size`` ranks of which ``ranks`` is one row or column.
+
+    A row is ``len(ranks)`` consecutive ranks starting at a multiple of its length (``[4, 5, 6,
+    7]`` of 12: rows of 4); a column starts in the first row and steps by the row count
+    (``[1, 5, 9]`` of 12: columns of 3 stepping by 4). Anything else is a ValueError.
+    """
+    length = len(ranks)
+    if world_size % length:
+        raise ValueError(
+            f"new_group(ranks={ranks}): {length} ranks are not a side of a rectangle of the "
+            f"{world_size} ranks"
+        )
+    count = world_size // length  # groups in the mesh
+    start, step = ranks[0], ranks[1] - ranks[0]
+    if ranks != list(range(start, start + step * length, step)) or step < 1:
+        raise ValueError(f"new_group(ranks={ranks}): the ranks are not evenly spaced")
+    if step == 1 and start % length == 0:  # a row
+        return [list(range(k * length, (k + 1) * length)) for k in range(count)]
+    if step == count and start < count:  # a column
+        return [list(range(k, world_size, count)) for k in range(count)]
+    raise ValueError(
+        f"new_group(ranks={ranks}): not a row (consecutive, starting at a multiple of {length}) "
+        f"nor a column (starting below {count}, step {count}) of the {world_size} ranks"
+    )
+
+
+def _mesh_of(ranks: list[int], world_size: int, options: dict) -> list[list[int]]:
+    """The replica groups of a new group over ``ranks``, as PyTorch/XLA's ``new_group`` chooses
+    them: the whole world as one group; with ``{'spmd': True}`` every replica's group of the mesh
+    ``ranks`` is a row or column of, one group per rank for a single rank; with ``{'mesh': [...]}``
+    that mesh (it must split the ranks into groups of one size, ``ranks`` one of them); else
+    ``ranks`` alone (replicas outside it may group themselves differently)."""
+    if ranks == list(range(world_size)):
+        return [ranks]
+    if options.get("mesh") is not None:
+        mesh = [[int(rank) for rank in group] for group in options["mesh"]]
+        if not _splits(mesh, world_size) or ranks not in mesh:
+            raise ValueError(
+                f"new_group(ranks={ranks}): the mesh {mesh} must split the {world_size} ranks "
+                "into groups of one size, the group's ranks (in order) one of them"
+            )
+        return mesh
+    if options.get("spmd", False):
+        if len(ranks) == 1:
+            if not 0 <= ranks[0] < world_size:
+                raise ValueError(f"new_group(ranks={ranks}): out of the {world_size} ranks")
+            return [[rank] for rank in range(world_size)]
+        return _infer_mesh(ranks, world_size)
+    return [ranks]
+
+
+_c10d_new_group = dist.new_group
+
+
+@functools.wraps(_c10d_new_group)
+def _new_group(*args: Any, **kwargs: Any) -> dist.ProcessGroup:
+    """``dist.new_group`` as PyTorch/XLA overrides it: ``pg_options={'xla_pg_options': {...}}``
+    chooses the replica groups of an ``xla`` group's collectives (``_mesh_of``); an invalid choice
+    is a ValueError in every replica, before any group is created."""
+    bound = inspect.signature(_c10d_new_group).bind(*args, **kwargs)
+    ranks, pg_options = bound.arguments.get("ranks"), bound.arguments.get("pg_options")
+    options = pg_options.get("xla_pg_options", {}) if isinstance(pg_options, dict) else {}
+    mesh = None
+    if ranks and isinstance(c10d._world.default_pg, ProcessGroupXla):
+        ranks = sorted(ranks) if bound.arguments.get("sort_ranks", True) else list(ranks)
+        mesh = _mesh_of(ranks, dist.get_world_size(), options)
+    group = _c10d_new_group(*args, **kwargs)
+    if mesh is not None and isinstance(group, ProcessGroupXla):
+        group._mesh = mesh
+    return group
+
+
 def _install() -> None:
     _check_replica_world(c10d._world)
     c10d._world = _WorldPerReplica(c10d._world)
+    dist.new_group = _new_group
     # devices as a list: register_backend iterates a string's characters.
     dist.Backend.register_backend("xla", _create_process_group, devices=["xla"])
     dist.register_rendezvous_handler("xla", _rendezvous_handler)

@@ -249,11 +249,10 @@ def test_outside_launch_fsdp_is_a_world_of_one():
 @pytest.mark.parametrize(
     "option",
     [
-        {"param_init_fn": lambda m: None},
         {"_debug_dummy_forward_pass": True},
         {"_debug_dummy_all_gather_op": True},
     ],
-    ids=["param_init_fn", "dummy_forward", "dummy_all_gather"],
+    ids=["dummy_forward", "dummy_all_gather"],
 )
 def test_unimplemented_options_are_refused(option):
     with pytest.raises(NotImplementedError, match=f"{next(iter(option))} not implemented"):
@@ -273,4 +272,104 @@ def test_wrapping_an_fsdp_module_or_a_module_list_is_an_error():
         FSDP(FSDP(Net()))
     with pytest.raises(RuntimeError, match="defines no forward"):
         FSDP(nn.ModuleList([nn.Linear(2, 2)]))
+    xm.mark_step()
+
+
+# --- deferred initialisation (modules built on the meta device) ---------------------------------
+
+
+class _SeededLinear(nn.Linear):
+    """A linear layer whose ``reset_parameters`` is deterministic (seeded by its shape)."""
+
+    def reset_parameters(self, offset: int = 0) -> None:
+        generator = torch.Generator().manual_seed(
+            offset + 100 * self.in_features + self.out_features
+        )
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=generator))
+
+
+class _DeferredNet(Net):
+    """``Net`` of seeded layers on any device; its ``reset_parameters`` skips the layers already
+    wrapped in FSDP, as PyTorch/XLA's deferred-init test model does."""
+
+    def __init__(self, device: str | None = None):
+        nn.Module.__init__(self)
+        self.fc1 = _SeededLinear(6, 16, device=device)
+        self.fc2 = _SeededLinear(16, 16, device=device)
+        self.head = _SeededLinear(16, 3, device=device)
+
+    def reset_parameters(self, offset: int = 0) -> None:
+        for layer in [self.fc1, self.fc2, self.head]:
+            if not isinstance(layer, FSDP):
+                layer.reset_parameters(offset)
+
+
+_INIT_FN_OFFSET = 7  # param_init_fn's initialisation differs from reset_parameters' own
+
+
+def _init_on_cpu(module: nn.Module) -> None:
+    """A ``param_init_fn``: allocate on the CPU, then initialise with other seeds."""
+    module.to_empty(device="cpu")
+    module.reset_parameters(_INIT_FN_OFFSET)
+
+
+def _materialised_reference(init: str) -> nn.Module:
+    model = _DeferredNet()
+    model.reset_parameters(_INIT_FN_OFFSET if init == "param_init_fn" else 0)
+    return model
+
+
+def _train_deferred(index: int, init: str, auto_wrap: bool):
+    policy = (
+        functools.partial(size_based_auto_wrap_policy, min_num_params=50) if auto_wrap else None
+    )
+    param_init_fn = _init_on_cpu if init == "param_init_fn" else None
+    model = FSDP(_DeferredNet("meta"), auto_wrap_policy=policy, param_init_fn=param_init_fn)
+    opt = _optimizer("sgd", model.parameters())
+    losses = []
+    for step in range(STEPS):
+        x, y = (t.to(xm.xla_device()) for t in _batch(step, index))
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        xm.mark_step()
+        losses.append(loss.detach())
+    state = xm._maybe_convert_to_cpu(model.state_dict())
+    return torch.stack(losses).cpu(), state, model.get_shard_metadata()
+
+
+@pytest.mark.parametrize("auto_wrap", [False, True], ids=["root", "auto_wrap"])
+@pytest.mark.parametrize("init", ["reset_parameters", "param_init_fn"])
+def test_a_meta_module_is_materialised_then_trains_as_the_materialised_module(init, auto_wrap):
+    replicas = 4
+    expected_losses, expected_state = _reference(
+        _materialised_reference(init), replicas, "sgd", None
+    )
+    results = xmp.spawn(_train_deferred, args=(init, auto_wrap), nprocs=replicas)
+    for index in range(replicas):
+        assert_close(results[index][0], expected_losses[:, index], tol="training")
+    full = consolidate_sharded_state_dicts([results[i][1] for i in range(replicas)], results[0][2])
+    assert_close({k: full[k] for k in expected_state}, expected_state, tol="training")
+
+
+def test_param_init_fn_is_not_called_for_a_module_that_is_not_on_the_meta_device():
+    calls = []
+    model = FSDP(Net(), param_init_fn=calls.append)
+    assert calls == [] and all(not p.is_meta for p in model.parameters())
+    xm.mark_step()
+
+
+def test_a_meta_module_without_reset_parameters_or_param_init_fn_is_an_error():
+    with pytest.raises(RuntimeError, match="defines no reset_parameters"):
+        FSDP(nn.Sequential(nn.Linear(2, 2, device="meta")))
+    with pytest.raises(RuntimeError, match=r"\['weight'\] are still on the meta device"):
+        FSDP(
+            nn.Linear(2, 2, device="meta"),
+            param_init_fn=lambda m: setattr(m, "bias", nn.Parameter(torch.zeros(2))),
+        )
+    with pytest.raises(ValueError, match="param_init_fn must be callable"):
+        FSDP(nn.Linear(2, 2, device="meta"), param_init_fn=1)
     xm.mark_step()

@@ -275,3 +275,138 @@ def test_mp_model_wrapper_gives_each_replica_the_model_on_its_device():
 
     for index, state in xmp.spawn(fn, nprocs=4).items():
         assert_close(state, {k: v + index for k, v in expected.items()}, tol="exact")
+
+
+# --- replica groups from pg_options: the mesh, as PyTorch/XLA's new_group infers or takes it -----
+
+SPMD = {"xla_pg_options": {"spmd": True}}
+
+
+def _launch_own(replicas: int, partition: list, pg_options, fn) -> list:
+    """``fn(index, group)`` in each replica, ``group`` made by ``dist.new_group(own ranks,
+    pg_options=...)`` (every replica creating every group, in order); results in ordinal
+    order."""
+
+    def replica(index):
+        dist.init_process_group("xla", init_method="xla://")
+        try:
+            mine = None
+            for ranks in partition:
+                group = dist.new_group(ranks, pg_options=pg_options)
+                if index in ranks:
+                    mine = group
+            return fn(index, mine)
+        finally:
+            dist.destroy_process_group()
+
+    results = xmp.spawn(replica, nprocs=replicas)
+    return [results[i] for i in range(replicas)]
+
+
+MESHES = {  # name: (ranks of one group, the mesh inferred from it), over 8 replicas
+    "rows": ([4, 5, 6, 7], [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    "columns": ([1, 5], [[0, 4], [1, 5], [2, 6], [3, 7]]),
+    "one-each": ([3], [[k] for k in range(8)]),
+}
+
+
+@DEPRECATED_ALIASES
+@pytest.mark.parametrize("name", list(MESHES))
+def test_spmd_new_group_infers_the_mesh_its_collectives_run_over(name):
+    ranks, mesh = MESHES[name]
+    size = len(ranks)
+
+    def fn(index, group):
+        value = _on_device(_per_replica(index, shape=(size * 2, 3)))
+        reduced = value.clone()
+        dist.all_reduce(reduced, group=group)
+        gathered = torch.zeros(size * value.shape[0], 3, device=xm.xla_device())
+        dist.all_gather_into_tensor(gathered, value, group=group)
+        shard = torch.zeros(2, 3, device=xm.xla_device())
+        dist.reduce_scatter_tensor(shard, value, group=group)
+        broadcast = value.clone()
+        dist.broadcast(broadcast, src=dist.get_global_rank(group, size - 1), group=group)
+        xm.mark_step()
+        results = [t.cpu() for t in (reduced, gathered, shard, broadcast)]
+        return group._mesh, group._groups() == mesh, results
+
+    for index, (group_mesh, native, results) in enumerate(_launch_own(8, mesh, SPMD, fn)):
+        assert group_mesh == mesh and native  # grouped xm collectives, no masked gather
+        members = _group_of(index, mesh)
+        values = np.stack([_per_replica(k, shape=(size * 2, 3)) for k in members])
+        reduced = values.sum(0)
+        expected = [
+            reduced,
+            values.reshape(-1, 3),
+            reduced.reshape(size, 2, 3)[members.index(index)],
+            values[-1],
+        ]
+        for result, value, tol in zip(results, expected, ["single_op", "exact"] * 2):
+            assert_close(result, torch.from_numpy(value), tol=tol)
+
+
+def test_a_mesh_given_in_pg_options_is_the_groups_collectives_run_over():
+    mesh = [[0, 2, 4, 6], [1, 3, 5, 7]]
+
+    def fn(index, group):
+        tensor = _on_device(_per_replica(index))
+        dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group)
+        dist.barrier(group=group)
+        return group._mesh, tensor.cpu()
+
+    partition = [[0, 2, 4, 6], [1, 3, 5, 7]]
+    for index, (group_mesh, result) in enumerate(
+        _launch_own(8, partition, {"xla_pg_options": {"mesh": mesh}}, fn)
+    ):
+        assert group_mesh == mesh
+        members = np.stack([_per_replica(k) for k in _group_of(index, mesh)])
+        assert_close(result, torch.from_numpy(members.mean(0)), tol="single_op")
+
+
+def test_groups_without_options_keep_their_own_ranks_as_mesh():
+    def fn(index, group):
+        world = dist.new_group(list(range(4)))
+        return group._mesh, world._mesh
+
+    results = _launch(4, [[0, 1, 2], [3]], fn)
+    assert results == [([[0, 1, 2]], [[0, 1, 2, 3]])] * 3 + [([[3]], [[0, 1, 2, 3]])]
+
+
+@pytest.mark.parametrize(
+    "ranks,options,match",
+    [
+        ([0, 1, 2], SPMD, "not a side of a rectangle"),
+        ([1, 2], SPMD, "not a row"),
+        ([0, 3], SPMD, "not a row"),
+        ([0, 2, 5, 7], SPMD, "not evenly spaced"),
+        ([0, 1], {"xla_pg_options": {"mesh": [[0, 1], [2, 3, 4, 5, 6, 7]]}}, "groups of one size"),
+        ([0, 1], {"xla_pg_options": {"mesh": [[0, 2], [1, 3]]}}, "one of them"),
+    ],
+)
+def test_an_invalid_mesh_is_a_value_error_in_every_replica(ranks, options, match):
+    def fn(index):
+        dist.init_process_group("xla", init_method="xla://")
+        try:
+            with pytest.raises(ValueError, match=match):
+                dist.new_group(ranks, pg_options=options)
+            return True
+        finally:
+            dist.destroy_process_group()
+
+    assert list(xmp.spawn(fn, nprocs=8).values()) == [True] * 8
+
+
+def test_allgather_coalesced_gathers_each_input_and_unprovided_ops_say_so():
+    def fn(index, group):
+        first, second = _on_device(_per_replica(index, (2,))), _on_device(_per_replica(index, (3,)))
+        outputs = [[torch.zeros_like(t) for _ in range(4)] for t in (first, second)]
+        group.allgather_coalesced(outputs, [first, second])
+        for op in ("allreduce_coalesced", "recv_anysource", "monitored_barrier"):
+            with pytest.raises(NotImplementedError, match=op):
+                getattr(group, op)(first)
+        return [torch.stack(o).cpu() for o in outputs]
+
+    for result in _launch(4, [[0, 1, 2, 3]], fn):
+        for shape, gathered in zip([(2,), (3,)], result):
+            expected = np.stack([_per_replica(k, shape) for k in range(4)])
+            assert_close(gathered, torch.from_numpy(expected), tol="exact")

@@ -24,8 +24,14 @@ then dead once the forward pass is done.
 ``get_shard_metadata()`` is what ``consolidate_sharded_model_checkpoints`` needs to rebuild the
 full state dict from the replicas' files (checkpoint files are laid out as PyTorch/XLA's).
 
-Not implemented, refused with an error: ``param_init_fn`` and modules on the meta device, the
-``_debug_dummy_*`` and ``_debug_print`` options, ``no_sync()``. Accepted with no effect here:
+A module built on the meta device (deferred initialisation) is materialised by each FSDP module
+before it shards it, as in PyTorch/XLA: ``param_init_fn(module)`` if given, else the module's own
+tensors are allocated on the CPU (``to_empty``) and ``module.reset_parameters()`` fills them.
+Nested FSDP modules materialise their own parameters first (the default allocation leaves their
+shards alone).
+
+Not implemented, refused with an error: the ``_debug_dummy_*`` and ``_debug_print`` options,
+``no_sync()``, torchdistX's fake tensors (torchdistX is not installed with spmd_torch). Accepted with no effect here:
 ``optimization_barrier_in_forward`` (one program per step; XLA schedules it),
 ``pin_layout_in_collective_ops``, ``reduce_scatter_bucket_size_mb`` and
 ``coalesce_all_gather_ops`` (every collective of the step is in one program anyway),
@@ -170,6 +176,47 @@ def _add_fpw_level(module, state_dict, prefix, *args) -> None:
         state_dict[level + key[len(prefix) :]] = state_dict.pop(key)
 
 
+def _materialize(module: nn.Module, param_init_fn: Callable[[nn.Module], None] | None) -> None:
+    """Deferred initialisation, as PyTorch/XLA's FSDP does it: a module whose own parameters (not
+    those nested FSDP modules already sharded) are on the meta device is materialised in place by
+    ``param_init_fn(module)``, or else allocated on the CPU and filled by its
+    ``reset_parameters()``. A module with no meta parameter is left as it is."""
+    if not any(p.is_meta for p in _own_parameters(module)):
+        return
+    what = f"XlaFullyShardedDataParallel({type(module).__name__})"
+    if param_init_fn is not None:
+        if not callable(param_init_fn):
+            raise ValueError(f"{what}: param_init_fn must be callable, got {param_init_fn!r}")
+        param_init_fn(module)
+    else:
+        reset = getattr(module, "reset_parameters", None)
+        if not callable(reset):
+            raise RuntimeError(
+                f"{what}: the module is on the meta device and defines no reset_parameters(); "
+                "pass param_init_fn to materialise it"
+            )
+        for m in _own_modules(module):
+            m.to_empty(device="cpu", recurse=False)
+        with torch.no_grad():
+            reset()
+    left = [n for n, p in module.named_parameters() if p.is_meta and not hasattr(p, "_is_sharded")]
+    if left:
+        raise RuntimeError(f"{what}: parameters {left} are still on the meta device after init")
+
+
+def _own_modules(module: nn.Module) -> Iterator[nn.Module]:
+    """``module`` and its submodules, without nested FSDP modules (which own their tensors)."""
+    yield module
+    for child in module.children():
+        if not isinstance(child, XlaFullyShardedDataParallel):
+            yield from _own_modules(child)
+
+
+def _own_parameters(module: nn.Module) -> Iterator[nn.Parameter]:
+    for m in _own_modules(module):
+        yield from m.parameters(recurse=False)
+
+
 class _Collectives(NamedTuple):
     """How an FSDP module gathers and reduce-scatters (kept apart from the module, so that the
     autograd graph holds no reference to it)."""
@@ -264,7 +311,10 @@ class XlaFullyShardedDataParallel(nn.Module):
             (``spmd_torch.distributed.fsdp.wrap``'s policies).
         auto_wrapper_callable: Makes those wrappers (default this class), e.g.
             ``lambda m, *a, **k: FSDP(checkpoint_module(m), *a, **k)``.
-        param_init_fn: Not supported (meta-device modules): raises NotImplementedError.
+        param_init_fn: Materialises a module built on the meta device, called with the module
+            (e.g. ``to_empty(device='xla')`` then ``reset_parameters()``); only called when
+            some of the module's own parameters are on the meta device. Without it such a module
+            is allocated on the CPU and its ``reset_parameters()`` called.
         _shard_size_multiple: Shard sizes are padded to a multiple of this (1 with
             ``shard_param_on_dim_0``), as PyTorch/XLA pads them for TPUs.
         _use_xla_patched_linear: Accepted; no effect.
@@ -333,8 +383,6 @@ class XlaFullyShardedDataParallel(nn.Module):
             "_debug_dummy_optimization_barrier_op": _debug_dummy_optimization_barrier_op,
         }
         refused = [name for name, value in debug.items() if value]
-        if param_init_fn is not None:
-            refused.append("param_init_fn")
         if refused:
             raise NotImplementedError(
                 f"XlaFullyShardedDataParallel: {', '.join(refused)} not implemented in spmd_torch"
@@ -369,6 +417,7 @@ class XlaFullyShardedDataParallel(nn.Module):
                 pin_layout_in_collective_ops=pin_layout_in_collective_ops,
                 reduce_scatter_bucket_size_mb=reduce_scatter_bucket_size_mb,
                 coalesce_all_gather_ops=coalesce_all_gather_ops,
+                param_init_fn=param_init_fn,
                 _shard_size_multiple=_shard_size_multiple,
                 _use_xla_patched_linear=_use_xla_patched_linear,
                 _debug_msg=_debug_msg,
@@ -404,12 +453,8 @@ class XlaFullyShardedDataParallel(nn.Module):
         self.gradient_postdivide_factor = self.world_size / self.gradient_predivide_factor
         self._reduce_scatter_scale = 1.0
 
+        _materialize(module, param_init_fn)
         params = [p for p in module.parameters() if not hasattr(p, "_is_sharded")]
-        if any(p.is_meta for p in params):
-            raise NotImplementedError(
-                "XlaFullyShardedDataParallel: modules on the meta device (deferred "
-                "initialization) are not supported; build the module on the CPU"
-            )
         if any(p.dtype != torch.float32 for p in params):
             raise TypeError("only fp32 parameters are supported")
         groups: list[list[nn.Parameter]] = []
