@@ -181,6 +181,9 @@ def _as_strided(func, args: tuple, kwargs: dict) -> LazyTensor:
             f"as_strided: size {list(size)}, stride {list(stride)}, offset {offset} reads "
             f"element {last}, out of bounds for a storage of {elements} elements"
         )
+    same = (tuple(size), tuple(stride)) == (tuple(base.shape), base.stride())
+    if base._view is None and not offset and same:  # the storage as it is (empty_like's restride)
+        return views.alias(base)
     return _view(func, args, kwargs)
 
 

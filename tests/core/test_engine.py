@@ -296,6 +296,22 @@ def test_training_steps_leave_no_arrays_behind():
     assert len(jax.live_arrays()) == baseline
 
 
+def test_meta_module_to_empty_on_the_device_then_initialised_matches_eager():
+    # empty_like(meta, device='xla') restrides its fresh result with as_strided: an alias of the
+    # whole storage, not a view, so nn.Module can swap it in as a parameter.
+    layer = torch.nn.Linear(4, 3, device="meta").to_empty(device=dev)
+    torch.manual_seed(0)
+    eager = torch.nn.Linear(4, 3)
+    with torch.no_grad():
+        layer.weight.copy_(eager.weight)
+        layer.bias.copy_(eager.bias)
+    x = torch.randn(2, 4)
+    assert_close(layer(x.to(dev)), eager(x))
+    y = torch.zeros(3, 4, device=dev)
+    torch.as_strided(y, (3, 4), (4, 1)).add_(1)  # still an alias: writes reach y
+    assert_close(y, torch.ones(3, 4), tol="exact")
+
+
 def test_as_strided_out_of_bounds_raises():
     x = torch.arange(10.0).to(dev)
     with pytest.raises(RuntimeError, match=r"as_strided.*out of bounds for a storage of 10"):
