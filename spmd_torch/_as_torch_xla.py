@@ -74,12 +74,15 @@ class _Distribution(importlib.metadata.Distribution):
 _ALIASES = _Aliases()
 
 
-def become_torch_xla(module: types.ModuleType) -> None:
+def become_torch_xla(module: types.ModuleType, installed: bool | None = None) -> None:
     """Make ``module`` PyTorch/XLA's top-level package over spmd_torch, and its submodules
-    spmd_torch's; the installed distribution's ``torch_xla/__init__.py`` calls this."""
+    spmd_torch's; the installed distribution's ``torch_xla/__init__.py`` calls this, and so does
+    the package ``run_as_torch_xla`` puts on its child processes' path (``installed=False``)."""
     if _ALIASES not in sys.meta_path:
         sys.meta_path.insert(0, _ALIASES)
-    if getattr(module, "__file__", None):  # the installed distribution: it has its own metadata
+    if installed is None:
+        installed = bool(getattr(module, "__file__", None))
+    if installed:  # the installed distribution has its own metadata
         _ALIASES.metadata = False
     module.__version__ = VERSION
     module.__path__ = []  # a package: torch_xla.X is found by the aliases

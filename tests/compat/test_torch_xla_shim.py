@@ -81,6 +81,32 @@ def test_run_as_torch_xla_imports_the_scripts_neighbours(tmp_path):
     assert done.stdout.strip() == "42 ['--x']"
 
 
+CHILD = """
+import importlib.metadata, multiprocessing, subprocess, sys
+
+def child_versions(_):
+    import torch_xla, torch_xla.core.xla_model as xm
+    return torch_xla.__version__, importlib.metadata.version("torch_xla"), xm.__name__
+
+if __name__ == "__main__":
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        print(pool.map(child_versions, [0])[0])
+    command = "import torch_xla; print(torch_xla.__version__)"
+    print(subprocess.run([sys.executable, "-c", command], capture_output=True, text=True).stdout)
+"""
+
+
+@pytest.mark.multiprocess
+def test_the_runs_child_processes_see_torch_xla_too(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(CHILD)
+    done = _child("-m", "spmd_torch.run_as_torch_xla", str(script), path=str(ROOT))
+    assert done.returncode == 0, done.stderr[-3000:]
+    version = _as_torch_xla.VERSION
+    spawned, ran = done.stdout.strip().splitlines()
+    assert spawned == str((version, version, "spmd_torch.core.xla_model")) and ran == version
+
+
 @pytest.mark.multiprocess
 def test_installed_distribution(tmp_path):
     target = tmp_path / "site"
