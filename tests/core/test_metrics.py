@@ -105,6 +105,8 @@ def test_metrics_report_format():
         f"  Percentiles: {percentiles}\n"
         "Counter: CachedCompile\n"
         "  Value: 4\n"
+        "Counter: CreateCompileHandles\n"  # PyTorch/XLA's count of compiles: CompileTime's samples
+        "  Value: 1\n"
         "Counter: UncachedCompile\n"
         "  Value: 1\n"
     )
