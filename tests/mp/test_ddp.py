@@ -4,6 +4,7 @@ against numpy, and DistributedDataParallel against an eager CPU reference averag
 from __future__ import annotations
 
 import copy
+import functools
 import sys
 
 import numpy as np
@@ -17,6 +18,7 @@ import spmd_torch
 import spmd_torch.core.xla_model as xm
 import spmd_torch.distributed.xla_backend  # noqa: F401  (registers 'xla' and 'xla://')
 from tests.helpers import assert_close
+from tests.mp._training import STEPS, averaged_gradient_reference, batch, net, train_replica
 
 REPLICAS = 8
 # all_gather_into_tensor / reduce_scatter_tensor are deprecated aliases from torch 2.13 on.
@@ -317,64 +319,27 @@ def test_async_work_waits_and_its_future_holds_the_result():
 
 # --- DistributedDataParallel ---------------------------------------------------------------------
 
-STEPS, BATCH = 3, 4
-
-
-def _net() -> torch.nn.Module:
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-
-
-def _batch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Replica ``index``'s batch at ``step``: every replica trains on different data."""
-    generator = torch.Generator().manual_seed(1000 * step + index)
-    return torch.randn(BATCH, 6, generator=generator), torch.randn(BATCH, 3, generator=generator)
-
-
-def _reference(initial: torch.nn.Module, lr: float) -> tuple[list, dict]:
-    """Eager CPU SGD on the gradient averaged over the replicas' batches: what DDP computes."""
-    model = copy.deepcopy(initial)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    losses = []
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        per_replica = [
-            torch.nn.functional.mse_loss(model(x), y)
-            for x, y in (_batch(step, i) for i in range(REPLICAS))
-        ]
-        torch.stack(per_replica).mean().backward()
-        optimizer.step()
-        losses.append(torch.stack(per_replica).detach())
-    return torch.stack(losses), dict(model.state_dict())
-
 
 def _train_ddp(model: torch.nn.Module, index: int, bucket_view: bool) -> tuple:
     """STEPS of SGD through DDP on replica ``index``'s batches: (losses, final state on CPU)."""
     ddp = DistributedDataParallel(model, gradient_as_bucket_view=bucket_view)
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    losses = []
-    for step in range(STEPS):
-        x, y = (t.to(xm.xla_device()) for t in _batch(step, index))
-        optimizer.zero_grad()
-        loss = torch.nn.functional.mse_loss(ddp(x), y)
-        loss.backward()
-        optimizer.step()
-        xm.mark_step()
-        losses.append(loss.detach())
-    return torch.stack(losses).cpu(), {k: v.cpu() for k, v in model.state_dict().items()}
+    losses = train_replica(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), index)
+    return losses, {k: v.cpu() for k, v in model.state_dict().items()}
 
 
 @pytest.mark.parametrize("bucket_view", [True, False], ids=["bucket_view", "copies"])
 def test_ddp_training_matches_sgd_on_the_averaged_gradient(bucket_view):
     torch.manual_seed(0)
-    initial = _net()
+    initial = net()
 
     def fn(index):
         torch.manual_seed(index)  # each replica starts elsewhere: DDP broadcasts rank 0's weights
-        model = _net() if index else copy.deepcopy(initial)
+        model = net() if index else copy.deepcopy(initial)
         model = model.to(xm.xla_device())
         return _train_ddp(model, index, bucket_view)
 
-    expected_losses, expected_state = _reference(initial, lr=0.1)
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    expected_losses, expected_state = averaged_gradient_reference(initial, range(REPLICAS), sgd)
     for index, (losses, state) in enumerate(_launch(fn)):
         assert_close(losses, expected_losses[:, index])
         assert_close(state, expected_state)
@@ -401,7 +366,7 @@ def test_ddp_broadcasts_rank_0s_buffers_before_each_forward():
         losses, statistics = [], []
         for index in range(REPLICAS):
             own = {k: v.clone() for k, v in model.named_buffers()}
-            x, y = _batch(step, index)
+            x, y = batch(step, index)
             output = torch.func.functional_call(model, {**params, **own}, (x,))
             losses.append(torch.nn.functional.mse_loss(output, y))
             statistics.append(own)

@@ -27,8 +27,7 @@ from spmd_torch.distributed.fsdp import (
 )
 from spmd_torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
 from tests.helpers import assert_close
-
-STEPS, BATCH = 3, 4
+from tests.mp._training import BATCH, averaged_gradient_reference, batch, train_replica
 
 
 class Net(nn.Module):
@@ -42,11 +41,6 @@ class Net(nn.Module):
         return self.head(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
 
 
-def _batch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1000 * step + index)
-    return torch.randn(BATCH, 6, generator=generator), torch.randn(BATCH, 3, generator=generator)
-
-
 def _optimizer(name: str, params):
     if name == "sgd":
         return torch.optim.SGD(params, lr=0.1, momentum=0.9)
@@ -55,21 +49,8 @@ def _optimizer(name: str, params):
 
 def _reference(initial: nn.Module, replicas: int, optimizer: str, clip: float | None):
     """Eager CPU training on the gradient averaged over every replica's batch."""
-    model = copy.deepcopy(initial)
-    opt = _optimizer(optimizer, model.parameters())
-    losses = []
-    for step in range(STEPS):
-        opt.zero_grad()
-        per_replica = [
-            nn.functional.mse_loss(model(x), y)
-            for x, y in (_batch(step, i) for i in range(replicas))
-        ]
-        torch.stack(per_replica).mean().backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        losses.append(torch.stack(per_replica).detach())
-    return torch.stack(losses), dict(model.state_dict())
+    make = functools.partial(_optimizer, optimizer)
+    return averaged_gradient_reference(initial, range(replicas), make, clip)
 
 
 def _wrap(model: nn.Module, layout: str) -> nn.Module:
@@ -89,19 +70,9 @@ def _wrap(model: nn.Module, layout: str) -> nn.Module:
 def _train(index: int, initial: nn.Module, layout: str, optimizer: str, clip: float | None):
     model = _wrap(copy.deepcopy(initial), layout)
     opt = _optimizer(optimizer, model.parameters())
-    losses = []
-    for step in range(STEPS):
-        x, y = (t.to(xm.xla_device()) for t in _batch(step, index))
-        opt.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        if clip is not None:
-            model.clip_grad_norm_(clip)
-        opt.step()
-        xm.mark_step()
-        losses.append(loss.detach())
-    state = xm._maybe_convert_to_cpu(model.state_dict())
-    return torch.stack(losses).cpu(), state, model.get_shard_metadata()
+    clip_norm = None if clip is None else functools.partial(model.clip_grad_norm_, clip)
+    losses = train_replica(model, opt, index, after_backward=clip_norm)
+    return losses, xm._maybe_convert_to_cpu(model.state_dict()), model.get_shard_metadata()
 
 
 # (replicas, layout, optimizer, gradient clipping)
@@ -234,7 +205,7 @@ def test_outside_launch_fsdp_is_a_world_of_one():
     torch.manual_seed(0)
     initial = Net()
     model = FSDP(copy.deepcopy(initial), flatten_parameters=True)
-    x, y = _batch(0, 0)
+    x, y = batch(0, 0)
     loss = nn.functional.mse_loss(model(x.to(xm.xla_device())), y.to(xm.xla_device()))
     loss.backward()
     expected = nn.functional.mse_loss(initial(x), y)
@@ -327,18 +298,8 @@ def _train_deferred(index: int, init: str, auto_wrap: bool):
     )
     param_init_fn = _init_on_cpu if init == "param_init_fn" else None
     model = FSDP(_DeferredNet("meta"), auto_wrap_policy=policy, param_init_fn=param_init_fn)
-    opt = _optimizer("sgd", model.parameters())
-    losses = []
-    for step in range(STEPS):
-        x, y = (t.to(xm.xla_device()) for t in _batch(step, index))
-        opt.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        xm.mark_step()
-        losses.append(loss.detach())
-    state = xm._maybe_convert_to_cpu(model.state_dict())
-    return torch.stack(losses).cpu(), state, model.get_shard_metadata()
+    losses = train_replica(model, _optimizer("sgd", model.parameters()), index)
+    return losses, xm._maybe_convert_to_cpu(model.state_dict()), model.get_shard_metadata()
 
 
 @pytest.mark.parametrize("auto_wrap", [False, True], ids=["root", "auto_wrap"])

@@ -5,6 +5,7 @@ subgroups; and the replication helpers ``xm.set_replication`` and ``xmp.MpModelW
 from __future__ import annotations
 
 import copy
+import functools
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ import spmd_torch.distributed.xla_backend  # noqa: F401  (registers 'xla' and 'x
 import spmd_torch.distributed.xla_multiprocessing as xmp
 from spmd_torch._lazy.replicas import CollectiveMismatchError
 from tests.helpers import assert_close
+from tests.mp._training import averaged_gradient_reference, net, train_replica
 
 DEPRECATED_ALIASES = pytest.mark.filterwarnings("ignore:`torch.distributed.*:FutureWarning")
 
@@ -195,49 +197,20 @@ def test_a_world_of_one_subgroup_reduces_to_itself():
 
 # --- DistributedDataParallel over subgroups ------------------------------------------------------
 
-STEPS, BATCH = 3, 4
-
-
-def _net() -> torch.nn.Module:
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-
-
-def _batch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1000 * step + index)
-    return torch.randn(BATCH, 6, generator=generator), torch.randn(BATCH, 3, generator=generator)
-
-
-def _sgd_on_averaged_gradients(initial: torch.nn.Module, members: list) -> dict:
-    model = copy.deepcopy(initial)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        losses = [
-            torch.nn.functional.mse_loss(model(x), y) for x, y in (_batch(step, i) for i in members)
-        ]
-        torch.stack(losses).mean().backward()
-        optimizer.step()
-    return dict(model.state_dict())
-
 
 def test_ddp_over_subgroups_trains_each_group_on_its_own_averaged_gradient():
     torch.manual_seed(0)
-    initial = _net()
+    initial = net()
     partition = [[0, 2, 4, 6], [1, 3, 5, 7]]
 
     def fn(index, group):
         model = copy.deepcopy(initial).to(xm.xla_device())
         ddp = DistributedDataParallel(model, process_group=group)
-        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        for step in range(STEPS):
-            x, y = (t.to(xm.xla_device()) for t in _batch(step, index))
-            optimizer.zero_grad()
-            torch.nn.functional.mse_loss(ddp(x), y).backward()
-            optimizer.step()
-            xm.mark_step()
+        train_replica(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), index)
         return {k: v.cpu() for k, v in model.state_dict().items()}
 
-    expected = {tuple(g): _sgd_on_averaged_gradients(initial, g) for g in partition}
+    sgd = functools.partial(torch.optim.SGD, lr=0.1)
+    expected = {tuple(g): averaged_gradient_reference(initial, g, sgd)[1] for g in partition}
     for index, state in enumerate(_launch(8, partition, fn)):
         assert_close(state, expected[tuple(_group_of(index, partition))], tol="training")
 
@@ -261,7 +234,7 @@ def test_set_replication_accepts_the_replicas_device_and_checks_its_arguments():
 
 def test_mp_model_wrapper_gives_each_replica_the_model_on_its_device():
     torch.manual_seed(0)
-    wrapped = xmp.MpModelWrapper(_net())
+    wrapped = xmp.MpModelWrapper(net())
     expected = {k: v.clone() for k, v in wrapped._model.state_dict().items()}
 
     def fn(index):

@@ -16,18 +16,7 @@ import spmd_torch.core.xla_model as xm
 import spmd_torch.distributed.xla_multiprocessing as xmp
 from spmd_torch.distributed.zero_redundancy_optimizer import ZeroRedundancyOptimizer
 from tests.helpers import assert_close
-
-STEPS, BATCH = 3, 4
-
-
-def _net() -> nn.Module:
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
-
-
-def _batch(step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1000 * step + index)
-    return torch.randn(BATCH, 6, generator=generator), torch.randn(BATCH, 3, generator=generator)
-
+from tests.mp._training import averaged_gradient_reference, batch, net, train_replica
 
 OPTIMIZERS = {
     "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
@@ -36,22 +25,8 @@ OPTIMIZERS = {
 
 
 def _reference(initial: nn.Module, members: list, optimizer: str, clip: float | None):
-    """Eager CPU training on the gradient averaged over ``members``' batches (clipped)."""
     cls, kwargs = OPTIMIZERS[optimizer]
-    model = copy.deepcopy(initial)
-    opt = cls(model.parameters(), **kwargs)
-    losses = []
-    for step in range(STEPS):
-        opt.zero_grad()
-        per_replica = [
-            nn.functional.mse_loss(model(x), y) for x, y in (_batch(step, i) for i in members)
-        ]
-        torch.stack(per_replica).mean().backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        losses.append(torch.stack(per_replica).detach())
-    return torch.stack(losses), dict(model.state_dict())
+    return averaged_gradient_reference(initial, members, lambda ps: cls(ps, **kwargs), clip)
 
 
 def _train(index: int, initial: nn.Module, optimizer: str, clip: float | None, groups):
@@ -66,16 +41,8 @@ def _train(index: int, initial: nn.Module, optimizer: str, clip: float | None, g
         pin_layout=False,
         **kwargs,
     )
-    losses = []
-    for step in range(STEPS):
-        x, y = (t.to(xm.xla_device()) for t in _batch(step, index))
-        opt.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        xm.mark_step()
-        losses.append(loss.detach())
-    return torch.stack(losses).cpu(), {k: v.cpu() for k, v in model.state_dict().items()}
+    losses = train_replica(model, opt, index)
+    return losses, {k: v.cpu() for k, v in model.state_dict().items()}
 
 
 # (replicas, optimizer, gradient clipping, sharding groups)
@@ -100,7 +67,7 @@ def test_zero1_training_matches_eager_training_on_the_averaged_gradient(
     replicas, optimizer, clip, groups
 ):
     torch.manual_seed(0)
-    initial = _net()
+    initial = net()
     results = xmp.spawn(_train, args=(initial, optimizer, clip, groups), nprocs=replicas)
     for group in groups or [list(range(replicas))]:
         expected_losses, expected_state = _reference(initial, group, optimizer, clip)
@@ -142,7 +109,7 @@ def test_each_replica_keeps_1_over_n_of_the_optimizer_state(replicas):
 
 def test_state_dict_round_trip_resumes_training_where_it_stopped():
     torch.manual_seed(0)
-    initial = _net()
+    initial = net()
 
     def fn(index):
         def make(model):
@@ -155,7 +122,7 @@ def test_state_dict_round_trip_resumes_training_where_it_stopped():
             )
 
         def step(model, opt, n):
-            x, y = (t.to(xm.xla_device()) for t in _batch(n, index))
+            x, y = (t.to(xm.xla_device()) for t in batch(n, index))
             opt.zero_grad()
             nn.functional.mse_loss(model(x), y).backward()
             opt.step()
@@ -167,7 +134,7 @@ def test_state_dict_round_trip_resumes_training_where_it_stopped():
         saved = xm._maybe_convert_to_cpu(opt.state_dict())
         step(model, opt, 1)  # the uninterrupted run
 
-        other = _net().to(xm.xla_device())  # different weights: the master weights restore them
+        other = net().to(xm.xla_device())  # different weights: the master weights restore them
         resumed = make(other)
         resumed.load_state_dict(copy.deepcopy(saved))
         reloaded = xm._maybe_convert_to_cpu(resumed.state_dict())
@@ -184,7 +151,7 @@ def test_state_dict_round_trip_resumes_training_where_it_stopped():
 
 
 def test_use_grad_acc_hook_is_refused():
-    model = _net().to(xm.xla_device())
+    model = net().to(xm.xla_device())
     with pytest.raises(NotImplementedError, match="use_grad_acc_hook"):
         ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, use_grad_acc_hook=True)
     xm.mark_step()
@@ -205,7 +172,7 @@ def test_maybe_convert_to_cpu_computes_and_copies_every_xla_tensor():
 
 
 def test_fetch_gradients_returns_the_gradients_to_change_in_place():
-    model = _net().to(xm.xla_device())
+    model = net().to(xm.xla_device())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model(torch.randn(2, 6).to(xm.xla_device())).sum().backward()
     model[2].bias.grad = None
