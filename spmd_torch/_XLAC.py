@@ -39,13 +39,13 @@ import torch
 from jax._src import xla_bridge  # backends_are_initialized: JAX has no public query for it
 
 from spmd_torch import config, runtime
-from spmd_torch._lazy import counters, execute
+from spmd_torch._lazy import compile as _compile
+from spmd_torch._lazy import counters, execute, placement
 from spmd_torch._lazy.graph import Aval, aval_text
 from spmd_torch._lazy.lowering.dtypes import to_jax_dtype, to_torch_dtype
 from spmd_torch.core import xla_model as xm
 from spmd_torch.core.xla_builder import _user_computation as _xla_user_computation
-from spmd_torch.debug.graph import get_tensors_hlo as _get_xla_tensors_hlo
-from spmd_torch.debug.graph import get_tensors_text
+from spmd_torch.debug.graph import get_tensors_hlo, get_tensors_text, pending_program
 from spmd_torch.debug.metrics import clear_counters as _clear_xla_counters
 from spmd_torch.debug.metrics import clear_metrics as _clear_xla_metrics
 from spmd_torch.debug.metrics import counter_names as _xla_counter_names
@@ -129,6 +129,20 @@ def _xla_tensor(t, api: str) -> torch.Tensor:
             f"{tuple(t.shape)} on {t.device}"
         )
     return t
+
+
+def _get_xla_tensors_hlo(tensors: Sequence[torch.Tensor]) -> str:
+    """The graph computing ``tensors`` as StableHLO text; with ``XLA_DUMP_POST_OPTIMIZATIONS=1``
+    the HLO XLA compiles it to, after its passes and SPMD partitioning (collectives included).
+
+    Example:
+        >>> print(_get_xla_tensors_hlo([t1 @ t2]))
+    """
+    if not config.DUMP_POST_OPTIMIZATIONS.read():
+        return get_tensors_hlo(tensors)
+    program = pending_program([_xla_tensor(t, "_get_xla_tensors_hlo") for t in tensors])
+    arrays = [placement.resolve(node, i) for node, i in program.leaves]
+    return _compile.stablehlo_text(program, arrays, optimized=True)
 
 
 # --- sharding ------------------------------------------------------------------------------------
@@ -265,7 +279,8 @@ def _get_xla_tensor_shape_type(t: torch.Tensor) -> str:
 def _get_xla_tensor_debug_info(t: torch.Tensor) -> str:
     """What this runtime holds for the tensor, in PyTorch/XLA's layout: its id, device and shape,
     its sharding, the pending op computing it (``IR``) or else its device buffer (``XLAData``),
-    or the host copy an SPMD upload waits in. ``'Not a XLATensor'`` for other tensors.
+    or the host copy an SPMD upload waits in. ``'Not a XLATensor'`` for other tensors. In SPMD
+    mode the device is ``SPMD:0``, PyTorch/XLA's virtual device: the mesh every program runs on.
 
     Example:
         >>> print(_get_xla_tensor_debug_info(x + 5))
@@ -287,7 +302,7 @@ def _get_xla_tensor_debug_info(t: torch.Tensor) -> str:
     lines = [
         "XLATensor {",
         f"TensorID: {_xla_get_tensor_id(t)}",
-        f"Device: {t.device}",
+        f"Device: {'SPMD:0' if runtime.is_spmd() else t.device}",
         f"XLA Shape: {_device_shape(t)}",
         f"ShardingSpec: {spec or 'None'}",
     ]

@@ -121,6 +121,11 @@ SAVE_TENSORS_FMT = _flag(
     "text",
     "XLA_SAVE_TENSORS_FILE's format: 'text' (the graph's op lines) or 'hlo' (StableHLO text).",
 )
+DUMP_POST_OPTIMIZATIONS = _flag(
+    "XLA_DUMP_POST_OPTIMIZATIONS",
+    False,
+    "_get_xla_tensors_hlo returns the compiled HLO: after XLA's passes, SPMD partitioned.",
+)
 METRICS_FILE = _flag(
     "XLA_METRICS_FILE",
     None,

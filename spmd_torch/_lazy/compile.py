@@ -283,6 +283,7 @@ def lookup_or_compile(run) -> tuple[Executable, bool]:
         scalars = _scalars_aval(len(program.scalars), run.replicas)
         compiled = jitted.lower(given, kept, scalars).compile()
     counters.record("CompileTime", time.perf_counter_ns() - start)
+    counters.record("InputOutputAliasCount", sum(donated))  # buffers given to outputs, per compile
     shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
     devices = {d for s in shardings for d in s.device_set}
     cpu = len(devices) > 1 and next(iter(devices)).platform == "cpu"
@@ -344,11 +345,13 @@ def explain_graph_change(old: tuple, new: tuple, ops: dict) -> str:
     return "graph outputs changed (which tensors are computed, or their order)"
 
 
-def stablehlo_text(program: Program, arrays: list) -> str:
-    """The program lowered to StableHLO, nothing compiled or run."""
+def stablehlo_text(program: Program, arrays: list, optimized: bool = False) -> str:
+    """The program lowered to StableHLO, nothing run; ``optimized``: compiled, as the HLO XLA
+    runs after its passes (SPMD partitioning included)."""
     function = build_function(program, (False,) * len(arrays))
     abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in arrays]
-    return jax.jit(function).lower([], abstract, _scalars_aval(len(program.scalars))).as_text()
+    lowered = jax.jit(function).lower([], abstract, _scalars_aval(len(program.scalars)))
+    return lowered.compile().as_text() if optimized else lowered.as_text()
 
 
 def clear_cache() -> None:

@@ -2,6 +2,8 @@
 
 Kept apart from the classes so the rules are read (and tested) in one place, as jax keeps
 ``_check_unique_resources`` and ``_check_mesh_resource_axis`` next to ``NamedSharding``.
+A bad mesh raises :class:`MeshError`, a ValueError that is also the AssertionError
+PyTorch/XLA's ``Mesh.__init__`` raises, its message holding PyTorch/XLA's wording too.
 """
 
 from __future__ import annotations
@@ -14,70 +16,76 @@ import torch
 from jax.sharding import PartitionSpec
 
 
+class MeshError(ValueError, AssertionError):
+    """A bad mesh: our ValueError, and the AssertionError PyTorch/XLA's ``Mesh`` asserts."""
+
+
 def _check_axis_names(axis_names: tuple | None, mesh_shape: tuple) -> None:
     """Axis names are optional, but when given there is one distinct string per mesh dimension."""
     if axis_names is None:
         return
     bad = [name for name in axis_names if not isinstance(name, str)]
     if bad:
-        raise ValueError(f"Mesh axis names must be strings, got {bad[0]!r} in {axis_names}")
+        raise MeshError(f"Axis names must be strings, got {bad[0]!r} in {axis_names}")
     if len(axis_names) != len(mesh_shape):
-        raise ValueError(
-            f"Mesh has {len(mesh_shape)} dimensions (mesh_shape={mesh_shape}) but "
-            f"{len(axis_names)} axis names {axis_names}"
+        raise MeshError(
+            f"Number of axis names ({len(axis_names)}) must match mesh dimensions "
+            f"({len(mesh_shape)}): Mesh has {len(mesh_shape)} dimensions (mesh_shape={mesh_shape}) "
+            f"but {len(axis_names)} axis names {axis_names}"
         )
     repeated = sorted({name for name in axis_names if axis_names.count(name) > 1})
     if repeated:
-        raise ValueError(f"Mesh axis names must be unique: {repeated} repeated in {axis_names}")
+        raise MeshError(f"Axis names must be unique: {repeated} repeated in {axis_names}")
 
 
 def _check_mesh_shape(mesh_shape: tuple, num_ids: int) -> None:
     """Every mesh dimension is a positive int, and together they hold exactly the ids given."""
     bad = [d for d in mesh_shape if isinstance(d, bool) or not isinstance(d, (int, np.integer))]
     if bad:
-        raise ValueError(f"mesh_shape entries must be ints, got {bad[0]!r} in {mesh_shape}")
+        raise MeshError(f"mesh_shape entries must be ints, got {bad[0]!r} in {mesh_shape}")
     if any(d < 1 for d in mesh_shape):
-        raise ValueError(f"mesh_shape entries must be positive, got {mesh_shape}")
+        raise MeshError(f"mesh_shape entries must be positive, got {mesh_shape}")
     if math.prod(mesh_shape) != num_ids:
-        raise ValueError(
-            f"mesh_shape {mesh_shape} holds {math.prod(mesh_shape)} devices but "
-            f"{num_ids} device ids were given"
+        raise MeshError(
+            f"Number of device IDs ({num_ids}) must match mesh size ({math.prod(mesh_shape)}): "
+            f"mesh_shape {mesh_shape} holds {math.prod(mesh_shape)} devices but {num_ids} device "
+            "ids were given"
         )
 
 
 def _check_device_ids(device_ids: np.ndarray, device_count: int) -> None:
     """Ids index ``jax.devices()``: integers in range, each used once."""
     if device_ids.ndim != 1:
-        raise ValueError(
-            f"device_ids must be a flat list, got an array of shape {device_ids.shape}"
-        )
+        raise MeshError(f"device_ids must be a flat list, got an array of shape {device_ids.shape}")
     if device_ids.size and not np.issubdtype(device_ids.dtype, np.integer):
-        raise ValueError(f"device_ids must be integers, got dtype {device_ids.dtype}")
+        raise MeshError(f"device_ids must be integers, got dtype {device_ids.dtype}")
     out_of_range = [int(d) for d in device_ids if not 0 <= d < device_count]
     if out_of_range:
-        raise ValueError(
-            f"device ids {out_of_range} are out of range: ids index the {device_count} devices "
-            f"of jax.devices(), so they must lie in [0, {device_count})"
+        raise MeshError(
+            f"Device IDs must be less than mesh size and not negative: device ids {out_of_range} "
+            f"are out of range: ids index the {device_count} devices of jax.devices() that a "
+            f"mesh spans, so they must lie in [0, {device_count})"
         )
     values, counts = np.unique(device_ids, return_counts=True)
     repeated = [int(v) for v, c in zip(values, counts) if c > 1]
     if repeated:
-        raise ValueError(f"device ids must be unique: {repeated} repeated in {device_ids.tolist()}")
+        raise MeshError(f"Device IDs must be unique: {repeated} repeated in {device_ids.tolist()}")
 
 
 def _check_mesh_size(mesh_size: int, mesh_shape: tuple, device_count: int) -> None:
     """A mesh spans every device: SPMD programs run over all of them (as in PyTorch/XLA)."""
     if mesh_size != device_count:
-        raise ValueError(
-            f"Mesh of shape {mesh_shape} has {mesh_size} devices but the program runs on "
-            f"{device_count} (jax.device_count()); a mesh must span every device"
+        raise MeshError(
+            f"Number of device IDs ({mesh_size}) must match the global number of devices "
+            f"({device_count}): Mesh of shape {mesh_shape} has {mesh_size} devices but the "
+            f"program runs on {device_count} (jax.device_count()); a mesh must span every device"
         )
 
 
 def _check_hybrid_shapes(ici_mesh_shape: tuple, dcn_mesh_shape: tuple) -> None:
     """ICI and DCN shapes describe the same logical axes, so they have the same length."""
     if len(ici_mesh_shape) != len(dcn_mesh_shape):
-        raise ValueError(
+        raise MeshError(
             f"ici_mesh_shape {ici_mesh_shape} and dcn_mesh_shape {dcn_mesh_shape} must have the "
             "same number of dimensions"
         )
@@ -86,7 +94,7 @@ def _check_hybrid_shapes(ici_mesh_shape: tuple, dcn_mesh_shape: tuple) -> None:
 def _check_granules(num_granules: int, dcn_mesh_shape: tuple) -> None:
     """With several processes, each DCN coordinate is one process."""
     if math.prod(dcn_mesh_shape) != num_granules:
-        raise ValueError(
+        raise MeshError(
             f"dcn_mesh_shape {dcn_mesh_shape} spans {math.prod(dcn_mesh_shape)} hosts but the "
             f"job has {num_granules} processes (jax.process_count())"
         )
