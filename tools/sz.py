@@ -10,12 +10,14 @@ import pathlib
 import sys
 
 ENGINE = pathlib.Path(__file__).resolve().parents[1] / "spmd_torch" / "_lazy"
-BUDGET = 2880  # +100 SPMD stages (placement, manual), +500 replicas (issue 8), +100 issue 10:
+BUDGET = 2907  # +100 SPMD stages (placement, manual), +500 replicas (issue 8), +100 issue 10:
 # autocast, eager mode, compile regions, profiler scopes, metrics (window, LazyTracing, data);
 # issue 16's modes left it at 2791; +50 issue 17, hosts: rendezvous across hosts through the job's
 # key-value store, each host's part of a global batch, reading values that span hosts; +15
 # issue 18: CPU programs with collectives run in lockstep (the eager SPMD example's deadlock);
-# +15 xm.rendezvous across the hosts of an SPMD job (one process per host, as in PyTorch/XLA)
+# +15 xm.rendezvous across the hosts of an SPMD job (one process per host, as in PyTorch/XLA);
+# +27 issue 19 item 4: gradients and state made like a sharded tensor (zeros_like, clone) follow
+# its layout, so FSDP shards the optimizer state
 
 
 def engine_lines() -> dict[str, int]:

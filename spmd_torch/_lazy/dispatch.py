@@ -20,7 +20,7 @@ from . import counters, placement, rng, views
 from .engine import current
 from .execute import sync, to_cpu
 from .graph import Aval, Value
-from .lowering import LOWERINGS, amp, optim
+from .lowering import LOWERINGS, amp, factories, optim
 from .record import DeviceMismatchError, NoStaticShape, emit, emit_value
 from .tensor import DEVICE, LazyTensor, connect, wrap, wrap_data
 from .transfer import host_copy, to_device_array, upload
@@ -85,6 +85,8 @@ def _resolve(func) -> Callable:
     handler = _lowered_handler(func)
     if handler is not None and func in _INDEXING:
         return _with_device_indices(handler)
+    if handler is not None and func in factories.MADE_LIKE:  # zeros_like(p): laid out like p
+        return lambda f, args, kwargs: placement.follow(handler(f, args, kwargs), args[0])
     if handler is not None:
         return handler
     if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):

@@ -8,6 +8,8 @@ A tensor's sharding belongs to its storage: ``mark`` places data or constrains a
 (a ``CONSTRAIN`` node), and the barrier constrains every later value written to that storage the
 same way, so in-place updates (parameters, optimizer state) keep their layout and a training loop
 compiles once. An output the partitioner sharded on its own keeps that sharding from then on.
+A tensor made like a sharded one (``zeros_like``, ``clone``), and a marked parameter's gradient,
+get its layout (``follow``): optimizer state is sharded like its parameter, as in any FSDP.
 
 Uneven shardings (a dimension not divisible by its mesh axes) are stored padded at the end of each
 dimension, as PyTorch/XLA does, because JAX arrays cannot be uneven: the graph keeps the logical
@@ -27,7 +29,7 @@ from .engine import current
 from .graph import Arg, Aval, Node, Ref
 from .layout import canonical, crop, even_part, pad_to, padded, padded_shape
 from .lowering.sharding import CONSTRAIN
-from .tensor import LazyTensor, Storage, wrap_data
+from .tensor import LazyTensor, Storage, wrap, wrap_data
 
 
 def onto_spmd_devices(leaves: list, arrays: list) -> list:
@@ -93,6 +95,7 @@ def mark(t: LazyTensor, sharding: NamedSharding) -> None:
         return
     storage = t._storage  # its own value, or an identity view (detach) of one: mark the storage
     storage.sharding = sharding
+    _grads_follow(t)
     node, index = storage.ref
     aval = node.avals[index]
     if node.is_leaf(index):
@@ -104,6 +107,34 @@ def mark(t: LazyTensor, sharding: NamedSharding) -> None:
 def _constrained(ref: Ref, sharding: NamedSharding) -> Ref:
     aval = ref[0].avals[ref[1]]
     return (Node(CONSTRAIN, (ref,), (Arg(0), sharding), {}, (aval,)), 0)
+
+
+def follow(t, source):
+    """``t``, made like ``source``, laid out as ``source``'s storage is unless ``t``'s has a layout
+    already; a replicated source (or none: one device, a replica of launch) leaves it to the
+    partitioner. Returns ``t``."""
+    if not (type(t) is type(source) is LazyTensor) or t._view or source._view:
+        return t  # a view's value is not its storage's
+    sharding = source._storage.sharding
+    if t._storage.sharding is None and sharding is not None and not sharding.is_fully_replicated:
+        t._storage.sharding = sharding
+    return t
+
+
+def _grads_follow(t: LazyTensor) -> None:
+    """A marked parameter's gradient is laid out like it (FSDP shards gradients too), and so is
+    what is copied from it (SGD's momentum is ``clone(grad)``)."""
+    hooks = t._post_accumulate_grad_hooks or {}
+    if t.requires_grad and t.is_leaf and _grad_like_param not in hooks.values():
+        t.register_post_accumulate_grad_hook(_grad_like_param)
+
+
+def _grad_like_param(param: LazyTensor) -> None:
+    grad = param.grad
+    if type(grad) is LazyTensor and grad._view is not None:  # autograd kept a view of its buffer
+        ref = grad._ref()
+        grad._alias_of(wrap(ref, ref[0].avals[ref[1]]))  # the gradient's own storage, to lay out
+    follow(grad, param)
 
 
 def clear(t: LazyTensor) -> None:

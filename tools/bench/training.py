@@ -138,12 +138,21 @@ def _jax_fsdp_where(mesh: Any) -> Callable[[Any], Any]:
     return lambda x: sharded if np.ndim(x) == 2 else replicated
 
 
+def _shard_bytes(arrays: list) -> tuple[int, int]:
+    """Bytes of device 0's shards (every device holds an equal split) and of the whole arrays."""
+    return sum(a.addressable_shards[0].data.nbytes for a in arrays), sum(a.nbytes for a in arrays)
+
+
 def _jax_param_bytes(params: Any) -> tuple[int, int]:
-    """Bytes of device 0's shards (every device holds an equal split) and of the whole params."""
     import jax
 
-    leaves = jax.tree.leaves(params)
-    return sum(p.addressable_shards[0].data.nbytes for p in leaves), sum(p.nbytes for p in leaves)
+    return _shard_bytes(jax.tree.leaves(params))
+
+
+def _state_bytes_fields(per_device: int, total: int) -> dict[str, int]:
+    """W4's optimizer-state byte counts as result fields: AdamW's moments follow their params, so
+    one device holds about total / mesh, not the total."""
+    return {"opt_state_bytes_per_device": per_device, "opt_state_bytes_total": total}
 
 
 def _jax_trainer(
@@ -153,8 +162,10 @@ def _jax_trainer(
     model: nn.Module,
     data: tuple[np.ndarray, ...],
     mesh: Any = None,
+    state: dict | None = None,
 ) -> Trainer:
-    """Single-device (W2, W3) or, given a mesh, W4's FSDP placement of params, state and batch."""
+    """Single-device (W2, W3) or, given a mesh, W4's FSDP placement of params, state and batch;
+    ``state`` (if given) is filled with the live params and optimizer state."""
     import jax
 
     devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
@@ -167,7 +178,8 @@ def _jax_trainer(
     opt_state = put(init_fn(params))
     batch = put([a.astype(np.int32) if a.dtype == np.int64 else a for a in data])
     train_step = jax_train_step(loss_fn, update_fn)
-    state = {"params": params, "opt": opt_state}
+    state = {} if state is None else state
+    state.update(params=params, opt=opt_state)
 
     def step() -> Any:
         state["params"], state["opt"], loss = train_step(state["params"], state["opt"], *batch)
@@ -213,8 +225,13 @@ def w4_jax(warmup: int, steps: int, check: bool, gpu: bool) -> dict[str, Any]:
     n = fsdp_mesh_size()
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), (FSDP.axis,))
     data = gpt_data(GPT_W4_CFG)
-    tr = _jax_trainer(jax_gpt_loss, jax_adamw_init, jax_adamw_update, new_gpt(), data, mesh=mesh)
-    return {**run_trainer(tr, warmup, steps, check), **fsdp_info(n)}
+    state: dict = {}
+    tr = _jax_trainer(
+        jax_gpt_loss, jax_adamw_init, jax_adamw_update, new_gpt(), data, mesh=mesh, state=state
+    )
+    result = run_trainer(tr, warmup, steps, check)
+    opt_bytes = _state_bytes_fields(*_shard_bytes(jax.tree.leaves(state["opt"])))
+    return {**result, **fsdp_info(n), **opt_bytes}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -354,6 +371,19 @@ def _spmd_param_bytes(model: nn.Module) -> tuple[int, int]:
     return per_device, sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def _spmd_state_bytes(opt: torch.optim.Optimizer) -> tuple[int, int]:
+    """Bytes of device 0's shards of the optimizer state's device arrays, and their total."""
+    from spmd_torch._lazy.execute import global_array
+
+    tensors = [
+        v
+        for s in opt.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor) and v.device.type == "xla"
+    ]
+    return _shard_bytes([global_array(t) for t in tensors])
+
+
 def w4_spmd(warmup: int, steps: int, check: bool, gpu: bool) -> dict[str, Any]:
     import jax
 
@@ -362,11 +392,19 @@ def w4_spmd(warmup: int, steps: int, check: bool, gpu: bool) -> dict[str, Any]:
     n = fsdp_mesh_size()
     model = new_gpt()
     data = gpt_data(GPT_W4_CFG)
-    tr = spmd_trainer(model, new_adamw, gpt_loss, data, shard=_spmd_fsdp_shard(n))
+    made: list = []  # the optimizer spmd_trainer makes, for its state's bytes
+    tr = spmd_trainer(
+        model,
+        lambda m: made.append(new_adamw(m)) or made[0],
+        gpt_loss,
+        data,
+        shard=_spmd_fsdp_shard(n),
+    )
     tr = dataclasses.replace(
         tr,
         peak_bytes=lambda: harness.jax_peak(jax.devices()[:n]),
         param_bytes=lambda: _spmd_param_bytes(model),
         program_bytes=_spmd_program_bytes,
     )
-    return {**run_trainer(tr, warmup, steps, check), **fsdp_info(n)}
+    result = run_trainer(tr, warmup, steps, check)
+    return {**result, **fsdp_info(n), **_state_bytes_fields(*_spmd_state_bytes(made[0]))}

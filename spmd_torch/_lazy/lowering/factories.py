@@ -75,6 +75,14 @@ def _new_constant(value):
     return lambda x, size, *_, dtype=None, **__: jnp.full(size, value, _dtype(dtype, x.dtype))
 
 
+# Ops making a new tensor like their first argument: the dispatcher lays the result out as that
+# argument is laid out (placement.follow), so optimizer state is sharded like its parameter.
+MADE_LIKE = frozenset(
+    (aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default)
+    + (aten.full_like.default, aten.rand_like.default, aten.randn_like.default)
+    + (aten.randint_like.default, aten.randint_like.low_dtype, aten.clone.default)
+)
+
 register_table(
     {
         aten.full.default: _full,

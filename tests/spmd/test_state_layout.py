@@ -1,0 +1,184 @@
+"""State made from a sharded tensor is laid out like it: the *_like factories, a marked parameter's
+gradient and what optimizers build from them (AdamW's moments, SGD's momentum), so FSDP shards the
+optimizer state without the user marking it; values and losses as eager CPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import spmd_torch
+import spmd_torch.distributed.spmd as xs
+import spmd_torch.experimental.distributed_checkpoint as xc
+import spmd_torch.runtime as xr
+from spmd_torch._lazy import placement
+from spmd_torch._lazy.execute import global_array
+from spmd_torch.amp import syncfree
+from tests.helpers import assert_close
+
+dev = spmd_torch.device()
+ROWS = "{devices=[8,1]0,1,2,3,4,5,6,7}"
+
+OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=1e-1, momentum=0.9),
+    "syncfree_adamw": lambda ps: syncfree.AdamW(ps, lr=1e-2),
+}
+
+
+@pytest.fixture
+def mesh():
+    return xs.Mesh(np.arange(8), (8,), ("fsdp",))
+
+
+def new_mlp() -> nn.Module:
+    """Two even layers and an uneven 10-row head (10 rows over 8 devices)."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10)
+    )
+
+
+def shard_fsdp(model: nn.Module, mesh) -> None:
+    for p in model.parameters():
+        if p.dim() == 2:
+            xs.mark_sharding(p, mesh, ("fsdp", None))
+
+
+def train(model, optimizer, device, steps: int = 3, mesh=None) -> list[float]:
+    losses = []
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(16, 16, generator=generator).to(device)
+        y = torch.randint(0, 10, (16,), generator=generator).to(device)
+        if mesh is not None:
+            xs.mark_sharding(x, mesh, ("fsdp", None))
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        if device.type == "xla":
+            spmd_torch.sync()
+        losses.append(loss.detach())
+    return [float(loss) for loss in losses]
+
+
+def weight_states(model, optimizer) -> dict:
+    """Each 2-D parameter's name -> {state key: the state tensor of its shape}."""
+    out = {}
+    for name, p in model.named_parameters():
+        if p.dim() == 2:
+            state = optimizer.state[p]
+            out[name] = {k: v for k, v in state.items() if torch.is_tensor(v) and v.dim() == 2}
+    return out
+
+
+@pytest.mark.parametrize("which", list(OPTIMIZERS))
+def test_optimizer_state_sharded_like_its_parameter(mesh, which):
+    model = new_mlp().to(dev)
+    shard_fsdp(model, mesh)
+    optimizer = OPTIMIZERS[which](model.parameters())
+    losses = train(model, optimizer, dev, mesh=mesh)
+    states = weight_states(model, optimizer)
+    assert all(states.values()), states
+    for name, p in model.named_parameters():
+        if p.dim() != 2:
+            continue
+        assert xs.get_xla_sharding_spec(p) == ROWS, name
+        for key, value in states[name].items():
+            assert xs.get_xla_sharding_spec(value) == ROWS, f"{name}.{key}"
+    cpu_model = new_mlp()
+    expected = train(cpu_model, OPTIMIZERS[which](cpu_model.parameters()), torch.device("cpu"))
+    assert_close(torch.tensor(losses), torch.tensor(expected), tol="training")
+
+
+def test_uneven_head_moments_hold_an_eighth_per_device(mesh):
+    model = new_mlp().to(dev)
+    shard_fsdp(model, mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, optimizer, dev, steps=1, mesh=mesh)
+    head = model[4].weight
+    moments = weight_states(model, optimizer)["4.weight"]
+    for array in [global_array(head)] + [global_array(v) for v in moments.values()]:
+        assert {tuple(s.data.shape) for s in array.addressable_shards} == {(2, 32)}  # padded to 16
+    assert placement.sharding_of(head.grad) == placement.sharding_of(head)
+
+
+@pytest.mark.parametrize("rows", [16, 10], ids=["even", "uneven"])
+@pytest.mark.parametrize(
+    "make, value",
+    [
+        (torch.zeros_like, 0.0),
+        (torch.ones_like, 1.0),
+        (lambda t: torch.full_like(t, 3.5), 3.5),
+        (torch.empty_like, None),
+    ],
+    ids=["zeros_like", "ones_like", "full_like", "empty_like"],
+)
+def test_like_factory_sharded_like_its_source(mesh, rows, make, value):
+    source = torch.randn(rows, 8).to(dev)
+    xs.mark_sharding(source, mesh, ("fsdp", None))
+    made = make(source)
+    spmd_torch.sync()
+    assert xs.get_xla_sharding_spec(made) == xs.get_xla_sharding_spec(source) == ROWS
+    assert made.shape == source.shape and made.dtype == source.dtype
+    if value is not None:
+        assert torch.equal(made.cpu(), torch.full((rows, 8), value))
+
+
+def test_like_factory_of_a_replicated_source_is_left_to_the_partitioner():
+    source = torch.randn(16, 8).to(dev)
+    spmd_torch.sync()
+    made = torch.zeros_like(source)
+    assert placement.sharding_of(made) is None
+    spmd_torch.sync()
+    assert torch.equal(made.cpu(), torch.zeros(16, 8))
+
+
+def test_like_factory_on_one_device_has_no_layout():
+    xr.reset()  # SPMD off
+    try:
+        made = torch.ones_like(torch.randn(10, 8).to(dev))
+        assert placement.sharding_of(made) is None
+        assert torch.equal(made.cpu(), torch.ones(10, 8))
+    finally:
+        xr.use_spmd()
+
+
+def test_clone_of_a_view_is_left_to_the_partitioner(mesh):
+    source = torch.randn(16, 8).to(dev)
+    xs.mark_sharding(source, mesh, ("fsdp", None))
+    made = source[:8].clone()
+    assert placement.sharding_of(made) is None
+    assert torch.equal(made.cpu(), source.cpu()[:8])
+
+
+def test_restore_onto_a_4x2_mesh_keeps_the_moments_sharded(mesh, tmp_path):
+    model = new_mlp().to(dev)
+    shard_fsdp(model, mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, optimizer, dev, steps=2, mesh=mesh)
+    xc.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, tmp_path / "ckpt")
+
+    grid = xs.Mesh(np.arange(8), (4, 2), ("a", "b"))
+    restored = new_mlp().to(dev)
+    for p in restored.parameters():
+        if p.dim() == 2:
+            xs.mark_sharding(p, grid, (("a", "b"), None))
+    restored_optimizer = torch.optim.AdamW(restored.parameters(), lr=1e-2)
+    train(restored, restored_optimizer, dev, steps=1)  # the target's own moments exist
+    state = {"model": restored.state_dict(), "optim": restored_optimizer.state_dict()}
+    xc.load(state, tmp_path / "ckpt")
+    restored_optimizer.load_state_dict(state["optim"])
+    train(restored, restored_optimizer, dev, steps=1)
+    for name, p in restored.named_parameters():
+        if p.dim() != 2:
+            continue
+        expected = xs.get_xla_sharding_spec(p)
+        assert placement.sharding_of(p).mesh.shape == {"a": 4, "b": 2} and expected == ROWS, name
+        for key, value in weight_states(restored, restored_optimizer)[name].items():
+            assert xs.get_xla_sharding_spec(value) == expected, f"{name}.{key}"
