@@ -10,14 +10,16 @@ import pathlib
 import sys
 
 ENGINE = pathlib.Path(__file__).resolve().parents[1] / "spmd_torch" / "_lazy"
-BUDGET = 2907  # +100 SPMD stages (placement, manual), +500 replicas (issue 8), +100 issue 10:
+BUDGET = 3168  # +100 SPMD stages (placement, manual), +500 replicas (issue 8), +100 issue 10:
 # autocast, eager mode, compile regions, profiler scopes, metrics (window, LazyTracing, data);
 # issue 16's modes left it at 2791; +50 issue 17, hosts: rendezvous across hosts through the job's
 # key-value store, each host's part of a global batch, reading values that span hosts; +15
 # issue 18: CPU programs with collectives run in lockstep (the eager SPMD example's deadlock);
 # +15 xm.rendezvous across the hosts of an SPMD job (one process per host, as in PyTorch/XLA);
 # +27 issue 19 item 4: gradients and state made like a sharded tensor (zeros_like, clone) follow
-# its layout, so FSDP shards the optimizer state
+# its layout, so FSDP shards the optimizer state; +261 issue 19 item 1, torch.compile: a graph
+# Dynamo/AOTAutograd traced, recorded once into a template and called as one node (compiled.py,
+# with its CPU part and PRNG key), the tensor's face to Dynamo, functional all_reduce
 
 
 def engine_lines() -> dict[str, int]:

@@ -25,7 +25,8 @@ from .lowering.collectives import (
 from .tensor import LazyTensor, wrap
 
 REDUCE_TYPES = ("sum", "mul", "and", "or", "min", "max")
-COLLECTIVES = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, COLLECTIVE_PERMUTE)
+# The ops whose programs a replica runs only with every other replica's (compiled graphs add theirs).
+COLLECTIVES = {ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, COLLECTIVE_PERMUTE}
 
 
 def world_size() -> int:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch._decomp import decomposition_table
 
-from . import counters, placement, rng, views
+from . import collective, counters, placement, rng, views
 from .engine import current
 from .execute import sync, to_cpu
 from .graph import Aval, Value
@@ -337,6 +337,8 @@ def _foreach_handler(func) -> Callable:
     write_back = inplace and packet is None  # e.g. maximum_ does not exist: compute, then copy
     packet = packet or getattr(aten, base)
     element, trailing = _element_overload(func, packet)
+    if element is not None:  # the element's positional arguments; the rest are its keywords
+        positional = sum(not a.kwarg_only for a in element._schema.arguments)
 
     def foreach(func, args: tuple, kwargs: dict) -> Any:
         length = next(len(a) for a in args if isinstance(a, (list, tuple)))
@@ -349,9 +351,8 @@ def _foreach_handler(func) -> Callable:
             if element is None:  # no overload matched by type: let PyTorch resolve it
                 result = packet(*element_args, **element_kwargs)
             else:
-                cut = len(element_args) - len(trailing)
-                element_kwargs.update(zip(trailing, element_args[cut:]))
-                result = dispatch(element, tuple(element_args[:cut]), element_kwargs)
+                element_kwargs.update(zip(trailing, element_args[positional:]))
+                result = dispatch(element, tuple(element_args[:positional]), element_kwargs)
             if write_back:
                 _assign(element_args[0], result, func)
             results.append(result)
@@ -492,7 +493,18 @@ def _set_(func, args: tuple, kwargs: dict) -> LazyTensor:
     return dst
 
 
+def _functional_all_reduce(func, args: tuple, kwargs: dict) -> LazyTensor:
+    """torch.distributed's functional all_reduce (xm.all_reduce inside torch.compile) over all
+    replicas; its group name is empty, as PyTorch/XLA's is."""
+    tensor, reduce_type = args[0], args[1]
+    return collective.all_reduce(reduce_type, [tensor], 1.0, None)[0]
+
+
+_FUNCTIONAL = torch.ops._c10d_functional
+
 SPECIALS: dict = {
+    _FUNCTIONAL.all_reduce.default: _functional_all_reduce,
+    _FUNCTIONAL.wait_tensor.default: lambda func, args, kwargs: views.alias(args[0]),
     aten.copy_.default: _copy_,
     aten._copy_from.default: _copy_from,
     aten._copy_from_and_resize.default: _copy_from,

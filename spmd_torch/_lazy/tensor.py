@@ -152,19 +152,33 @@ class LazyTensor(torch.Tensor):
         if isinstance(new, LazyTensor):
             self._alias_of(new)
 
-    def __tensor_flatten__(self) -> tuple[list, tuple]:
-        """Marks this a traceable wrapper subclass, which makes ``Module.to('xla')`` swap each
-        parameter in place: tied parameters stay tied and keep their identity, as on CUDA,
-        instead of each module getting a new, untied Parameter. No inner tensors: the value is
-        the storage."""
-        return [], (self._storage, self._view)
+    def __tensor_flatten__(self) -> tuple[list, None]:
+        """A traceable wrapper subclass, for two reasons. ``Module.to('xla')`` then swaps each
+        parameter in place (tied parameters stay tied, as on CUDA). And ``torch.compile`` can
+        trace it: Dynamo fakes its one inner tensor, ``_handle``, and the fake stands for the
+        tensor itself (``__tensor_unflatten__``), so Dynamo's and AOTAutograd's graphs are over
+        plain fake xla tensors, and compiled graphs get the LazyTensors themselves at run time
+        (core/dynamo_bridge.py). No context: guards compare it, and it never changes."""
+        return ["_handle"], None
+
+    @property
+    def _handle(self) -> TensorHandle:
+        return TensorHandle(self)
 
     @staticmethod
-    def __tensor_unflatten__(inner: dict, context: tuple, outer_size, outer_stride):
-        raise NotImplementedError(
-            "xla tensors cannot be rebuilt from parts (torch.compile tracing through them is not "
-            "supported); spmd_torch compiles the whole step at the barrier instead"
-        )
+    def __tensor_unflatten__(inner: dict, context: None, outer_size, outer_stride):
+        """The fake of the handle, as the fake of this tensor; a handle, as its tensor."""
+        handle = inner["_handle"]
+        return handle.tensor if type(handle) is TensorHandle else handle
+
+    def _is_view(self) -> bool:
+        """Never an autograd view to Python code (torch.compile's fakes): a view's aliasing is the
+        engine's (``_view``), and a fake of it must be as plain as the fakes of other tensors."""
+        return False
+
+    def __coerce_same_metadata_as_tangent__(self, expected_metadata, expected_type=None):
+        """AOTAutograd traced the tangent as a plain tensor: pass the handle of this one."""
+        return TensorHandle(self)
 
     def tolist(self) -> list:
         return self.detach().cpu().tolist()
@@ -174,6 +188,23 @@ class LazyTensor(torch.Tensor):
 
 
 _NO_KWARGS: dict = {}
+
+
+class TensorHandle(torch.Tensor):
+    """An xla tensor where torch.compile needs a tensor that is not a traceable subclass: the
+    inner tensor Dynamo fakes, and a backward's tangent. Compiled graphs read the tensor back."""
+
+    @staticmethod
+    def __new__(cls, tensor: LazyTensor) -> TensorHandle:
+        handle = torch.Tensor._make_wrapper_subclass(
+            cls, tensor.shape, dtype=tensor.dtype, device=DEVICE, strides=tensor.stride()
+        )
+        handle.tensor = tensor
+        return handle
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError(f"{func} on the handle of an xla tensor: only compiled graphs read it")
 
 
 def _not_connected(func, args: tuple, kwargs: dict):

@@ -486,13 +486,24 @@ def all_reduce(
     """
     single = isinstance(inputs, torch.Tensor)
     tensors = [inputs] if single else list(inputs)
-    reduced = _collective.all_reduce(reduce_type, tensors, scale, groups)
+    if torch.compiler.is_compiling() and not groups:  # an op Dynamo keeps in the graph
+        reduced = [_functional_all_reduce(reduce_type, t, scale) for t in tensors]
+    else:
+        reduced = _collective.all_reduce(reduce_type, tensors, scale, groups)
     if single:
         return reduced[0]
     with torch.no_grad():
         for tensor, value in zip(tensors, reduced):
             tensor.copy_(value)
     return inputs
+
+
+def _functional_all_reduce(reduce_type: str, tensor: torch.Tensor, scale: float) -> torch.Tensor:
+    """``all_reduce`` as torch.distributed's functional collective, which torch.compile traces
+    into its graph (the engine records it as its own all-reduce), as PyTorch/XLA does."""
+    functional = torch.ops._c10d_functional
+    reduced = functional.wait_tensor(functional.all_reduce(tensor, reduce_type, ""))
+    return reduced if scale == 1.0 else reduced * scale
 
 
 def all_gather(

@@ -353,11 +353,6 @@ def _batch_norm_backward_case(train: bool, mask: list, name: str):
             id="functional-training-bf16-2d",
         ),
         case(
-            aten._native_batch_norm_legit_no_training.default,
-            *(_bn_x, _bn_w, _bn_b, _bn_mean, _bn_var, 0.1, 1e-5),
-            id="no_training",
-        ),
-        case(
             aten._native_batch_norm_legit.no_stats,
             *(_bn_x, _bn_w, None, True, 0.1, 1e-5),
             id="no_stats",
@@ -369,6 +364,18 @@ def _batch_norm_backward_case(train: bool, mask: list, name: str):
 )
 def test_batch_norm_matches_eager(op, args, kwargs, tol):
     check(op, *args, cast=True, tol=tol or tight, **kwargs)
+
+
+def test_batch_norm_no_training_returns_the_statistics_it_used():
+    """Eval batch norm, which AOTAutograd's graphs hold: eager's output, and per channel (the
+    shapes its meta kernel promises; CPU's kernel returns empty ones) the running mean and the
+    inverse standard deviation it normalized with."""
+    args = (_bn_x, _bn_w, _bn_b, _bn_mean, _bn_var, 0.1, 1e-5)
+    out, mean, invstd = lowered(aten._native_batch_norm_legit_no_training.default, *args)
+    expected = aten._native_batch_norm_legit_no_training.default(*args)[0]
+    assert_same(out, expected, tight)
+    assert_same(mean, _bn_mean, tight)
+    assert_same(invstd, 1 / torch.sqrt(_bn_var + 1e-5), tight)
 
 
 # --- losses --------------------------------------------------------------------------------------

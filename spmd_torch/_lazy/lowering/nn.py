@@ -471,7 +471,10 @@ def _native_batch_norm_legit_functional(
 def _native_batch_norm_legit_no_training(
     input, weight, bias, running_mean, running_var, momentum, eps
 ):
-    return _batch_norm_eval(input, weight, bias, running_mean, running_var, eps)
+    """The statistics it used, per channel, where the meta kernel promises them (AOTAutograd's
+    eval graphs); CPU's kernel returns empty ones."""
+    out = _batch_norm_eval(input, weight, bias, running_mean, running_var, eps)[0]
+    return out, running_mean, 1 / jnp.sqrt(_upcast(running_var) + eps)
 
 
 @lowers(aten._native_batch_norm_legit.no_stats)

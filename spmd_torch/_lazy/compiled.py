@@ -1,0 +1,266 @@
+"""A graph ``torch.compile`` traced (Dynamo's, or AOTAutograd's forward or backward) as one node.
+
+The first call with new input shapes runs the graph once through the dispatcher on placeholder
+inputs, recording a template program. Its CPU part (an optimizer's step counters and the scalars
+made from them) runs on the CPU at every call, feeding the template its values. Every call records one node whose static argument is that
+template, and which lowers to the template's JAX function: no per-op Python after the first call.
+The node joins the pending graph like any other, so the step still runs as one program in every
+mode and what runs outside the compiled graph (an optimizer step) joins the same barrier. A graph
+that cannot be recorded (it reads a value, or an op's output shape depends on data) runs op by op
+instead, traced lazily as uncompiled code is.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import jax
+import numpy as np
+import torch
+import torch.utils._pytree as pytree
+from torch import fx
+
+from . import execute, rng
+from .collective import COLLECTIVES
+from .compile import build_function
+from .engine import current
+from .graph import SCALAR, Arg, Aval, Node, linearize
+from .lowering import EngineOp, lowers
+from .lowering.dtypes import to_jax_dtype
+from .tensor import LazyTensor, Storage, TensorHandle, wrap, wrap_data
+from .transfer import to_device_array
+
+GRAPH = EngineOp("compiled_graph")
+# A replica's program holding collectives runs only together with the other replicas' (run.py).
+GRAPH_WITH_COLLECTIVES = EngineOp("compiled_graph_with_collectives")
+COLLECTIVES.add(GRAPH_WITH_COLLECTIVES)
+
+
+class Template:
+    """A recorded graph: its program; where each program input comes from at a call (``("arg",
+    k)``: argument k; ``("cpu", node[, k])``: a value of the graph's CPU part; ``("key",)``: the PRNG
+    key; else a constant's ref); where each output leaf comes from (``("out", k)``: the program's
+    output k; ``("arg", k)``, ``("cpu", node)``, ``("value", v)``); the arguments written in place,
+    whose new values follow the outputs, and then the next PRNG key if it draws random numbers.
+    Equal only to itself: it is a node's static argument, and so part of the program's key."""
+
+    def __init__(self, program, sources: list, results: list, tree, writes: list, key_out: bool):
+        self.program = program
+        self.sources = sources
+        self.results = results
+        self.tree = tree
+        self.writes = writes
+        self.key_out = key_out
+        self.uses_key = key_out or ("key",) in sources
+        self.avals = tuple(node.avals[i] for node, i in program.outputs)
+        self.computed = sum(kind == "out" for kind, _ in results)
+        self.op = GRAPH_WITH_COLLECTIVES if _has_collectives(program) else GRAPH
+        # CPU scalars arrive as lifted float64 scalars: each is cast back to its tensor's dtype.
+        self.casts = [
+            to_jax_dtype(node.avals[i].dtype)
+            if source[0] == "cpu" and not node.avals[i].shape
+            else None
+            for source, (node, i) in zip(sources, program.leaves)
+        ]
+        self._function = None
+
+    def lower(self, inputs: tuple) -> list:
+        """The template's JAX function on the node's inputs (built once: every program holding
+        a call of this graph inlines the same function)."""
+        if self._function is None:
+            program = self.program
+            self._function = build_function(program, (False,) * len(program.leaves))
+            self._scalars = np.array([n.args[0] for n in program.scalars], dtype=np.float64)
+        inputs = [x if d is None else x.astype(d) for x, d in zip(inputs, self.casts)]
+        return self._function([], inputs, self._scalars)
+
+    def call(self, args: list, cpu: dict) -> Any:
+        """One node computing the graph on ``args`` (``cpu``: its CPU part's values); the graph's
+        outputs, new tensors."""
+        key = rng.state() if self.uses_key else None
+        src = tuple(self._source(s, args, cpu, key) for s in self.sources)
+        node = Node(self.op, src, (tuple(Arg(k) for k in range(len(src))), self), {}, self.avals)
+        outputs = []
+        for kind, k in self.results:
+            if kind == "out":
+                outputs.append(wrap((node, k), self.avals[k]))
+            else:
+                outputs.append(args[k] if kind == "arg" else cpu[k] if kind == "cpu" else k)
+        for k, position in enumerate(self.writes, start=self.computed):
+            args[position]._write((node, k))
+        if self.key_out:
+            key.set((node, len(self.avals) - 1))
+        if current().eager:
+            execute.sync()
+        return pytree.tree_unflatten(outputs, self.tree)
+
+    @staticmethod
+    def _source(source, args: list, cpu: dict, key) -> tuple:
+        kind = source[0]
+        if kind == "arg":
+            return args[source[1]]._ref()
+        if kind == "key":
+            return key.ref
+        if kind != "cpu":
+            return source  # a constant's ref
+        value = cpu[source[1]] if len(source) == 2 else cpu[source[1]][source[2]]
+        if value.dim() == 0:  # lifted, as Python scalars are: packed with the others
+            return (Node(SCALAR, (), (value.item(),), {}, (_SCALAR_AVAL,)), 0)
+        return wrap_data(to_device_array(value), Aval(tuple(value.shape), value.dtype))._ref()
+
+
+lowers(GRAPH, GRAPH_WITH_COLLECTIVES)(lambda inputs, template: template.lower(inputs))
+_SCALAR_AVAL = Aval((), torch.float64)
+
+
+def _has_collectives(program) -> bool:
+    return any(node.op in COLLECTIVES for node in program.nodes)
+
+
+class CompiledGraph:
+    """A graph ``torch.compile`` traced, callable on xla tensors (or the handles its runtime
+    passes, ``tensor.TensorHandle``), on CPU tensors and on Python values."""
+
+    def __init__(self, graph: fx.GraphModule, name: str = "compiled graph"):
+        self.graph = graph
+        self.name = name
+        # input signature -> (Template, its CPU part's nodes in order), or None: op by op
+        self.templates: dict = {}
+        self.placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+
+    def __call__(self, *args: Any) -> Any:
+        args = [a.tensor if type(a) is TensorHandle else a for a in args]
+        signature = tuple(
+            (a.shape, a.dtype, a.device) if isinstance(a, torch.Tensor) else (type(a), a)
+            for a in args
+        )
+        if signature not in self.templates:
+            self.templates[signature] = self._record(args)
+        recorded = self.templates[signature]
+        if recorded is None:
+            return self.graph(*args)
+        template, cpu_part = recorded
+        return template.call(args, self._run_cpu_part(cpu_part, args))
+
+    def _run_cpu_part(self, cpu_part: list, args: list) -> dict:
+        """The values of the graph's CPU part for this call."""
+        if not cpu_part:
+            return {}
+        values = dict(zip(self.placeholders, args))
+        read = values.__getitem__
+        for node in cpu_part:
+            if node.op == "call_function":
+                values[node] = node.target(
+                    *fx.map_arg(node.args, read), **fx.map_arg(node.kwargs, read)
+                )
+            elif node.op == "get_attr":
+                values[node] = _attribute(self.graph, node.target)
+        return values
+
+    def _record(self, args: list) -> tuple | None:
+        """Run the graph once on placeholders, recording its template; None where it cannot be
+        recorded (it reads a value, an op's output shape depends on data, or its CPU part needs
+        a device value), with a warning: then it runs op by op."""
+        own = current()
+        saved_key, mark, eager = own.rng, len(own.pending), own.eager
+        own.rng, own.eager = Storage(_placeholder((2,), torch.uint32)[0]), False
+        key_in = own.rng.ref
+        recorder = _Recorder(self.graph, self.placeholders, args)
+        try:
+            with execute.one_graph(self.name), torch.no_grad():
+                out = recorder.run(*recorder.inputs)
+            return recorder.template(out, key_in, own.rng.ref), recorder.cpu_part
+        except (RuntimeError, NotImplementedError) as error:
+            warnings.warn(
+                f"torch.compile: {self.name} runs op by op, lazily traced at each call: {error}",
+                stacklevel=3,
+            )
+            return None
+        finally:
+            own.rng, own.eager = saved_key, eager
+            del own.pending[mark:]  # the placeholders' values are never computed
+
+
+class _Recorder(fx.Interpreter):
+    """Runs a graph once through the dispatcher on placeholders: xla arguments, CPU arguments and
+    the values of the CPU part (nodes whose value is a CPU tensor) each become one."""
+
+    def __init__(self, graph: fx.GraphModule, placeholders: list, args: list):
+        super().__init__(graph)
+        self.slots: dict = {}  # id(placeholder leaf) -> its template source
+        self.cpu_part: list = []
+        self.inputs, self.xla_inputs = [], {}
+        for k, (node, a) in enumerate(zip(placeholders, args)):
+            if type(a) is LazyTensor:
+                self.xla_inputs[k] = self._stand_in(a, ("arg", k))
+                self.inputs.append(self.xla_inputs[k])
+            elif isinstance(a, torch.Tensor):
+                self.cpu_part.append(node)
+                self.inputs.append(self._stand_in(a, ("cpu", node)))
+            else:
+                self.inputs.append(a)
+        self.before = {k: t._storage.ref for k, t in self.xla_inputs.items()}
+
+    def _stand_in(self, like: torch.Tensor, source: tuple) -> LazyTensor:
+        ref, aval = _placeholder(like.shape, like.dtype)
+        self.slots[id(ref[0])] = source
+        return wrap(ref, aval)
+
+    def run_node(self, node: fx.Node) -> Any:
+        value = node.meta.get("val", node.meta.get("example_value"))
+        if node.op != "call_function" or not _on_cpu(value):
+            return super().run_node(node)
+        part = set(self.cpu_part)
+        for source in node.all_input_nodes:
+            if source not in part and source.op != "get_attr":
+                raise RuntimeError(f"{node.target} makes a CPU value of a device value")
+            if source.op == "get_attr" and source not in part:
+                self.cpu_part.append(source)
+        self.cpu_part.append(node)
+        if isinstance(value, torch.Tensor):
+            return self._stand_in(value, ("cpu", node))
+        return [self._stand_in(v, ("cpu", node, k)) for k, v in enumerate(value)]
+
+    def template(self, out: Any, key_in: tuple, key_now: tuple) -> Template:
+        leaves, tree = pytree.tree_flatten(out)
+        results, refs = [], []
+        for leaf in leaves:
+            source = self.slots.get(id(leaf._ref()[0])) if type(leaf) is LazyTensor else None
+            if source is not None and leaf._view is None:
+                results.append(source)
+            elif type(leaf) is LazyTensor:
+                results.append(("out", len(refs)))
+                refs.append(leaf._ref())
+            elif isinstance(leaf, torch.Tensor):
+                raise RuntimeError(f"the graph returned a tensor on {leaf.device}, not on xla")
+            else:
+                results.append(("value", leaf))
+        writes = [k for k, t in self.xla_inputs.items() if t._storage.ref is not self.before[k]]
+        refs += [self.xla_inputs[k]._storage.ref for k in writes]
+        key_out = key_now is not key_in
+        if key_out:
+            refs.append(key_now)
+        program = linearize(refs)
+        self.slots[id(key_in[0])] = ("key",)
+        sources = [self.slots.get(id(node), (node, i)) for node, i in program.leaves]
+        return Template(program, sources, results, tree, writes, key_out)
+
+
+def _on_cpu(value) -> bool:
+    """A value of the graph's CPU part: a CPU tensor, or a list of them (a CPU foreach op's)."""
+    if isinstance(value, (list, tuple)):
+        return bool(value) and all(_on_cpu(v) for v in value)
+    return isinstance(value, torch.Tensor) and value.device.type == "cpu"
+
+
+def _placeholder(shape, dtype: torch.dtype) -> tuple:
+    """A leaf standing for an input (its ref and aval): known shape and dtype, no value."""
+    aval = Aval(tuple(shape), dtype)
+    return (Node.data(jax.ShapeDtypeStruct(aval.shape, to_jax_dtype(dtype)), aval), 0), aval
+
+
+def _attribute(module: torch.nn.Module, target: str) -> Any:
+    for name in target.split("."):
+        module = getattr(module, name)
+    return module

@@ -1,0 +1,45 @@
+"""``torch.compile`` on xla tensors: the ``spmd_torch`` backend, and PyTorch/XLA's bridge behind
+PyTorch's own ``openxla`` and ``openxla_eval`` backends (with the ``torch_xla`` name installed).
+
+Dynamo traces the Python code; AOTAutograd splits the graph into a forward and a backward over
+plain aten ops; each becomes a :class:`~spmd_torch._lazy.compiled.CompiledGraph`, recorded once
+per input shapes and then called as one node of the lazy graph. Unlike PyTorch/XLA's bridge, a
+call does not end the step: the graph joins the barrier's program with the rest of the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo import trace_rules
+from torch._dynamo.backends.common import aot_autograd
+
+from spmd_torch._lazy.compiled import CompiledGraph
+from spmd_torch._lazy.lowering import inductor_prims
+
+# Dynamo must never trace the engine's frames, nor JAX's under them: they run where compiled code
+# breaks its graph (a backward, an eager region), and an op there is an op of the lazy graph.
+for _module in ("spmd_torch._lazy", "jax", "jaxlib", "ml_dtypes"):
+    trace_rules.add(_module)
+inductor_prims.register()
+
+
+def extract_compiled_graph(xla_model: torch.fx.GraphModule, xla_args) -> Callable:
+    """The graph ``xla_model`` as a function of xla tensors (PyTorch/XLA's bridge entry, which
+    PyTorch's ``openxla`` backends call with the graph's first real arguments)."""
+    return CompiledGraph(xla_model, _name(xla_model))
+
+
+def _compiler(graph: torch.fx.GraphModule, example_inputs) -> Callable:
+    return make_boxed_func(CompiledGraph(graph, _name(graph)))
+
+
+def _name(graph) -> str:
+    return f"compiled graph {getattr(graph, '_get_name', lambda: 'fn')()}"
+
+
+# ``torch.compile(model, backend='spmd_torch')``: registered through this package's entry point
+# (group ``torch_dynamo_backends``), so importing spmd_torch costs no Dynamo import.
+spmd_torch_backend = aot_autograd(fw_compiler=_compiler, bw_compiler=_compiler)

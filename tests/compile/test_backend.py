@@ -1,0 +1,346 @@
+"""``torch.compile(..., backend='spmd_torch')`` (and PyTorch's ``openxla`` backends through the
+``torch_xla`` name) against eager CPU: training and eval of an MLP, a CNN and a small GPT, step
+after step, with no recompile once warm; sharded parameters keep their layout; graph breaks and
+graphs that cannot be recorded still give the right answer; the PRNG key threads through
+compiled graphs as through traced code; a compiled ``xm.all_reduce`` inside ``launch``."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._dynamo.utils import counters as dynamo_counters
+
+import spmd_torch
+import spmd_torch.core.xla_model as xm
+import spmd_torch.distributed.spmd as xs
+from spmd_torch import runtime as xr
+from tests.helpers import assert_close, to_cpu
+
+dev = spmd_torch.device()
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 10)
+        )
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+class CNN(nn.Module):
+    """Convolutions, pooling and batch norm (whose running statistics the forward updates)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 8, 3, padding=1, bias=False)  # batch norm follows
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 16, 3)
+        self.fc = nn.Linear(16 * 2 * 2, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
+        x = F.avg_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc(torch.flatten(x, 1))
+
+
+class GPT(nn.Module):
+    """A two-layer decoder: token and position embeddings, causal attention through
+    ``scaled_dot_product_attention``, layer norms and a GELU MLP, a head tied to the embedding."""
+
+    def __init__(self, vocab=64, d=32, heads=4, seq=16, layers=2):
+        super().__init__()
+        self.heads = heads
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict(
+                dict(
+                    ln1=nn.LayerNorm(d),
+                    qkv=nn.Linear(d, 3 * d, bias=False),  # a key bias has no gradient
+                    proj=nn.Linear(d, d),
+                    ln2=nn.LayerNorm(d),
+                    up=nn.Linear(d, 4 * d),
+                    down=nn.Linear(4 * d, d),
+                )
+            )
+            for _ in range(layers)
+        )
+        self.ln = nn.LayerNorm(d)
+
+    def forward(self, idx):
+        b, t = idx.shape
+        x = self.tok(idx) + self.pos[:t]
+        for blk in self.blocks:
+            q, k, v = blk.qkv(blk.ln1(x)).chunk(3, dim=-1)
+            q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + blk.proj(y.transpose(1, 2).reshape(b, t, -1))
+            x = x + blk.down(F.gelu(blk.up(blk.ln2(x))))
+        return self.ln(x) @ self.tok.weight.t()
+
+
+def _batches(kind: str, steps: int):
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        if kind == "mlp":
+            yield torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+        elif kind == "cnn":
+            yield torch.randn(8, 1, 14, 14, generator=g), torch.randint(0, 10, (8,), generator=g)
+        else:
+            tokens = torch.randint(0, 64, (4, 17), generator=g)
+            yield tokens[:, :-1], tokens[:, 1:]
+
+
+MODELS = {"mlp": MLP, "cnn": CNN, "gpt": GPT}
+
+
+def _loss(model, x, y):
+    logits = model(x)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn", "gpt"])
+def test_training_step_compiled_whole_matches_eager(kind):
+    """zero_grad, forward, backward and AdamW's step inside one compiled function: the losses,
+    the weights and the optimizer state equal eager CPU's; no recompile once warm."""
+    torch.manual_seed(0)
+    cpu_model = MODELS[kind]()
+    model = copy.deepcopy(cpu_model).to(dev)
+    cpu_opt = torch.optim.AdamW(cpu_model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = _loss(model, x, y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    compiled = torch.compile(step, backend="spmd_torch")
+    losses, expected = [], []
+    for k, (x, y) in enumerate(_batches(kind, 6)):
+        if k == 3:  # warm: the first steps made AdamW's state and recorded every graph
+            graphs = dynamo_counters["stats"]["unique_graphs"]
+            compiles = spmd_torch.debug.metrics.metric_data("CompileTime")[0]
+        losses.append(compiled(x.to(dev), y.to(dev)))
+        xm.mark_step()
+        cpu_opt.zero_grad()
+        expected.append(_loss(cpu_model, x, y))
+        expected[-1].backward()
+        cpu_opt.step()
+    assert dynamo_counters["stats"]["unique_graphs"] == graphs
+    assert spmd_torch.debug.metrics.metric_data("CompileTime")[0] == compiles
+    assert_close(
+        torch.stack([v.cpu() for v in losses]), torch.stack(expected).detach(), tol="training"
+    )
+    for (name, p), q in zip(model.named_parameters(), cpu_model.parameters()):
+        assert_close(p.cpu(), q.detach(), tol="training")
+    moments = [s["exp_avg"] for s in opt.state.values()]
+    cpu_moments = [s["exp_avg"] for s in cpu_opt.state.values()]
+    assert_close(to_cpu(moments), cpu_moments, tol="training")
+
+
+def test_eval_of_a_module():
+    """A compiled module in eval mode (batch norm reading its running statistics) gives eager's
+    outputs, for two batch sizes (two recordings of the same graph)."""
+    torch.manual_seed(0)
+    cpu_model = CNN().eval()
+    for x, _ in _batches("cnn", 1):
+        cpu_model.train()(x)  # running statistics that are not the initial ones
+    cpu_model.eval()
+    model = copy.deepcopy(cpu_model).to(dev)
+    compiled = torch.compile(model, backend="spmd_torch")
+    with torch.no_grad():
+        for batch in (8, 3):
+            x = torch.randn(batch, 1, 14, 14)
+            assert_close(compiled(x.to(dev)).cpu(), cpu_model(x), tol="training")
+
+
+def test_batch_norm_statistics_written_in_place():
+    """The compiled forward of a training-mode CNN updates batch norm's running statistics (an
+    input mutated by the graph) as eager does."""
+    torch.manual_seed(0)
+    cpu_model = CNN()
+    model = copy.deepcopy(cpu_model).to(dev)
+    compiled = torch.compile(model, backend="spmd_torch")
+    for x, _ in _batches("cnn", 3):
+        compiled(x.to(dev)).sum().backward()
+        cpu_model(x).sum().backward()
+        xm.mark_step()
+    assert_close(model.bn1.running_mean.cpu(), cpu_model.bn1.running_mean, tol="training")
+    assert_close(model.bn1.running_var.cpu(), cpu_model.bn1.running_var, tol="training")
+    assert model.bn1.num_batches_tracked.item() == 3
+
+
+def test_a_step_is_one_program():
+    """A compiled forward and backward and an uncompiled optimizer step run as one program at
+    the barrier: a call of a compiled graph is a node of the lazy graph, not a run."""
+    torch.manual_seed(0)
+    model = MLP().to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    compiled = torch.compile(model, backend="spmd_torch")
+    for x, y in _batches("mlp", 4):
+        opt.zero_grad()
+        F.cross_entropy(compiled(x.to(dev)), y.to(dev)).backward()
+        opt.step()
+        executed = spmd_torch.debug.metrics.metric_data("ExecuteTime")[0]
+        xm.mark_step()
+    assert spmd_torch.debug.metrics.metric_data("ExecuteTime")[0] == executed + 1
+
+
+def test_sharded_parameters_keep_their_sharding():
+    """FSDP-style marks over 8 devices: the compiled step keeps every weight's and every AdamW
+    moment's layout, and the losses equal eager's."""
+    xr.use_spmd()
+    try:
+        mesh = xs.Mesh(np.arange(8), (8,), ("fsdp",))
+        torch.manual_seed(0)
+        cpu_model = MLP()
+        model = copy.deepcopy(cpu_model).to(dev)
+        for p in model.parameters():
+            if p.dim() == 2:
+                xs.mark_sharding(p, mesh, ("fsdp", None))
+        specs = {n: spmd_torch._XLAC._get_xla_sharding_spec(p) for n, p in model.named_parameters()}
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        cpu_opt = torch.optim.AdamW(cpu_model.parameters(), lr=1e-2)
+
+        @torch.compile(backend="spmd_torch")
+        def step(x, y):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        for x, y in _batches("mlp", 3):
+            loss = step(x.to(dev), y.to(dev))
+            xm.mark_step()
+            cpu_opt.zero_grad()
+            expected = F.cross_entropy(cpu_model(x), y)
+            expected.backward()
+            cpu_opt.step()
+            assert_close(loss.cpu(), expected.detach(), tol="training")
+        for name, p in model.named_parameters():
+            assert spmd_torch._XLAC._get_xla_sharding_spec(p) == specs[name], name
+            if p.dim() == 2:  # marked: AdamW's moments follow the mark
+                moment = opt.state[p]["exp_avg"]
+                assert spmd_torch._XLAC._get_xla_sharding_spec(moment) == specs[name], name
+    finally:
+        xr.reset()
+
+
+def test_graph_break_gives_the_right_answer():
+    """A host read in the middle breaks the graph in two; the result is eager's."""
+
+    def f(x):
+        y = torch.sin(x) * 2
+        if y.sum().item() > 0:  # a value the graph depends on: Dynamo breaks here
+            return torch.cos(y) + 1
+        return torch.tanh(y) - 1
+
+    compiled = torch.compile(f, backend="spmd_torch")
+    for sign in (1.0, -1.0):
+        x = torch.linspace(0.1, 1.0, 12).reshape(3, 4) * sign
+        assert_close(compiled(x.to(dev)).cpu(), f(x))
+
+
+@torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)
+def test_graph_with_data_dependent_shape_runs_op_by_op():
+    """``nonzero`` inside a graph (Dynamo told to keep such ops): it cannot be recorded once for
+    every call, so it runs op by op (with a warning), and gives eager's result at each call."""
+
+    def f(x):
+        return (x[torch.nonzero(x > 0, as_tuple=True)] * 3).sum() + x.mean()
+
+    compiled = torch.compile(f, backend="spmd_torch")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for values in ([1.0, -2.0, 3.0, 4.0], [-1.0, 2.0, -3.0, -4.0]):
+            x = torch.tensor(values)
+            assert_close(compiled(x.to(dev)).cpu(), f(x))
+    assert any("op by op" in str(w.message) for w in caught)
+
+
+def test_random_numbers_match_traced_code():
+    """Dropout inside a compiled graph draws from the device PRNG key as traced code does: the
+    same seed gives the same numbers compiled or not, and each call new ones."""
+
+    def f(x):
+        return F.dropout(x, p=0.5, training=True) + torch.rand_like(x)
+
+    compiled = torch.compile(f, backend="spmd_torch")
+    x = torch.ones(64, 8).to(dev)
+    xm.set_rng_state(7)
+    first, second = compiled(x).cpu(), compiled(x).cpu()
+    xm.set_rng_state(7)
+    assert_close(first, f(x).cpu(), tol="exact")
+    assert_close(second, f(x).cpu(), tol="exact")
+    assert not torch.equal(first, second)
+
+
+def test_compiled_all_reduce_in_replicas():
+    """PyTorch/XLA's test_mp_replication pattern: ``xm.all_reduce`` in a function compiled with
+    ``fullgraph=True``, called in every replica of launch."""
+
+    def all_reduce(t):
+        return xm.all_reduce(xm.REDUCE_SUM, t)
+
+    compiled = torch.compile(all_reduce, backend="spmd_torch", fullgraph=True)
+
+    def replica(index):
+        x = torch.full((2, 3), float(index + 1)).to(xm.xla_device())
+        return compiled(x).cpu(), compiled(x * 2).cpu()
+
+    results = spmd_torch.launch(replica)
+    total = sum(k + 1 for k in results)
+    for once, twice in results.values():
+        assert_close(once, torch.full((2, 3), float(total)), tol="exact")
+        assert_close(twice, torch.full((2, 3), 2.0 * total), tol="exact")
+
+
+def test_openxla_backend_with_the_torch_xla_name(tmp_path):
+    """A PyTorch/XLA script as written, run through ``spmd_torch.run_as_torch_xla``: PyTorch's
+    own ``openxla`` (training) and ``openxla_eval`` backends reach spmd_torch's bridge."""
+    script = tmp_path / "script.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch
+            import torch_xla
+            import torch_xla.core.xla_model as xm
+            torch.manual_seed(0)
+            cpu = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+            model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+            model.load_state_dict(cpu.state_dict())
+            model = model.to(torch_xla.device())
+            x = torch.randn(5, 8)
+            with torch.no_grad():
+                out = torch.compile(model, backend="openxla_eval")(x.to(torch_xla.device()))
+            assert torch.allclose(out.cpu(), cpu(x), atol=1e-5)
+            torch.compile(model, backend="openxla")(x.to(torch_xla.device())).sum().backward()
+            cpu(x).sum().backward()
+            assert torch.allclose(model[0].weight.grad.cpu(), cpu[0].weight.grad, atol=1e-5)
+            print("ok")
+            """
+        )
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "spmd_torch.run_as_torch_xla", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("ok")
