@@ -25,6 +25,24 @@ Workloads:
       process: save, save_async (the time it blocks the loop, and until written), restore onto the
       same layout and onto a (4,2) mesh; seconds, MB/s, bytes on disk, and the peak growth of the
       process's RSS during each (sampled every ms) against the state's bytes.
+  W6  Llama-style decoder from plain PyTorch modules (tools/bench/llama.py): 4 layers, d_model
+      256, nn.RMSNorm, rotary embeddings (rotate-half), SwiGLU MLP (hidden 768), grouped-query
+      attention through F.scaled_dot_product_attention (8 query heads, 2 kv heads, is_causal,
+      enable_gqa), vocab 1024, seq 256, batch 8, W3's AdamW. As W3: steps/s, host time per step,
+      compiles (target at most 2); spmd_torch also counts the CPU fallbacks (``aten::<op>``
+      counters) of its steps, naming each op (target 0).
+  W7gpu  GPT-2 small (124M params, tied embedding; tools/bench/gpu.py), seq 1024, batch 8, bf16
+      autocast, AdamW: ms/step, tokens/s and peak device memory (torch.cuda.max_memory_allocated
+      for torch, memory_stats()['peak_bytes_in_use'] for JAX and spmd_torch). Implementations
+      eager and ``inductor`` (torch.compile's default backend) on CUDA, spmd_torch, spmd_compile
+      and hand-written JAX with donation. Only with --gpu (refused otherwise); ``--tiny`` runs a
+      small config (2 layers, d_model 64, seq 64, batch 2) on any device, CPU included, as a
+      smoke test of every implementation. Not in the default workloads without --gpu.
+  spmd_compile  (W2, W3, W6, W7gpu; tools/bench/compiled.py) the spmd_torch implementation with
+      the model's forward under ``torch.compile(model, backend='spmd_torch')`` (--compile-backend
+      picks another name) and backward, optimizer step and sync lazy as usual. Opt-in: it runs
+      only where --impls names it; where that backend is not registered, its child fails before
+      its first step (a reported error row).
   Pods (tools/bench/pods.py): jobs of ``spmd_torch.distributed.run``, 2 hosts x 4 virtual CPU
   devices against 1 host x 8 (``--hosts 1``: one process, as W4 and W2mp run), side by side in
   one run; each host prints its BENCH_RESULT, gathered from the launcher's ``[host i]`` lines.
@@ -39,9 +57,9 @@ Workloads:
   PodFault  host 1 of a 2x4 job SIGKILLs itself at step 3, heartbeat timeout 10 s: seconds to
       host 0's exit and its status without the launcher; to the launcher's exit with it.
 
-Host time of spmd_torch's steps (W2, W3, W3amp, W4: the blocked timed steps; W2mp: its probed
-window) is split with public numbers read before and after: tracing (time in step() less the
-barrier), the barrier (time in sync(); for mp, all that is not tracing), and within it
+Host time of spmd_torch's steps (W2, W3, W3amp, W4, W6, W7gpu: the blocked timed steps; W2mp:
+its probed window) is split with public numbers read before and after: tracing (time in step()
+less the barrier), the barrier (time in sync(); for mp, all that is not tracing), and within it
 ``debug.metrics.barrier_phases()`` (linearize, key, gather, lookup, dispatch, bind), compiles and
 the rest. A checkout without barrier_phases() reports its phases as n/a.
 
@@ -54,7 +72,7 @@ repository, e.g. the commit before), right after this checkout's in each round; 
 sets the two side by side (medians over the rounds, and their ratio).
 
 Usage (from the repository root):
-  python -m tools.bench                          # all workloads, all implementations, CPU
+  python -m tools.bench                          # all workloads (W7gpu: --gpu), CPU
   python -m tools.bench --workloads W2 --steps 50
   python -m tools.bench --impls eager,jax        # skip spmd_torch
   python -m tools.bench --check                  # 3 steps each from one init: loss differences
@@ -62,6 +80,9 @@ Usage (from the repository root):
   python -m tools.bench --workloads W4 --impls jax
   python -m tools.bench --workloads W2mp --rounds 3  # mp and SPMD, alternated 3 times
   python -m tools.bench --workloads W5               # checkpoints vs orbax directly
+  python -m tools.bench --workloads W6 --impls eager,jax,spmd_torch,spmd_compile
+  python -m tools.bench --workloads W7gpu --gpu      # GPT-2 small on one GPU
+  python -m tools.bench --workloads W7gpu --tiny     # its small config on CPU: a smoke test
   python -m tools.bench --workloads W2,W2mp --against /work/base --rounds 3  # vs another checkout
   python -m tools.bench --workloads W4pod,W2mppod,PodStart,PodFault  # pods: 2x4 against 1x8
   python -m tools.bench --only W2:jax            # one run in this process (what the parent runs)

@@ -13,13 +13,24 @@ import torch
 
 from . import __doc__ as DOC
 from . import harness, report, workloads
-from .workloads import CHECK_STEPS, IMPL_ALIASES, IMPLS, POD_WORKLOADS, SPMD_IMPLS, WORKLOADS
+from .compiled import BACKEND
+from .workloads import (
+    CHECK_STEPS,
+    GPU_WORKLOADS,
+    IMPL_ALIASES,
+    IMPLS,
+    OPT_IN_IMPLS,
+    POD_WORKLOADS,
+    SPMD_IMPLS,
+    WORKLOADS,
+)
 
 
 def run_child(args: argparse.Namespace) -> int:
     """One (workload, implementation) in this process, with --tree's spmd_torch; prints its
     BENCH_RESULT, which names the spmd_torch it imported."""
     workload, impl = workloads.parse_only(args.only)
+    workloads.refuse_gpu_only([workload], args.gpu, args.tiny)
     harness.configure_jax_env(args.gpu, os.environ, workloads.cpu_devices(workload))
     harness.use_tree(args.tree)
     if args.matmul_precision and impl != "eager":
@@ -28,7 +39,9 @@ def run_child(args: argparse.Namespace) -> int:
         jax.config.update("jax_default_matmul_precision", args.matmul_precision)
     warmup, steps = workloads.steps_for(workload, args)
     t0 = harness.now()
-    result = workloads.RUNNERS[workload, impl](max(warmup, 1), steps, args.check, args.gpu)
+    options = workloads.runner_options(workload, impl, args)
+    runner = workloads.RUNNERS[workload, impl]
+    result = runner(max(warmup, 1), steps, args.check, args.gpu, **options)
     result.update(workload=workload, impl=impl, wall_s=harness.now() - t0)
     result.setdefault("spmd_file", harness.spmd_file())  # a pod workload's: its hosts'
     harness.emit(result)
@@ -40,6 +53,9 @@ def _run_one(workload: str, impl: str, tree: str, args: argparse.Namespace) -> d
     warmup, steps = workloads.steps_for(workload, args)
     argv = ["--only", f"{workload}:{impl}", "--warmup", str(warmup), "--steps", str(steps)]
     argv += ["--tree", tree] + ["--gpu"] * args.gpu + ["--check"] * args.check
+    argv += ["--tiny"] * args.tiny
+    if impl == "spmd_compile":
+        argv += ["--compile-backend", args.compile_backend]
     if args.matmul_precision:
         argv += ["--matmul-precision", args.matmul_precision]
     print(f"... {workload}:{impl} ({tree})", file=sys.stderr, flush=True)
@@ -74,14 +90,18 @@ def _failures(workload: str, results: report.Results) -> bool:
 
 def _selected(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """The workloads and implementations asked for, checked against the known ones."""
-    names = [workloads.workload_name(w) for w in args.workloads.split(",") if w.strip()]
-    if args.impls is None:
-        impls = list(IMPLS)  # each workload runs all of its own
+    if args.workloads is None:
+        names = list(workloads.default_workloads(args.gpu or args.tiny))
+    else:
+        names = [workloads.workload_name(w) for w in args.workloads.split(",") if w.strip()]
+    if args.impls is None:  # each workload runs all of its own, but the opt-in ones
+        impls = [i for i in IMPLS if i not in OPT_IN_IMPLS]
     else:
         impls = [IMPL_ALIASES.get(i.strip(), i.strip()) for i in args.impls.split(",") if i.strip()]
     bad = [w for w in names if w not in WORKLOADS] + [i for i in impls if i not in IMPLS]
     if bad:
         raise SystemExit(f"unknown workload or impl {bad}; workloads {WORKLOADS}, impls {IMPLS}")
+    workloads.refuse_gpu_only(names, args.gpu, args.tiny)
     if args.against is not None:
         against = os.path.abspath(args.against)
         if not os.path.isfile(os.path.join(against, "spmd_torch", "__init__.py")):
@@ -176,13 +196,29 @@ def parser() -> argparse.ArgumentParser:
         description=DOC,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help="e.g. W1,W3")
     p.add_argument(
-        "--impls", help="subset of eager,jax,spmd_torch,mp (default: each workload's own)"
+        "--workloads",
+        help=f"e.g. W1,W3 (default: all but {','.join(GPU_WORKLOADS)}, which needs --gpu or "
+        "--tiny)",
+    )
+    p.add_argument(
+        "--impls",
+        help=f"subset of {','.join(IMPLS)} (default: each workload's own, but "
+        f"{','.join(OPT_IN_IMPLS)}, which runs only where named)",
     )
     p.add_argument("--steps", type=int, help="timed steps (W1: timed repetitions)")
     p.add_argument("--warmup", type=int, help="warm-up steps, the first included")
     p.add_argument("--gpu", action="store_true", help="run JAX and spmd_torch on CUDA")
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help=f"{','.join(GPU_WORKLOADS)}: a small GPT-2 config, which runs on CPU (smoke test)",
+    )
+    p.add_argument(
+        "--compile-backend",
+        default=BACKEND,
+        help="spmd_compile's torch.compile backend (default %(default)s)",
+    )
     p.add_argument(
         "--check",
         action="store_true",

@@ -266,6 +266,32 @@ def spmd_cached_compiles() -> int:
     return int(met.counter_value("CachedCompile") or 0)
 
 
+def spmd_fallbacks() -> dict[str, int]:
+    """CPU fallbacks so far, by op: the ``aten::<op>`` counters (an op run on the CPU for lack of
+    a lowering), read through counter_names(), which older checkouts have too."""
+    import spmd_torch.debug.metrics as met
+
+    names = [n for n in met.counter_names() if n.startswith("aten::")]
+    return {n: int(met.counter_value(n) or 0) for n in names}
+
+
+def run_counting_fallbacks(tr: Trainer, warmup: int, steps: int, check: bool) -> dict[str, Any]:
+    """run_trainer, plus the CPU fallbacks its steps made (not the model's upload before them):
+    their total, per step, and the count of each op that fell back."""
+    before = spmd_fallbacks()
+    result = run_trainer(tr, warmup, steps, check)
+    after = spmd_fallbacks()
+    ops = {n: c - before.get(n, 0) for n, c in sorted(after.items()) if c > before.get(n, 0)}
+    n_steps = steps if check else warmup + 2 * steps  # warm-up (first included), blocked, pipelined
+    total = sum(ops.values())
+    return {
+        **result,
+        "fallbacks": total,
+        "fallbacks_per_step": total / n_steps,
+        "fallback_ops": ops,
+    }
+
+
 def spmd_uncached() -> int:
     """Cache misses so far: what W2mp counts as compiles (a merged replica run is one)."""
     import spmd_torch.debug.metrics as met

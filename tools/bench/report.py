@@ -11,12 +11,16 @@ import statistics
 from typing import Any
 
 from . import pods
+from .gpu import config as gpt2_config
+from .llama import LLAMA_CFG
 from .models import CHAIN, FSDP, GPT_W4_CFG
 from .mp import W2MP_BATCH, W2MP_WINDOWS
 from .workloads import (
     CHECK_RTOL,
     CHECK_RTOL_OF,
     CHECK_STEPS,
+    GPU_WORKLOADS,
+    MAX_COMPILES,
     POD_WORKLOADS,
     SPMD_IMPLS,
     impls_of,
@@ -31,6 +35,11 @@ TITLES = {
     "W4": (
         f"FSDP: W3's GPT at batch {GPT_W4_CFG.batch}, AdamW, 2-D params and batch sharded on dim 0"
         f" over a '{FSDP.axis}' mesh (peak mem: the largest of its devices)"
+    ),
+    "W6": (
+        f"Llama {LLAMA_CFG.layers}L d{LLAMA_CFG.d_model} {LLAMA_CFG.heads}H/{LLAMA_CFG.kv_heads}KV "
+        f"(GQA, RoPE, RMSNorm, SwiGLU {LLAMA_CFG.ffn}) seq{LLAMA_CFG.seq} batch "
+        f"{LLAMA_CFG.batch} vocab {LLAMA_CFG.vocab}, AdamW"
     ),
 }
 
@@ -188,14 +197,11 @@ def report_training(workload: str, results: Results, gpu: bool) -> dict[str, Any
                 f"{r['loss_first']:.4f}→{r['loss_last']:.4f}",
             ]
         )
-    speed = {label: r.get("steps_per_s") for label, r in results.items()}
-    others = [i for i in impls_of(workload) if i != "spmd_torch"]
-    ratios = {f"spmd_over_{o}": ratio(speed.get("spmd_torch"), speed.get(o)) for o in others}
     print(f"\n{workload} {TITLES[workload]}")
     print(_table(headers, rows))
     _print_errors(results)
-    shown = ", ".join(f"spmd_torch/{o} {fmt(ratios[f'spmd_over_{o}'], '.2f', 'x')}" for o in others)
-    print(f"  steps/s ratio (>1: spmd_torch faster): {shown}")
+    ratios = _speed_ratios(workload, results, "steps/s")
+    _print_targets(workload, results)
     for label, r in _ok(results).items():
         transfers = r.get("transfers_from_device_per_step")
         if transfers is not None:
@@ -203,6 +209,103 @@ def report_training(workload: str, results: Results, gpu: bool) -> dict[str, Any
         if r.get("barrier_ms") is not None:
             print(f"  {label} barrier host time (median time in sync()): {r['barrier_ms']:.2f} ms")
     _print_host_lines(_ok(results))
+    return ratios
+
+
+def _speed_ratios(workload: str, results: Results, what: str) -> dict[str, float | None]:
+    """spmd_torch's speed over each implementation that does not import spmd_torch, and
+    spmd_compile's over spmd_torch's where it ran; prints them."""
+    speed = {label: r.get("steps_per_s") for label, r in results.items()}
+    others = [i for i in impls_of(workload) if i not in SPMD_IMPLS]
+    ratios = {f"spmd_over_{o}": ratio(speed.get("spmd_torch"), speed.get(o)) for o in others}
+    shown = ", ".join(f"spmd_torch/{o} {fmt(ratios[f'spmd_over_{o}'], '.2f', 'x')}" for o in others)
+    print(f"  {what} ratio (>1: spmd_torch faster): {shown}")
+    if "spmd_compile" in results:
+        ratios["spmd_compile_over_spmd_torch"] = compiled = ratio(
+            speed.get("spmd_compile"), speed.get("spmd_torch")
+        )
+        print(f"  {what} ratio spmd_compile/spmd_torch: {fmt(compiled, '.2f', 'x')}")
+    return ratios
+
+
+def _print_targets(workload: str, results: Results) -> None:
+    """Each spmd_torch run's compiles against the workload's MAX_COMPILES, and the CPU fallbacks
+    its steps made (target 0), naming the ops that fell back."""
+    for label, r in _ok(results).items():
+        if impl_of(label) not in SPMD_IMPLS:
+            continue
+        most = MAX_COMPILES.get(workload)
+        if most is not None and r.get("compiles_total") is not None:
+            met = r["compiles_total"] <= most
+            print(f"  {label} compiles {r['compiles_total']} (target ≤ {most}): {_met(met)}")
+        if r.get("fallbacks") is not None:
+            ops = ", ".join(f"{op} x{n}" for op, n in r["fallback_ops"].items())
+            print(
+                f"  {label} CPU fallbacks in its steps: {r['fallbacks']} "
+                f"({r['fallbacks_per_step']:.3g}/step; target 0): {_met(r['fallbacks'] == 0)}"
+                + (f": {ops}" if ops else "")
+            )
+
+
+def report_w7gpu(results: Results, gpu: bool) -> dict[str, Any]:
+    """W7gpu: ms/step and tokens/s (blocked steps' median, then pipelined), compiles, peak device
+    memory; spmd_torch's speed against each other implementation and its memory against JAX's."""
+    headers = [
+        "impl",
+        "device",
+        "ms/step",
+        "tokens/s",
+        "pipelined tokens/s",
+        "first step s",
+        "compiles (timed)",
+        "peak mem",
+        "loss first→last",
+    ]
+    rows = []
+    for label, r in results.items():
+        if "error" in r:
+            rows.append([label, "error"] + [""] * (len(headers) - 2))
+            continue
+        tokens = r["tokens_per_step"]
+        compiles = (
+            "-"
+            if r["compiles_total"] is None
+            else f"{r['compiles_total']} ({fmt(r['compiles_in_timed'])})"
+        )
+        rows.append(
+            [
+                label,
+                r["device"],
+                fmt(r["median_step_s"] * 1e3, ".1f"),
+                fmt(tokens * r["steps_per_s"], ".0f"),
+                fmt(tokens * r["pipelined_steps_per_s"], ".0f"),
+                fmt(r["first_step_s"], ".2f"),
+                compiles,
+                _fmt_bytes(r["peak_bytes"], gpu),
+                f"{r['loss_first']:.4f}→{r['loss_last']:.4f}",
+            ]
+        )
+    ok = _ok(results)
+    tiny = any(r.get("config") == "tiny" for r in ok.values())
+    cfg = gpt2_config(tiny)
+    params = next((r["params"] for r in ok.values()), None)
+    print(
+        f"\nW7gpu GPT-2 {'tiny (--tiny)' if tiny else 'small'}: {cfg.layers}L d{cfg.d_model} "
+        f"{cfg.heads}H vocab {cfg.vocab}, {fmt(params and params / 1e6, '.1f')}M params, seq "
+        f"{cfg.seq} batch {cfg.batch}, bf16 autocast, AdamW"
+    )
+    print(_table(headers, rows))
+    _print_errors(results)
+    ratios = _speed_ratios("W7gpu", results, "tokens/s")
+    peak = {label: r.get("peak_bytes") for label, r in results.items()}
+    ratios["spmd_peak_over_jax"] = ratio(peak.get("spmd_torch"), peak.get("jax"))
+    if gpu:
+        print(
+            f"  peak memory spmd_torch/jax: {fmt(ratios['spmd_peak_over_jax'], '.2f', 'x')} "
+            f"(target ≤ 1.1x)"
+        )
+    _print_targets("W7gpu", results)
+    _print_host_lines(ok)
     return ratios
 
 
@@ -552,6 +655,8 @@ def report_round(workload: str, results: Results, check: bool, gpu: bool) -> dic
         entry["ratios"] = report_w1(results)
     elif workload == "W2mp":
         entry["ratios"] = report_w2mp(results)
+    elif workload in GPU_WORKLOADS:
+        entry["ratios"] = report_w7gpu(results, gpu)
     elif workload == "W5":
         ratios = {label: report_w5(label, r) for label, r in results.items()}
         entry["ratios"] = ratios.get("spmd_torch", {})

@@ -245,11 +245,14 @@ def spmd_trainer(
     data: tuple[np.ndarray, ...],
     shard: Callable[[nn.Module, list[torch.Tensor]], None] | None = None,
     autocast_dtype: torch.dtype | None = None,
+    compile_backend: str | None = None,
 ) -> Trainer:
     """`shard` marks the model and batch once they are on the device; the optimizer comes after,
     as PyTorch/XLA asks, so its state is made from the marked parameters. With `autocast_dtype`
-    the forward pass runs under ``spmd_torch.amp.autocast``. Each step's time in sync() is kept:
-    the barrier's host time, and with it the tracing time (the rest of the step)."""
+    the forward pass runs under ``spmd_torch.amp.autocast``. With `compile_backend` the step
+    (forward, backward, optimizer step) runs under ``torch.compile`` with that backend, as
+    PyTorch/XLA's dynamo guide writes it; sync() stays outside. Each step's time in sync() is
+    kept: the barrier's host time, and with it the tracing time (the rest of the step)."""
     import spmd_torch
     import spmd_torch.amp as amp
     import spmd_torch.core.xla_model as xm
@@ -267,13 +270,19 @@ def spmd_trainer(
     if autocast_dtype is not None:
         region = lambda: amp.autocast(dev, dtype=autocast_dtype)  # noqa: E731
 
-    def step() -> torch.Tensor:
+    def train_step() -> torch.Tensor:
         with region():
             loss = loss_fn(model, *batch)
         loss.backward()
         opt.step()
         opt.zero_grad()
-        loss = loss.detach()  # before sync, so it is an output of the step's one graph
+        return loss.detach()  # before sync, so it is an output of the step's one graph
+
+    if compile_backend is not None:
+        train_step = torch.compile(train_step, backend=compile_backend)
+
+    def step() -> torch.Tensor:
+        loss = train_step()
         t0 = harness.now()
         spmd_torch.sync()
         barrier_times.append(harness.now() - t0)

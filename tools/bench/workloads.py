@@ -6,19 +6,28 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from . import chain, checkpoint, mp, pods, training
+from . import chain, checkpoint, compiled, gpu, llama, mp, pods, training
 from .models import FSDP
 
 # Workloads run as jobs of spmd_torch.distributed.run (tools/bench/pods.py): always on the
 # launcher's CPU devices, and this checkout's only (--against does not apply).
 POD_WORKLOADS = ("W4pod", "W2mppod", "PodStart", "PodFault")
-WORKLOADS = ("W1", "W2", "W3", "W3amp", "W4", "W2mp", "W5") + POD_WORKLOADS
-IMPLS = ("eager", "jax", "spmd_torch", "mp")
+# Workloads sized for a GPU: refused without --gpu, except in their --tiny config (CPU smoke test).
+GPU_WORKLOADS = ("W7gpu",)
+WORKLOADS = ("W1", "W2", "W3", "W3amp", "W4", "W2mp", "W5", "W6") + GPU_WORKLOADS + POD_WORKLOADS
+IMPLS = ("eager", "jax", "spmd_torch", "mp", "inductor", "spmd_compile")
 # The implementations that import spmd_torch: the ones --against runs in the other checkout too.
-SPMD_IMPLS = ("spmd_torch", "mp")
+SPMD_IMPLS = ("spmd_torch", "mp", "spmd_compile")
+# Implementations that run only where --impls names them: spmd_compile, on spmd_torch's new
+# torch.compile backend (tools/bench/compiled.py), until it is enabled by default.
+OPT_IN_IMPLS = ("spmd_compile",)
 # The implementations of each workload (default: eager, jax, spmd_torch). W4 is about sharding,
 # which eager PyTorch has no say in; W2mp sets spmd_torch's two ways of data parallelism apart.
 WORKLOAD_IMPLS = {
+    "W2": ("eager", "jax", "spmd_torch", "spmd_compile"),
+    "W3": ("eager", "jax", "spmd_torch", "spmd_compile"),
+    "W6": ("eager", "jax", "spmd_torch", "spmd_compile"),
+    "W7gpu": ("eager", "inductor", "jax", "spmd_torch", "spmd_compile"),
     "W3amp": ("eager", "spmd_torch"),
     "W4": ("jax", "spmd_torch"),
     "W2mp": ("mp", "spmd_torch"),
@@ -36,6 +45,8 @@ IMPL_ALIASES = {
     "spmd": "spmd_torch",
     "spmd_torch": "spmd_torch",
     "mp": "mp",
+    "inductor": "inductor",
+    "spmd_compile": "spmd_compile",
 }
 # Workloads whose CPU runs need FSDP.mesh_devices virtual devices (meshes, W2mp's replicas).
 _MESH_WORKLOADS = ("W4", "W2mp", "W5")
@@ -49,6 +60,8 @@ DEFAULT_STEPS = {
     "W4": (3, 10),
     "W2mp": (5, 50),
     "W5": (1, 5),
+    "W6": (3, 10),
+    "W7gpu": (3, 10),
     "W4pod": (3, 10),
     "W2mppod": (5, 50),
     "PodStart": (0, 3),
@@ -58,9 +71,12 @@ CHECK_STEPS = 3
 # Losses of the three implementations must agree to this relative tolerance under --check.
 CHECK_RTOL = 1e-4
 # bfloat16 workloads: one bf16 ulp (2**-8 to 2**-7 of a value) between two implementations' roundings.
-CHECK_RTOL_OF = {"W3amp": 8e-3}
+CHECK_RTOL_OF = {"W3amp": 8e-3, "W7gpu": 8e-3}
+# At most this many programs compiled over a whole run, where a workload sets a target.
+MAX_COMPILES = {"W6": 2}
 
-Runner = Callable[[int, int, bool, bool], dict[str, Any]]  # (warmup, steps, check, gpu) -> result
+# (warmup, steps, check, gpu, **runner_options) -> result
+Runner = Callable[..., dict[str, Any]]
 RUNNERS: dict[tuple[str, str], Runner] = {
     ("W1", "eager"): chain.w1_eager,
     ("W1", "jax"): chain.w1_jax,
@@ -71,6 +87,8 @@ RUNNERS: dict[tuple[str, str], Runner] = {
     ("W3", "eager"): training.w3_eager,
     ("W3", "jax"): training.w3_jax,
     ("W3", "spmd_torch"): training.w3_spmd,
+    ("W2", "spmd_compile"): compiled.w2_spmd_compile,
+    ("W3", "spmd_compile"): compiled.w3_spmd_compile,
     ("W3amp", "eager"): training.w3amp_eager,
     ("W3amp", "spmd_torch"): training.w3amp_spmd,
     ("W4", "jax"): training.w4_jax,
@@ -78,6 +96,15 @@ RUNNERS: dict[tuple[str, str], Runner] = {
     ("W2mp", "mp"): mp.w2mp_mp,
     ("W2mp", "spmd_torch"): mp.w2mp_spmd,
     ("W5", "spmd_torch"): checkpoint.w5_spmd,
+    ("W6", "eager"): llama.w6_eager,
+    ("W6", "jax"): llama.w6_jax,
+    ("W6", "spmd_torch"): llama.w6_spmd,
+    ("W6", "spmd_compile"): llama.w6_spmd_compile,
+    ("W7gpu", "eager"): gpu.w7_eager,
+    ("W7gpu", "inductor"): gpu.w7_inductor,
+    ("W7gpu", "jax"): gpu.w7_jax,
+    ("W7gpu", "spmd_torch"): gpu.w7_spmd,
+    ("W7gpu", "spmd_compile"): gpu.w7_spmd_compile,
     ("W4pod", "spmd_torch"): pods.w4pod,
     ("W2mppod", "mp"): pods.w2mppod,
     ("PodStart", "spmd_torch"): pods.pod_start,
@@ -87,6 +114,32 @@ RUNNERS: dict[tuple[str, str], Runner] = {
 
 def impls_of(workload: str) -> tuple[str, ...]:
     return WORKLOAD_IMPLS.get(workload, _DEFAULT_IMPLS)
+
+
+def default_workloads(with_gpu_sized: bool) -> tuple[str, ...]:
+    """What runs without --workloads: every workload, the GPU-sized ones only where asked (--gpu,
+    or --tiny for their small configs)."""
+    return tuple(w for w in WORKLOADS if with_gpu_sized or w not in GPU_WORKLOADS)
+
+
+def refuse_gpu_only(names: list[str], gpu: bool, tiny: bool) -> None:
+    """Exits naming the GPU-sized workloads asked for without --gpu (and without --tiny)."""
+    refused = [w for w in names if w in GPU_WORKLOADS]
+    if refused and not (gpu or tiny):
+        raise SystemExit(
+            f"{', '.join(refused)} runs only with --gpu (GPT-2 small on CUDA); --tiny runs its "
+            f"small config on CPU as a smoke test"
+        )
+
+
+def runner_options(workload: str, impl: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Keyword arguments of the pair's runner beyond (warmup, steps, check, gpu)."""
+    options: dict[str, Any] = {}
+    if workload in GPU_WORKLOADS:
+        options["tiny"] = args.tiny
+    if impl == "spmd_compile":
+        options["backend"] = args.compile_backend
+    return options
 
 
 def cpu_devices(workload: str) -> int | None:
