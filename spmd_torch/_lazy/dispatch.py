@@ -513,6 +513,7 @@ SPECIALS: dict = {
     aten.mm.default: _mm,
     aten.set_.source_Tensor: _set_,
     aten.equal.default: _materialising,
+    aten._linalg_check_errors.default: _materialising,  # raises PyTorch's error from `info`
     aten.is_nonzero.default: _materialising,
     aten.nonzero.default: _cpu_fallback,  # data-dependent output shapes
     aten.masked_select.default: _cpu_fallback,

@@ -46,6 +46,8 @@ WRITE_BACK: dict = {
     aten.as_strided.default: lambda base, new, *a: emit_value(
         aten.as_strided_scatter.default, base, new, *a
     ),
+    aten.view_as_real.default: lambda base, new: emit_value(aten.view_as_complex.default, new),
+    aten.view_as_complex.default: lambda base, new: emit_value(aten.view_as_real.default, new),
 }
 
 

@@ -2,85 +2,25 @@
 (tests.helpers.assert_matches_eager: a bf16 reference is the float64 result rounded once, with
 the tolerance table's bf16 row or the op's named override).
 
-Covered: every OpInfo whose aten op has a lowering of ours, plus the nn.functional entries that
-reach our lowerings through PyTorch's decompositions. Known failures are data (xfails.py), strict:
-a fixed op turns its entry red until the entry is deleted.
+Covered: the whole op_db, in float32 (forward and grad) and bfloat16 (forward). Complex results
+are compared (and backpropagated) as view_as_real pairs. Known failures and the CPU fallbacks
+an op may still take are data (xfails.py), both strict: a fixed op turns its entry red until the
+entry is deleted.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 from torch.testing._internal.common_methods_invocations import op_db
 
 import spmd_torch  # noqa: F401  (registers the device)
 from spmd_torch._lazy import counters
-from spmd_torch._lazy.lowering import LOWERINGS
 from tests.helpers import TOLERANCE_OVERRIDES, assert_matches_eager, to_device
 from tests.ops.xfails import CPU_FALLBACKS, XFAILS
 
 MAX_SAMPLES = 3
-# The registry also holds the engine's own ops (EngineOp), which no OpInfo describes.
-_LOWERED_PACKETS = {
-    op.overloadpacket.__name__ for op in LOWERINGS if isinstance(op, torch._ops.OpOverload)
-}
-# User-facing ops that reach lowered aten ops only through a decomposition.
-_THROUGH_DECOMPOSITION = {
-    "nn.functional.conv1d",
-    "nn.functional.conv2d",
-    "nn.functional.conv3d",
-    "nn.functional.conv_transpose1d",
-    "nn.functional.conv_transpose2d",
-    "nn.functional.conv_transpose3d",
-    "nn.functional.max_pool1d",
-    "nn.functional.max_pool2d",
-    "nn.functional.avg_pool1d",
-    "nn.functional.avg_pool2d",
-    "nn.functional.avg_pool3d",
-    "nn.functional.adaptive_avg_pool2d",
-    "nn.functional.batch_norm",
-    "nn.functional.layer_norm",
-    "nn.functional.group_norm",
-    "nn.functional.embedding",
-    "softmax",
-    "log_softmax",
-    "nn.functional.cross_entropy",
-    "nn.functional.nll_loss",
-    "nn.functional.interpolate",
-    "nn.functional.scaled_dot_product_attention",
-    "nn.functional.gelu",
-    "nn.functional.relu",
-    "nn.functional.linear",
-    "matmul",
-    "nn.functional.mse_loss",
-    "nn.functional.silu",
-    "nn.functional.leaky_relu",
-    "nn.functional.hardtanh",
-    "nn.functional.elu",
-    "nn.functional.pad",
-    "nn.functional.dropout",
-    "addmm",
-    "baddbmm",
-    "bmm",
-    "mm",
-    "masked_fill",
-    "where",
-    "clamp",
-    "cumsum",
-    "cumprod",
-    "sort",
-    "topk",
-    "argmax",
-    "argmin",
-    "index_put",
-    "scatter",
-    "scatter_add",
-    "gather",
-    "take_along_dim",
-    "index_select",
-    "nn.functional.binary_cross_entropy",
-    "nn.functional.binary_cross_entropy_with_logits",
-}
 # Ops whose values are random or uninitialised: only shapes and dtypes are compared.
 _RANDOM = {
     "nn.functional.dropout",
@@ -106,6 +46,7 @@ _RANDOM = {
     "new_empty",
     "new_empty_strided",
     "empty_strided",
+    "empty_permuted",
 }
 
 
@@ -113,15 +54,8 @@ def _full_name(opinfo) -> str:
     return opinfo.name + (f".{opinfo.variant_test_name}" if opinfo.variant_test_name else "")
 
 
-def _selected(opinfo) -> bool:
-    aten_name = (opinfo.aten_name or opinfo.name).split(".")[-1]
-    return opinfo.name in _THROUGH_DECOMPOSITION or aten_name in _LOWERED_PACKETS
-
-
 def _cases():
     for opinfo in op_db:
-        if not _selected(opinfo):
-            continue
         name = _full_name(opinfo)
         for dtype in (torch.float32, torch.bfloat16):
             if dtype not in opinfo.supported_dtypes("cpu"):
@@ -175,4 +109,25 @@ def _check_samples(opinfo, dtype, kind):
             _compare_shape_dtype(opinfo.op(*device_args, **device_kwargs), expected)
             continue
         tol = name if name in TOLERANCE_OVERRIDES else None
-        assert_matches_eager(opinfo.op, *args, grad=kind == "grad", tol=tol, **sample.kwargs)
+        post = sample.output_process_fn_grad if kind == "grad" else None
+        assert_matches_eager(
+            _as_real(opinfo.op, post), *args, grad=kind == "grad", tol=tol, **sample.kwargs
+        )
+
+
+def _as_real(op, post=None):
+    """``op`` (then the sample's ``post``, which makes e.g. eigenvectors' gauge-dependent
+    outputs well defined for gradients) with each complex result viewed as (real, imag) pairs,
+    which the comparison and autograd's real cotangents handle."""
+
+    def real_op(*args, **kwargs):
+        out = op(*args, **kwargs)
+        return pytree.tree_map(_real_view, out if post is None else post(out))
+
+    return real_op
+
+
+def _real_view(x):
+    if isinstance(x, torch.Tensor) and x.is_complex():
+        return torch.view_as_real(x.resolve_conj())
+    return x

@@ -1,6 +1,8 @@
 """Known failures of the OpInfo differential tests: (op, "fwd"|"grad", dtype) -> reason.
 
 Applied as strict xfails: when an op gets fixed its test turns red until its entry is deleted.
+An op that still runs on the CPU without a data-dependent output shape is a failure too
+(``_cpu``: the lowering it lacks); CPU_FALLBACKS lists the only fallbacks allowed to pass.
 """
 
 _SPARSE = (
@@ -25,27 +27,296 @@ _BN_EVAL_STATS = (
     "our shapes, says (C,); the normalized output matches"
 )
 
+_CUDA_ONLY = "jiterator OpInfos run only on CUDA/ROCm: CPU eager raises, so there is no reference"
+_FEATURE_DROPOUT = (
+    "dropout2d/3d and alpha dropout call aten.bernoulli with a tensor p through PyTorch's "
+    "decomposition, which reaches bernoulli.p without p"
+)
+_ADAPTIVE_MAX_POOL = "adaptive_max_pool2d has neither a lowering nor a decomposition we can run"
+_RESIZE = "resize_ changes a storage's size; xla tensors have fixed-size storages"
+_CHALF = "complex32 (chalf) has no JAX dtype"
+_TENSOR_SPLIT = (
+    "the sample's tensor of split indices moves to the device with the input, and tensor_split "
+    "requires it on the CPU (PyTorch's own check)"
+)
+_STFT = "torch.stft's decomposition calls aten.transpose.default, an overload that does not exist"
+_EMPTY_MASK_GRAD = (
+    "backward of masked_select (a CPU fallback) over an empty selection fails in jnp.take"
+)
+_EXPM = (
+    "jax.scipy.linalg.expm's Pade/scaling differs from PyTorch's degree-18 Taylor method beyond "
+    "float32 tolerance on the samples' large-norm matrices; expm has no bfloat16"
+)
+_DET_GRAD = "det/slogdet/logdet gradients of the singular samples differ (not yet diagnosed)"
+_EIGH_SIGNS = (
+    "eigenvectors are defined up to sign; XLA's eigh picks other signs than LAPACK's syevd "
+    "(eigenvalues match)"
+)
+_PINV_HERMITIAN = (
+    "hermitian=True reads one triangle through eigh in PyTorch; ours takes the SVD of the whole "
+    "(non-symmetric) sample matrix"
+)
+_RANDOM_SAMPLES = "the op draws random numbers internally: the device stream differs from CPU's"
+_LOGCUMSUMEXP_GRAD = (
+    "logcumsumexp's backward formula over -inf/large inputs differs (not yet diagnosed)"
+)
+_MHA = "multi_head_attention_forward differs at baseline too (not yet diagnosed)"
+_BF16_ROUNDING = (
+    "the bf16 result is more than one ulp from the float64 reference rounded once: an "
+    "intermediate is rounded to bf16 on one side (decomposition or CPU fallback; not yet diagnosed)"
+)
+
+
+def _cpu(*ops: str) -> str:
+    return "no lowering yet, runs on the CPU: " + ", ".join(f"aten::{op}" for op in ops)
+
+
 XFAILS: dict[tuple[str, str, str], str] = {
-    ("sparse.mm.reduce", "fwd", "float32"): _SPARSE,
-    ("sparse.mm.reduce", "grad", "float32"): _SPARSE,
-    ("sparse.mm.reduce", "fwd", "bfloat16"): _SPARSE,
+    ("_batch_norm_with_update", "fwd", "bfloat16"): _STATS_DTYPE,
+    ("_native_batch_norm_legit", "fwd", "bfloat16"): _STATS_DTYPE + "; " + _BN_EVAL_STATS,
+    ("_native_batch_norm_legit", "fwd", "float32"): _BN_EVAL_STATS,
+    ("_native_batch_norm_legit", "grad", "float32"): _BN_EVAL_STATS,
+    ("_segment_reduce.lengths", "fwd", "bfloat16"): _cpu("segment_reduce"),
+    ("_segment_reduce.lengths", "fwd", "float32"): _cpu("segment_reduce"),
+    ("_segment_reduce.lengths", "grad", "float32"): _cpu(
+        "_segment_reduce_backward", "segment_reduce"
+    ),
+    ("_segment_reduce.offsets", "fwd", "bfloat16"): _cpu("segment_reduce"),
+    ("_segment_reduce.offsets", "fwd", "float32"): _cpu("segment_reduce"),
+    ("_segment_reduce.offsets", "grad", "float32"): _cpu(
+        "_segment_reduce_backward", "segment_reduce"
+    ),
+    ("_unsafe_masked_index_put_accumulate", "fwd", "bfloat16"): _BF16_ROUNDING,
+    ("_upsample_bilinear2d_aa", "fwd", "float32"): _cpu("_upsample_bilinear2d_aa"),
+    ("_upsample_bilinear2d_aa", "grad", "float32"): _cpu(
+        "_upsample_bilinear2d_aa", "_upsample_bilinear2d_aa_backward"
+    ),
+    ("allclose", "fwd", "bfloat16"): _cpu("allclose"),
+    ("allclose", "fwd", "float32"): _cpu("allclose"),
+    ("argsort", "fwd", "bfloat16"): _TIES,
+    ("as_strided.partial_views", "fwd", "bfloat16"): _PARTIAL_VIEWS,
     ("as_strided.partial_views", "fwd", "float32"): _PARTIAL_VIEWS,
     ("as_strided.partial_views", "grad", "float32"): _PARTIAL_VIEWS,
-    ("as_strided.partial_views", "fwd", "bfloat16"): _PARTIAL_VIEWS,
-    ("sort", "fwd", "bfloat16"): _TIES,
-    ("topk", "fwd", "bfloat16"): _TIES,
+    ("bucketize", "fwd", "bfloat16"): _cpu("bucketize"),
+    ("bucketize", "fwd", "float32"): _cpu("bucketize"),
+    ("cauchy", "fwd", "bfloat16"): _cpu("cauchy"),
+    ("cauchy", "fwd", "float32"): _cpu("cauchy"),
+    ("chalf", "fwd", "bfloat16"): _CHALF,
+    ("chalf", "fwd", "float32"): _CHALF,
+    ("chalf", "grad", "float32"): _CHALF,
+    ("combinations", "grad", "float32"): _EMPTY_MASK_GRAD,
+    ("cross", "fwd", "bfloat16"): _BF16_ROUNDING,
+    ("digamma", "fwd", "bfloat16"): _cpu("digamma"),
+    ("digamma", "fwd", "float32"): _cpu("digamma"),
+    ("digamma", "grad", "float32"): _cpu("digamma", "polygamma"),
+    ("geometric", "fwd", "bfloat16"): _cpu("geometric"),
+    ("geometric", "fwd", "float32"): _cpu("geometric"),
+    ("geqrf", "fwd", "float32"): _cpu("geqrf"),
+    ("grid_sampler_2d", "grad", "float32"): _cpu("grid_sampler_2d_backward"),
+    ("grid_sampler_3d", "fwd", "bfloat16"): _BF16_ROUNDING,
+    ("grid_sampler_3d", "fwd", "float32"): _cpu("grid_sampler_3d"),
+    ("grid_sampler_3d", "grad", "float32"): _cpu("grid_sampler_3d", "grid_sampler_3d_backward"),
+    ("hash_tensor", "fwd", "bfloat16"): _cpu("hash_tensor"),
+    ("hash_tensor", "fwd", "float32"): _cpu("hash_tensor"),
+    ("histc", "fwd", "bfloat16"): _cpu("histc"),
+    ("histc", "fwd", "float32"): _cpu("histc"),
+    ("histogram", "fwd", "float32"): _cpu("histogram"),
+    ("histogramdd", "fwd", "float32"): _cpu(
+        "_histogramdd_bin_edges", "_histogramdd_from_bin_cts", "_histogramdd_from_bin_tensors"
+    ),
+    ("index_reduce.amax", "fwd", "bfloat16"): _cpu("index_reduce"),
+    ("index_reduce.amax", "fwd", "float32"): _cpu("index_reduce"),
+    ("index_reduce.amax", "grad", "float32"): _cpu("index_reduce"),
+    ("index_reduce.amin", "fwd", "bfloat16"): _cpu("index_reduce"),
+    ("index_reduce.amin", "fwd", "float32"): _cpu("index_reduce"),
+    ("index_reduce.amin", "grad", "float32"): _cpu("index_reduce"),
+    ("index_reduce.mean", "fwd", "bfloat16"): _cpu("index_reduce"),
+    ("index_reduce.mean", "fwd", "float32"): _cpu("index_reduce"),
+    ("index_reduce.mean", "grad", "float32"): _cpu("index_reduce"),
+    ("index_reduce.prod", "fwd", "bfloat16"): _cpu("index_reduce"),
+    ("index_reduce.prod", "fwd", "float32"): _cpu("index_reduce"),
+    ("index_reduce.prod", "grad", "float32"): _cpu("index_reduce"),
+    ("jiterator_2inputs_2outputs", "fwd", "bfloat16"): _CUDA_ONLY,
+    ("jiterator_2inputs_2outputs", "fwd", "float32"): _CUDA_ONLY,
+    ("jiterator_4inputs_with_extra_args", "fwd", "bfloat16"): _CUDA_ONLY,
+    ("jiterator_4inputs_with_extra_args", "fwd", "float32"): _CUDA_ONLY,
+    ("jiterator_binary", "fwd", "bfloat16"): _CUDA_ONLY,
+    ("jiterator_binary", "fwd", "float32"): _CUDA_ONLY,
+    ("jiterator_binary_return_by_ref", "fwd", "bfloat16"): _CUDA_ONLY,
+    ("jiterator_binary_return_by_ref", "fwd", "float32"): _CUDA_ONLY,
+    ("jiterator_unary", "fwd", "bfloat16"): _CUDA_ONLY,
+    ("jiterator_unary", "fwd", "float32"): _CUDA_ONLY,
+    ("lgamma", "grad", "float32"): _cpu("digamma"),
+    ("linalg.cross", "fwd", "bfloat16"): _BF16_ROUNDING,
+    ("linalg.det", "grad", "float32"): _DET_GRAD,
+    ("linalg.eigh", "fwd", "float32"): _EIGH_SIGNS,
+    ("linalg.ldl_factor", "fwd", "float32"): _cpu("linalg_ldl_factor_ex"),
+    ("linalg.ldl_factor_ex", "fwd", "float32"): _cpu("linalg_ldl_factor_ex"),
+    ("linalg.ldl_solve", "fwd", "float32"): _cpu("linalg_ldl_solve"),
+    ("linalg.lstsq", "fwd", "float32"): _cpu("linalg_lstsq"),
+    ("linalg.lstsq", "grad", "float32"): _cpu("linalg_lstsq"),
+    ("linalg.lstsq.grad_oriented", "fwd", "float32"): _cpu("linalg_lstsq"),
+    ("linalg.lstsq.grad_oriented", "grad", "float32"): _cpu("linalg_lstsq"),
+    ("linalg.pinv.hermitian", "fwd", "float32"): _PINV_HERMITIAN,
+    ("linalg.pinv.hermitian", "grad", "float32"): _PINV_HERMITIAN,
+    ("linalg.slogdet", "grad", "float32"): _DET_GRAD,
+    ("log_normal", "fwd", "bfloat16"): _cpu("log_normal"),
+    ("log_normal", "fwd", "float32"): _cpu("log_normal"),
+    ("logcumsumexp", "grad", "float32"): _LOGCUMSUMEXP_GRAD,
+    ("logdet", "grad", "float32"): _DET_GRAD,
+    ("logspace.tensor_overload", "fwd", "bfloat16"): _cpu("logspace"),
+    ("logspace.tensor_overload", "fwd", "float32"): _cpu("logspace"),
+    ("matrix_exp", "fwd", "bfloat16"): _EXPM,
+    ("matrix_exp", "fwd", "float32"): _EXPM,
+    ("matrix_exp", "grad", "float32"): _EXPM,
+    ("mvlgamma.mvlgamma_p_1", "grad", "float32"): _cpu("digamma"),
+    ("mvlgamma.mvlgamma_p_3", "grad", "float32"): _cpu("digamma"),
+    ("mvlgamma.mvlgamma_p_5", "grad", "float32"): _cpu("digamma"),
+    ("native_batch_norm", "fwd", "bfloat16"): _STATS_DTYPE,
+    ("native_batch_norm", "fwd", "float32"): _BN_EVAL_STATS,
+    ("native_batch_norm", "grad", "float32"): _BN_EVAL_STATS,
     ("native_layer_norm", "fwd", "bfloat16"): _STATS_DTYPE,
-    ("_native_batch_norm_legit", "fwd", "float32"): _BN_EVAL_STATS,
-    # The grad test compares the forward results too.
-    ("_native_batch_norm_legit", "grad", "float32"): _BN_EVAL_STATS,
-    ("_native_batch_norm_legit", "fwd", "bfloat16"): _STATS_DTYPE + "; " + _BN_EVAL_STATS,
+    ("nn.functional.adaptive_max_pool1d", "fwd", "bfloat16"): _ADAPTIVE_MAX_POOL,
+    ("nn.functional.adaptive_max_pool1d", "fwd", "float32"): _ADAPTIVE_MAX_POOL,
+    ("nn.functional.adaptive_max_pool1d", "grad", "float32"): _ADAPTIVE_MAX_POOL,
+    ("nn.functional.adaptive_max_pool2d", "fwd", "bfloat16"): _ADAPTIVE_MAX_POOL,
+    ("nn.functional.adaptive_max_pool2d", "fwd", "float32"): _ADAPTIVE_MAX_POOL,
+    ("nn.functional.adaptive_max_pool2d", "grad", "float32"): _ADAPTIVE_MAX_POOL,
+    ("nn.functional.adaptive_max_pool3d", "grad", "float32"): _cpu("adaptive_max_pool3d_backward"),
+    ("nn.functional.alpha_dropout", "fwd", "bfloat16"): _FEATURE_DROPOUT,
+    ("nn.functional.alpha_dropout", "fwd", "float32"): _FEATURE_DROPOUT,
+    ("nn.functional.bilinear", "fwd", "bfloat16"): _BF16_ROUNDING,
+    ("nn.functional.bilinear", "fwd", "float32"): _cpu("_trilinear"),
+    ("nn.functional.bilinear", "grad", "float32"): _cpu("_trilinear"),
+    ("nn.functional.cosine_similarity", "fwd", "bfloat16"): _BF16_ROUNDING,
+    ("nn.functional.ctc_loss", "fwd", "float32"): _cpu("_ctc_loss"),
+    ("nn.functional.ctc_loss", "grad", "float32"): _cpu("_ctc_loss", "_ctc_loss_backward"),
+    ("nn.functional.dropout2d", "fwd", "bfloat16"): _FEATURE_DROPOUT,
+    ("nn.functional.dropout2d", "fwd", "float32"): _FEATURE_DROPOUT,
+    ("nn.functional.dropout3d", "fwd", "bfloat16"): _FEATURE_DROPOUT,
+    ("nn.functional.dropout3d", "fwd", "float32"): _FEATURE_DROPOUT,
+    ("nn.functional.feature_alpha_dropout.with_train", "fwd", "bfloat16"): _FEATURE_DROPOUT,
+    ("nn.functional.feature_alpha_dropout.with_train", "fwd", "float32"): _FEATURE_DROPOUT,
+    ("nn.functional.feature_alpha_dropout.with_train", "grad", "float32"): _FEATURE_DROPOUT,
+    ("nn.functional.fractional_max_pool2d", "fwd", "bfloat16"): _cpu("fractional_max_pool2d"),
+    ("nn.functional.fractional_max_pool2d", "fwd", "float32"): _cpu("fractional_max_pool2d"),
+    ("nn.functional.fractional_max_pool2d", "grad", "float32"): _cpu(
+        "fractional_max_pool2d", "fractional_max_pool2d_backward"
+    ),
+    ("nn.functional.fractional_max_pool3d", "fwd", "bfloat16"): _cpu("fractional_max_pool3d"),
+    ("nn.functional.fractional_max_pool3d", "fwd", "float32"): _RANDOM_SAMPLES,
+    ("nn.functional.fractional_max_pool3d", "grad", "float32"): _RANDOM_SAMPLES,
+    ("nn.functional.gaussian_nll_loss", "fwd", "bfloat16"): _BF16_ROUNDING,
+    ("nn.functional.grid_sample", "grad", "float32"): _cpu("grid_sampler_2d_backward"),
+    ("nn.functional.hinge_embedding_loss", "fwd", "bfloat16"): _BF16_ROUNDING,
+    ("nn.functional.linear_cross_entropy.chunked", "fwd", "bfloat16"): _cpu(
+        "_linear_cross_entropy_batch_chunked"
+    ),
+    ("nn.functional.linear_cross_entropy.chunked", "fwd", "float32"): _cpu(
+        "_linear_cross_entropy_batch_chunked"
+    ),
+    ("nn.functional.linear_cross_entropy.chunked", "grad", "float32"): _cpu(
+        "_linear_cross_entropy_batch_chunked"
+    ),
+    ("nn.functional.linear_cross_entropy.chunked_none", "fwd", "bfloat16"): _BF16_ROUNDING,
+    ("nn.functional.linear_cross_entropy.chunked_none", "fwd", "float32"): _cpu(
+        "_linear_cross_entropy_batch_chunked_no_reduction"
+    ),
+    ("nn.functional.linear_cross_entropy.chunked_none", "grad", "float32"): _cpu(
+        "_linear_cross_entropy_batch_chunked_no_reduction"
+    ),
+    ("nn.functional.multi_head_attention_forward", "fwd", "bfloat16"): _MHA,
+    ("nn.functional.multi_head_attention_forward", "fwd", "float32"): _MHA,
+    ("nn.functional.multi_head_attention_forward", "grad", "float32"): _MHA,
+    ("nn.functional.multi_margin_loss", "grad", "float32"): _cpu("multi_margin_loss_backward"),
+    ("nn.functional.multilabel_margin_loss", "grad", "float32"): _cpu(
+        "multilabel_margin_loss_backward"
+    ),
+    ("nn.functional.multilabel_soft_margin_loss", "fwd", "bfloat16"): _BF16_ROUNDING,
+    ("nn.functional.pdist", "fwd", "float32"): _cpu("_pdist_forward"),
+    ("nn.functional.pdist", "grad", "float32"): _cpu("_pdist_backward", "_pdist_forward"),
+    ("nn.functional.rrelu", "fwd", "bfloat16"): _cpu("rrelu_with_noise"),
+    ("nn.functional.rrelu", "fwd", "float32"): _cpu("rrelu_with_noise"),
+    ("nn.functional.tanhshrink", "fwd", "bfloat16"): _BF16_ROUNDING,
+    ("ormqr", "fwd", "float32"): _cpu("ormqr"),
+    ("ormqr", "grad", "float32"): _cpu("ormqr"),
+    ("pca_lowrank", "fwd", "float32"): _RANDOM_SAMPLES,
+    ("polygamma.polygamma_n_0", "fwd", "bfloat16"): _cpu("polygamma"),
+    ("polygamma.polygamma_n_0", "fwd", "float32"): _cpu("polygamma"),
+    ("polygamma.polygamma_n_0", "grad", "float32"): _cpu("polygamma"),
+    ("polygamma.polygamma_n_1", "fwd", "bfloat16"): _cpu("polygamma"),
+    ("polygamma.polygamma_n_1", "fwd", "float32"): _cpu("polygamma"),
+    ("polygamma.polygamma_n_1", "grad", "float32"): _cpu("polygamma"),
+    ("polygamma.polygamma_n_2", "fwd", "bfloat16"): _cpu("polygamma"),
+    ("polygamma.polygamma_n_2", "fwd", "float32"): _cpu("polygamma"),
+    ("polygamma.polygamma_n_2", "grad", "float32"): _cpu("polygamma"),
+    ("polygamma.polygamma_n_3", "fwd", "bfloat16"): _cpu("polygamma"),
+    ("polygamma.polygamma_n_3", "fwd", "float32"): _cpu("polygamma"),
+    ("polygamma.polygamma_n_3", "grad", "float32"): _cpu("polygamma"),
+    ("polygamma.polygamma_n_4", "fwd", "bfloat16"): _cpu("polygamma"),
+    ("polygamma.polygamma_n_4", "fwd", "float32"): _cpu("polygamma"),
+    ("polygamma.polygamma_n_4", "grad", "float32"): _cpu("polygamma"),
+    ("put", "fwd", "bfloat16"): _cpu("put"),
+    ("put", "fwd", "float32"): _cpu("put"),
+    ("put", "grad", "float32"): _cpu("put"),
+    ("renorm", "fwd", "bfloat16"): _cpu("renorm"),
+    ("renorm", "fwd", "float32"): _cpu("renorm"),
+    ("renorm", "grad", "float32"): _cpu("renorm"),
+    ("resize_", "fwd", "bfloat16"): _RESIZE,
+    ("resize_", "fwd", "float32"): _RESIZE,
+    ("resize_as_", "fwd", "bfloat16"): _RESIZE,
+    ("resize_as_", "fwd", "float32"): _RESIZE,
+    ("sort", "fwd", "bfloat16"): _TIES,
+    ("sparse.mm.reduce", "fwd", "bfloat16"): _SPARSE,
+    ("sparse.mm.reduce", "fwd", "float32"): _SPARSE,
+    ("sparse.mm.reduce", "grad", "float32"): _SPARSE,
+    ("sparse.sampled_addmm", "fwd", "float32"): _SPARSE,
+    ("sparse.sampled_addmm", "grad", "float32"): _SPARSE,
+    ("special.airy_ai", "fwd", "float32"): _cpu("special_airy_ai"),
+    ("special.bessel_j0", "fwd", "float32"): _cpu("special_bessel_j0"),
+    ("special.bessel_j1", "fwd", "float32"): _cpu("special_bessel_j1"),
+    ("special.bessel_y0", "fwd", "float32"): _cpu("special_bessel_y0"),
+    ("special.bessel_y1", "fwd", "float32"): _cpu("special_bessel_y1"),
+    ("special.erfcx", "fwd", "float32"): _cpu("special_erfcx"),
+    ("special.erfcx", "grad", "float32"): _cpu("special_erfcx"),
+    ("special.modified_bessel_k0", "fwd", "float32"): _cpu("special_modified_bessel_k0"),
+    ("special.modified_bessel_k1", "fwd", "float32"): _cpu("special_modified_bessel_k1"),
+    ("special.ndtr", "fwd", "bfloat16"): _BF16_ROUNDING,
+    ("special.polygamma.special_polygamma_n_0", "fwd", "bfloat16"): _cpu("polygamma"),
+    ("special.polygamma.special_polygamma_n_0", "fwd", "float32"): _cpu("polygamma"),
+    ("special.polygamma.special_polygamma_n_0", "grad", "float32"): _cpu("polygamma"),
+    ("special.scaled_modified_bessel_k0", "fwd", "float32"): _cpu(
+        "special_scaled_modified_bessel_k0"
+    ),
+    ("special.scaled_modified_bessel_k1", "fwd", "float32"): _cpu(
+        "special_scaled_modified_bessel_k1"
+    ),
+    ("stft", "fwd", "float32"): _STFT,
+    ("stft", "grad", "float32"): _STFT,
+    ("svd_lowrank", "fwd", "float32"): _RANDOM_SAMPLES,
+    ("take", "grad", "float32"): _cpu("put"),
+    ("tensor_split", "fwd", "bfloat16"): _TENSOR_SPLIT,
+    ("tensor_split", "fwd", "float32"): _TENSOR_SPLIT,
+    ("tensor_split", "grad", "float32"): _TENSOR_SPLIT,
+    ("to_sparse", "fwd", "bfloat16"): _SPARSE,
+    ("to_sparse", "fwd", "float32"): _SPARSE,
+    ("to_sparse", "grad", "float32"): _SPARSE,
+    ("topk", "fwd", "bfloat16"): _TIES,
 }
 
 # Ops that still run on the CPU (counted and warned about) while their test passes:
 # (op, "fwd"|"grad") -> the aten:: fallback counters the test may bump. Any other fallback fails.
-# Each entry is a missing lowering, not a wrong answer; the list is the to-do for the lowerings.
+# Only data-dependent output shapes belong here (nonzero, masked_select, unique and kin).
 CPU_FALLBACKS: dict[tuple[str, str], tuple[str, ...]] = {
     # Backward through boolean-mask indexing: the mask's nonzero positions are data-dependent.
     ("index_fill", "grad"): ("aten::_unique",),
     ("index_put", "grad"): ("aten::index",),
+    ("argwhere", "fwd"): ("aten::nonzero",),
+    ("combinations", "fwd"): ("aten::masked_select",),
+    ("masked_select", "fwd"): ("aten::masked_select",),
+    ("masked_select", "grad"): ("aten::masked_select",),
+    ("nonzero", "fwd"): ("aten::nonzero",),
+    ("nonzero_static", "fwd"): ("aten::nonzero_static",),
+    ("unique", "fwd"): ("aten::_unique2",),
+    ("unique_consecutive", "fwd"): ("aten::unique_consecutive",),
 }

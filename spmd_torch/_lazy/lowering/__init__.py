@@ -7,12 +7,14 @@ from . import (  # noqa: F401  (each module fills LOWERINGS at import)
     collectives,
     elementwise,
     factories,
+    fft,
     indexing,
     linalg,
     nn,
     random,
     reductions,
     sharding,
+    special,
 )
 from .registry import LOWERINGS, EngineOp, Lowering, lowers, register_table
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
-from ._helpers import arithmetic, category, floating, promoted
+from ._helpers import arithmetic, category, float_dtype, floating, opmath, promoted
 from .dtypes import to_jax_dtype
 from .registry import lowers, register_table
 
@@ -55,6 +55,14 @@ def _copy(x, src, non_blocking=False):
     return jnp.broadcast_to(src.astype(x.dtype), x.shape)
 
 
+def _angle(x):
+    """Real inputs: pi below zero, else 0, NaN kept (ATen's formula, not atan2(0, x))."""
+    if jnp.iscomplexobj(x):
+        return jnp.angle(x)
+    x = x.astype(opmath(float_dtype(x.dtype)))
+    return jnp.where(jnp.isnan(x), x, jnp.where(x < 0, jnp.pi, 0).astype(x.dtype))
+
+
 # Same dtype in and out, exact in every dtype, or no arithmetic at all.
 register_table(
     {
@@ -85,6 +93,13 @@ register_table(
         (aten.fill.Scalar, aten.fill.Tensor): jnp.full_like,
         aten.zero.default: jnp.zeros_like,
         (aten.clone.default, aten.lift_fresh_copy.default): lambda x, **_: x,
+        # Our values carry no conjugate bit: _conj materialises, as conj_physical does.
+        (aten._conj.default, aten._conj_physical.default, aten.conj_physical.default): jnp.conj,
+        aten.complex.default: lambda re, im: lax.complex(*jnp.broadcast_arrays(re, im)),
+        aten.polar.default: lambda r, t: lax.complex(
+            *jnp.broadcast_arrays(r * jnp.cos(t), r * jnp.sin(t))
+        ),
+        aten.angle.default: _angle,
     }
 )
 
@@ -147,6 +162,12 @@ register_table(
         aten.elu.default: _elu,
         aten.logit.default: _logit,
         aten.atan2.default: jnp.arctan2,
+        aten.logaddexp.default: jnp.logaddexp,
+        aten.logaddexp2.default: jnp.logaddexp2,
+        aten.deg2rad.default: jnp.deg2rad,
+        aten.rad2deg.default: jnp.rad2deg,
+        aten.igamma.default: jax.scipy.special.gammainc,
+        aten.igammac.default: jax.scipy.special.gammaincc,
         aten.hypot.default: jnp.hypot,
         (aten.copysign.Tensor, aten.copysign.Scalar): jnp.copysign,
         (aten.xlogy.Tensor, aten.xlogy.Scalar_Self, aten.xlogy.Scalar_Other): _xlogy,
@@ -231,6 +252,30 @@ def _lerp(start, end, weight):
     return jnp.where(small, start + weight * (end - start), end - (end - start) * (1 - weight))
 
 
+def _softplus(x, beta=1, threshold=20):
+    """Linear once beta * x exceeds ``threshold``, as ATen switches to avoid overflow."""
+    return jnp.where(x * beta > threshold, x, jnp.log1p(jnp.exp(x * beta)) / beta)
+
+
+def _softplus_backward(grad_output, x, beta, threshold):
+    return jnp.where(x * beta > threshold, grad_output, grad_output * jax.nn.sigmoid(x * beta))
+
+
+def _mish_backward(grad_output, x):
+    """d/dx x tanh(softplus(x)) = tanh(sp) + x sigmoid(x) (1 - tanh(sp)^2)."""
+    t = jnp.tanh(jax.nn.softplus(x))
+    return grad_output * (t + x * jax.nn.sigmoid(x) * (1 - t * t))
+
+
+def _softshrink(x, lambd=0.5):
+    return jnp.where(x > lambd, x - lambd, jnp.where(x < -lambd, x + lambd, 0))
+
+
+def _shrink_backward(grad_output, x, lambd):
+    """hardshrink and softshrink pass the gradient where |x| > lambd."""
+    return jnp.where((x >= -lambd) & (x <= lambd), 0, grad_output)
+
+
 def _clamp(x, min=None, max=None):
     """maximum then minimum: NaN in x propagates, and min > max gives max, as in ATen."""
     x = x if min is None else jnp.maximum(x, min)
@@ -260,6 +305,14 @@ register_table(
         aten.sigmoid_backward.default: lambda g, y: g * (1 - y) * y,
         aten.tanh_backward.default: lambda g, y: g * (1 - y * y),
         aten.heaviside.default: lambda x, values: jnp.where(x == 0, values, x > 0),
+        aten.softplus.default: _softplus,
+        aten.softplus_backward.default: _softplus_backward,
+        aten.mish.default: lambda x: x * jnp.tanh(jax.nn.softplus(x)),
+        aten.mish_backward.default: _mish_backward,
+        aten.celu.default: lambda x, alpha=1.0: jnp.where(x > 0, x, alpha * jnp.expm1(x / alpha)),
+        aten.hardshrink.default: lambda x, lambd=0.5: jnp.where(jnp.abs(x) > lambd, x, 0),
+        aten.softshrink.default: _softshrink,
+        (aten.hardshrink_backward.default, aten.softshrink_backward.default): _shrink_backward,
     },
     adapt=arithmetic,
 )
@@ -280,6 +333,7 @@ register_table(
         (aten.minimum.default, aten.min.other, aten.clamp_max.default, aten.clamp_max.Tensor): (
             jnp.minimum
         ),
+        aten.nextafter.default: jnp.nextafter,
         aten.fmax.default: jnp.fmax,
         aten.fmin.default: jnp.fmin,
         (aten.bitwise_and.Tensor, aten.bitwise_and.Scalar, aten.bitwise_and.Scalar_Tensor): (
@@ -315,3 +369,10 @@ register_table(
 def _where(condition, x, other):
     """Only x and other promote together; the condition is a mask, not an operand."""
     return promoted(partial(jnp.where, condition))(x, other)
+
+
+@lowers(aten.frexp.Tensor)
+def _frexp(x):
+    """(mantissa in [0.5, 1), int32 exponent), as std::frexp gives them."""
+    mantissa, exponent = jnp.frexp(x)
+    return mantissa, exponent.astype(jnp.int32)

@@ -136,6 +136,17 @@ def _alias(x):
     return x
 
 
+@lowers(aten.view_as_real.default, aten.view_as_real_copy.default)
+def _view_as_real(x):
+    """A complex tensor as a trailing (real, imag) axis; XLA has no bitcast from complex."""
+    return jnp.stack([x.real, x.imag], axis=-1)
+
+
+@lowers(aten.view_as_complex.default, aten.view_as_complex_copy.default)
+def _view_as_complex(x):
+    return lax.complex(x[..., 0], x[..., 1])
+
+
 @lowers(aten.permute.default, aten.permute_copy.default)
 def _permute(x, dims):
     return jnp.transpose(x, dims)
@@ -469,3 +480,26 @@ def _tril(x, diagonal=0):
 @lowers(aten.triu.default)
 def _triu(x, diagonal=0):
     return jnp.triu(x, diagonal)
+
+
+@lowers(aten.rot90.default)
+def _rot90(x, k=1, dims=(0, 1)):
+    return jnp.rot90(x, k, axes=tuple(dims))
+
+
+@lowers(aten.diag_embed.default)
+def _diag_embed(x, offset=0, dim1=-2, dim2=-1):
+    """The last dim of x on the ``offset`` diagonal of new dims ``dim1`` and ``dim2``."""
+    out = x[..., :, None] * jnp.eye(x.shape[-1], dtype=x.dtype)
+    before, after = max(-offset, 0), max(offset, 0)
+    out = jnp.pad(out, [(0, 0)] * (x.ndim - 1) + [(before, after), (after, before)])
+    ndim = x.ndim + 1
+    return jnp.moveaxis(out, (ndim - 2, ndim - 1), (dim1 % ndim, dim2 % ndim))
+
+
+@lowers(aten.block_diag.default)
+def _block_diag(tensors):
+    """0-dim and 1-dim blocks are one-row matrices, as ATen reads them."""
+    dtype = jnp.result_type(*tensors)
+    blocks = [t.reshape(1, -1) if t.ndim < 2 else t for t in tensors]
+    return jax.scipy.linalg.block_diag(*[b.astype(dtype) for b in blocks])

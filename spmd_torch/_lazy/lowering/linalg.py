@@ -14,6 +14,7 @@ import math
 import jax
 import jax.numpy as jnp
 import torch
+from jax import lax
 
 from spmd_torch import config
 
@@ -83,6 +84,21 @@ def _addmm(x, a, b, beta=1, alpha=1):
     return _add_product(x, a, b, beta, alpha)
 
 
+@lowers(aten.addr.default)
+def _addr(x, a, b, *, beta=1, alpha=1):
+    """The outer product is a product with a contraction of length 1."""
+    return _add_product(
+        jnp.broadcast_to(x, (a.shape[0], b.shape[0])), a[:, None], b[None], beta, alpha
+    )
+
+
+@lowers(aten.addbmm.default)
+def _addbmm(x, a, b, *, beta=1, alpha=1):
+    """The batch is one more contracted dim: (n, m) by (m, p) per batch, summed over batches."""
+    a = jnp.swapaxes(a, 0, 1).reshape(a.shape[1], -1)
+    return _add_product(x, a, b.reshape(-1, b.shape[-1]), beta, alpha)
+
+
 def _cdist_uses_mm(x1, x2, p, compute_mode):
     """PyTorch's rule for the p=2 GEMM path: mode 1, or mode None with more than 25 rows."""
     if p != 2:
@@ -131,3 +147,243 @@ def _linalg_svd(A, full_matrices=False, compute_uv=True, driver=None):
         empty = jnp.zeros((0,), A.dtype)
         return empty, jnp.linalg.svd(A, compute_uv=False), empty
     return jnp.linalg.svd(A, full_matrices=full_matrices)
+
+
+# --- factorizations and solves: LAPACK's conventions (1-based int32 pivots, ``info`` codes) ----
+
+
+def _mT(x):
+    return jnp.swapaxes(x, -1, -2)
+
+
+def _mH(x):
+    return jnp.conj(_mT(x))
+
+
+def _batched(a, b):
+    """a and b with their batch dims broadcast together, as linalg's solves broadcast them."""
+    batch = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    return jnp.broadcast_to(a, batch + a.shape[-2:]), jnp.broadcast_to(b, batch + b.shape[-2:])
+
+
+def _tri_solve(a, b, *, lower, left=True, unit=False):
+    """op(a) x = b (or x a = b) for triangular ``a``, batch dims broadcast."""
+    a, b = _batched(a, b)
+    return lax.linalg.triangular_solve(
+        a, b, left_side=left, lower=lower, unit_diagonal=unit, transpose_a=False
+    )
+
+
+def _first_zero(diagonal):
+    """LAPACK's ``info``: the 1-based position of the first zero (or non-finite) pivot, else 0."""
+    bad = (diagonal == 0) | ~jnp.isfinite(diagonal)
+    if not diagonal.shape[-1]:
+        return jnp.zeros(diagonal.shape[:-1], jnp.int32)
+    return jnp.where(bad.any(-1), jnp.argmax(bad, -1) + 1, 0).astype(jnp.int32)
+
+
+def _lu(a):
+    """(LU, 1-based pivots, info) of a square or rectangular batch."""
+    lu, pivots, _ = lax.linalg.lu(a)
+    return lu, pivots + 1, _first_zero(jnp.diagonal(lu, axis1=-2, axis2=-1))
+
+
+def _permutation(pivots, rows):
+    """The permutation the 1-based sequential row swaps ``pivots`` apply."""
+    return lax.linalg.lu_pivots_to_permutation(pivots - 1, rows)
+
+
+def _lu_solve(lu, pivots, b, adjoint=False):
+    """a x = b (a^H x = b with ``adjoint``) from a's LU factors."""
+    lu, b = _batched(lu, b)
+    perm = _permutation(pivots, lu.shape[-1])
+    if adjoint:
+        y = _tri_solve(_mH(lu), b, lower=True)
+        z = _tri_solve(_mH(lu), y, lower=False, unit=True)
+        return jnp.zeros_like(z).at[..., perm, :].set(z) if z.ndim == 2 else _unpermute(z, perm)
+    rows = jnp.take_along_axis(b, jnp.broadcast_to(perm[..., :, None], b.shape), -2)
+    return _tri_solve(lu, _tri_solve(lu, rows, lower=True, unit=True), lower=False)
+
+
+def _unpermute(z, perm):
+    """x with x[perm] = z, batched."""
+    inverse = jnp.argsort(perm, axis=-1)
+    return jnp.take_along_axis(z, jnp.broadcast_to(inverse[..., :, None], z.shape), -2)
+
+
+@lowers(aten.linalg_lu_factor_ex.default)
+def _linalg_lu_factor_ex(a, pivot=True, check_errors=False):
+    return _lu(a)
+
+
+@lowers(aten.linalg_lu_solve.default)
+def _linalg_lu_solve(lu, pivots, b, *, left=True, adjoint=False):
+    """x a = b is a^H x^H = b^H: the right-hand form flips ``adjoint`` and conjugates."""
+    if left:
+        return _lu_solve(lu, pivots, b, adjoint)
+    return _mH(_lu_solve(lu, pivots, _mH(b), not adjoint))
+
+
+@lowers(aten.lu_unpack.default)
+def _lu_unpack(lu, pivots, unpack_data=True, unpack_pivots=True):
+    """(P, L, U) with a = P L U; what is not unpacked is empty, as ATen returns it."""
+    m, n = lu.shape[-2:]
+    k = min(m, n)
+    empty = jnp.zeros((0,), lu.dtype)
+    if unpack_data:
+        lower = jnp.tril(lu[..., :, :k], -1) + jnp.eye(m, k, dtype=lu.dtype)
+        upper = jnp.triu(lu[..., :k, :])
+    else:
+        lower = upper = empty
+    if not unpack_pivots:
+        return empty, lower, upper
+    perm = _permutation(pivots, m)
+    return jnp.swapaxes(jax.nn.one_hot(perm, m, dtype=lu.dtype), -1, -2), lower, upper
+
+
+@lowers(aten.linalg_lu.default)
+def _linalg_lu(a, pivot=True):
+    lu, pivots, _ = _lu(a)
+    return _lu_unpack(lu, pivots)
+
+
+@lowers(aten.linalg_inv_ex.default)
+def _linalg_inv_ex(a, check_errors=False):
+    """The inverse and LAPACK's info (i > 0: the i-th pivot is zero, the matrix is singular)."""
+    lu, pivots, info = _lu(a)
+    eye = jnp.broadcast_to(jnp.eye(a.shape[-1], dtype=a.dtype), a.shape)
+    return _lu_solve(lu, pivots, eye), info
+
+
+@lowers(aten._linalg_solve_ex.default)
+def _linalg_solve_ex(a, b, *, left=True, check_errors=False):
+    """(x, LU, pivots, info); a 1-D ``b`` is a vector when its size matches, as ATen decides."""
+    lu, pivots, info = _lu(a)
+    vector = b.ndim == 1 or (b.ndim == a.ndim - 1 and b.shape == a.shape[:-1])
+    rhs = b[..., None] if vector else b
+    x = _linalg_lu_solve(lu, pivots, rhs, left=left)
+    return (x[..., 0] if vector else x), lu, pivots, info
+
+
+def _parity(pivots):
+    """+1 or -1: the sign of the permutation made by the row swaps ``pivots``."""
+    swaps = (pivots != jnp.arange(1, pivots.shape[-1] + 1, dtype=pivots.dtype)).sum(-1)
+    return 1 - 2 * (swaps % 2)
+
+
+@lowers(aten._linalg_det.default)
+def _linalg_det(a):
+    lu, pivots, _ = _lu(a)
+    diagonal = jnp.diagonal(lu, axis1=-2, axis2=-1)
+    return _parity(pivots).astype(a.dtype) * jnp.prod(diagonal, -1), lu, pivots
+
+
+@lowers(aten._linalg_slogdet.default)
+def _linalg_slogdet(a):
+    """(sign, log|det|, LU, pivots); a singular matrix gives sign 0 and -inf."""
+    lu, pivots, _ = _lu(a)
+    diagonal = jnp.diagonal(lu, axis1=-2, axis2=-1)
+    magnitude = jnp.abs(diagonal)
+    unit = jnp.where(magnitude == 0, 0, diagonal / jnp.where(magnitude == 0, 1, magnitude))
+    sign = _parity(pivots).astype(a.dtype) * jnp.prod(unit, -1)
+    return sign, jnp.log(magnitude).sum(-1), lu, pivots
+
+
+@lowers(aten.linalg_cholesky_ex.default)
+def _linalg_cholesky_ex(a, upper=False, check_errors=False):
+    """(L, info): info i > 0 says the leading minor of order i is not positive-definite."""
+    lower = jnp.linalg.cholesky(a, symmetrize_input=False)
+    info = _first_zero(jnp.diagonal(lower, axis1=-2, axis2=-1))
+    return (_mH(lower) if upper else lower), info
+
+
+@lowers(aten.cholesky.default)
+def _cholesky(a, upper=False):
+    lower = jnp.linalg.cholesky(a, symmetrize_input=False)
+    return _mH(lower) if upper else lower
+
+
+def _cholesky_solve(b, factor, upper):
+    """a x = b with a = L L^H (= U^H U with ``upper``)."""
+    lower = _mH(factor) if upper else factor
+    return _tri_solve(_mH(lower), _tri_solve(lower, b, lower=True), lower=False)
+
+
+@lowers(aten.cholesky_solve.default)
+def _cholesky_solve_lowering(b, factor, upper=False):
+    return _cholesky_solve(b, factor, upper)
+
+
+@lowers(aten.cholesky_inverse.default)
+def _cholesky_inverse(factor, upper=False):
+    eye = jnp.broadcast_to(jnp.eye(factor.shape[-1], dtype=factor.dtype), factor.shape)
+    return _cholesky_solve(eye, factor, upper)
+
+
+@lowers(aten.linalg_solve_triangular.default)
+def _linalg_solve_triangular(a, b, *, upper, left=True, unitriangular=False):
+    return _tri_solve(a, b, lower=not upper, left=left, unit=unitriangular)
+
+
+@lowers(aten.triangular_solve.default)
+def _triangular_solve(b, a, upper=True, transpose=False, unitriangular=False):
+    """(x, a) with op(a) x = b; op is the transpose with ``transpose``."""
+    triangle = _mT(a) if transpose else a
+    x = _tri_solve(triangle, b, lower=upper == transpose, unit=unitriangular)
+    return x, a
+
+
+@lowers(aten.linalg_qr.default)
+def _linalg_qr(a, mode="reduced"):
+    """mode 'r' returns an empty Q, as ATen does."""
+    if mode == "r":
+        return jnp.zeros((0,), a.dtype), jnp.linalg.qr(a, mode="r")
+    return jnp.linalg.qr(a, mode=mode)
+
+
+@lowers(aten.linalg_householder_product.default)
+def _linalg_householder_product(a, tau):
+    return lax.linalg.householder_product(a, tau)
+
+
+@lowers(aten._linalg_eigh.default)
+def _linalg_eigh(a, UPLO="L", compute_v=True):
+    """Reads only the ``UPLO`` triangle; without compute_v the vectors are empty."""
+    values, vectors = jnp.linalg.eigh(a, UPLO=UPLO, symmetrize_input=False)
+    return values, (vectors if compute_v else jnp.zeros((0,), a.dtype))
+
+
+@lowers(aten.linalg_eig.default)
+def _linalg_eig(a):
+    """Complex eigenvalues and unit eigenvectors (LAPACK's geev, as PyTorch's CPU kernel)."""
+    return jnp.linalg.eig(a)
+
+
+@lowers(aten.linalg_matrix_exp.default)
+def _linalg_matrix_exp(a):
+    return jax.scipy.linalg.expm(a)
+
+
+@lowers(aten.linalg_pinv.atol_rtol_tensor)
+def _linalg_pinv(a, *, atol=None, rtol=None, hermitian=False):
+    """Singular values at most max(atol, rtol * largest) count as zero; rtol defaults to
+    eps * max(m, n), or to 0 when only a positive atol is given (ATen's rule)."""
+    u, s, vh = jnp.linalg.svd(a, full_matrices=False)
+    largest = s[..., :1]
+    if rtol is None:
+        eps = jnp.finfo(s.dtype).eps * max(a.shape[-2:])
+        rtol = eps if atol is None else jnp.where(atol > 0, 0.0, eps)
+    rtol = jnp.asarray(rtol)[..., None]
+    cutoff = (
+        rtol * largest
+        if atol is None
+        else jnp.maximum(jnp.asarray(atol)[..., None], rtol * largest)
+    )
+    inverse = jnp.where(s > cutoff, 1 / jnp.where(s > cutoff, s, 1), 0).astype(a.dtype)
+    return _mH(vh) @ (inverse[..., :, None] * _mH(u))
+
+
+@lowers(aten.linalg_cross.default)
+def _linalg_cross(a, b, *, dim=-1):
+    a, b = jnp.broadcast_arrays(a, b)
+    return jnp.cross(a, b, axis=dim)

@@ -926,3 +926,63 @@ def _upsample_bicubic2d_backward(grad_output, output_size, input_size, align_cor
     return _interpolate_backward(
         grad_output, output_size, input_size, align_corners, scales, _cubic_taps
     )
+
+
+# --- activations and losses with a shape of their own --------------------------------------------
+
+
+@lowers(aten.glu.default)
+def _glu(self, dim=-1):
+    a, b = jnp.split(self, 2, axis=dim)
+    return a * jax.nn.sigmoid(b)
+
+
+@lowers(aten.glu_backward.default)
+def _glu_backward(grad_output, self, dim):
+    return jax.vjp(partial(_glu, dim=dim), self)[1](grad_output)[0]
+
+
+def _huber(diff, delta):
+    absolute = jnp.abs(diff)
+    return jnp.where(absolute < delta, 0.5 * diff * diff, delta * (absolute - 0.5 * delta))
+
+
+@lowers(aten.huber_loss.default)
+def _huber_loss(self, target, reduction=1, delta=1.0):
+    return _reduce(_huber(self - target, delta), reduction)
+
+
+@lowers(aten.huber_loss_backward.default)
+def _huber_loss_backward(grad_output, self, target, reduction, delta):
+    diff = self - target
+    grad = jnp.clip(diff, -delta, delta) * grad_output
+    return grad / self.size if reduction == 1 else grad
+
+
+@lowers(aten.pixel_shuffle.default)
+def _pixel_shuffle(self, upscale_factor):
+    """(*, C r^2, H, W) -> (*, C, H r, W r)."""
+    r = upscale_factor
+    *batch, c, h, w = self.shape
+    x = self.reshape(*batch, c // (r * r), r, r, h, w)
+    n = len(batch)
+    x = x.transpose(*range(n), n, n + 3, n + 1, n + 4, n + 2)
+    return x.reshape(*batch, c // (r * r), h * r, w * r)
+
+
+@lowers(aten.pixel_unshuffle.default)
+def _pixel_unshuffle(self, downscale_factor):
+    """(*, C, H r, W r) -> (*, C r^2, H, W)."""
+    r = downscale_factor
+    *batch, c, h, w = self.shape
+    n = len(batch)
+    x = self.reshape(*batch, c, h // r, r, w // r, r)
+    x = x.transpose(*range(n), n, n + 2, n + 4, n + 1, n + 3)
+    return x.reshape(*batch, c * r * r, h // r, w // r)
+
+
+@lowers(aten.channel_shuffle.default, aten.native_channel_shuffle.default)
+def _channel_shuffle(self, groups):
+    n, c, *spatial = self.shape
+    x = self.reshape(n, groups, c // groups, *spatial)
+    return jnp.swapaxes(x, 1, 2).reshape(self.shape)

@@ -270,3 +270,94 @@ def _vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None):
 )
 def _norm(x, p=2, dim=None, keepdim=False, *, dtype=None):
     return _vector_norm(x, 2 if p is None else p, dim, keepdim, dtype=dtype)
+
+
+# --- order statistics: one stable sort (NaN last), then a position ------------------------------
+
+
+def _at_position(x, dim, keepdim, position):
+    """(value, index) at ``position`` (an int or an array without ``dim``) of the stable sort."""
+    dim %= x.ndim
+    values, index = _sort(x, dim)
+    position = jnp.expand_dims(jnp.asarray(position), dim)
+    value = jnp.take_along_axis(values, position, dim)
+    chosen = jnp.take_along_axis(index, position, dim)
+    return (value, chosen) if keepdim else (value.squeeze(dim), chosen.squeeze(dim))
+
+
+def _kthvalue(x, k, dim=-1, keepdim=False):
+    dim %= x.ndim
+    return _at_position(x, dim, keepdim, jnp.full(_without(x.shape, dim), k - 1))
+
+
+def _median_dim(x, dim=-1, keepdim=False):
+    """The lower median; a NaN in the slice is the result, with the index of the first NaN."""
+    dim %= x.ndim
+    value, index = _at_position(
+        x, dim, True, jnp.full(_without(x.shape, dim), (x.shape[dim] - 1) // 2)
+    )
+    nan = jnp.isnan(x)
+    has_nan = nan.any(dim, keepdims=True)
+    value = jnp.where(has_nan, jnp.nan, value).astype(x.dtype)
+    index = jnp.where(has_nan, jnp.argmax(nan, dim, keepdims=True), index)
+    return (value, index) if keepdim else (value.squeeze(dim), index.squeeze(dim))
+
+
+def _nanmedian_dim(x, dim=-1, keepdim=False):
+    """The lower median of the non-NaN elements (NaN sorts last); all NaN gives NaN."""
+    dim %= x.ndim
+    count = (~jnp.isnan(x)).sum(dim)
+    return _at_position(x, dim, keepdim, jnp.maximum(count - 1, 0) // 2)
+
+
+def _without(shape, dim):
+    return shape[:dim] + shape[dim + 1 :]
+
+
+def _mode(x, dim=-1, keepdim=False):
+    """The most frequent value (the smallest on a tie) and the last index holding it."""
+    dim %= x.ndim
+    moved = jnp.moveaxis(x, dim, -1)
+    equal = moved[..., :, None] == moved[..., None, :]
+    counts = equal.sum(-1)
+    best = counts.max(-1, keepdims=True)
+    value = jnp.where(counts == best, moved, moved.max(-1, keepdims=True)).min(-1)
+    positions = jnp.arange(moved.shape[-1])
+    index = jnp.where(moved == value[..., None], positions, -1).max(-1)
+    if keepdim:
+        return jnp.expand_dims(value, dim), jnp.expand_dims(index, dim)
+    return value, index
+
+
+register_table(
+    {
+        aten.kthvalue.default: _kthvalue,
+        aten.median.dim: _median_dim,
+        aten.nanmedian.dim: _nanmedian_dim,
+        aten.mode.default: _mode,
+    },
+    adapt=_on_vector_if_scalar,
+)
+
+
+@lowers(aten.median.default)
+def _median(x):
+    return _median_dim(x.reshape(-1), 0)[0]
+
+
+@lowers(aten.nanmedian.default)
+def _nanmedian(x):
+    return _nanmedian_dim(x.reshape(-1), 0)[0]
+
+
+@lowers(aten.logcumsumexp.default)
+def _logcumsumexp(x, dim):
+    if x.ndim == 0:
+        return x
+    return lax.cumlogsumexp(x.astype(opmath(x.dtype)), axis=dim % x.ndim).astype(x.dtype)
+
+
+@lowers(aten.trace.default)
+def _trace(x):
+    out = _sum_dtype(x, None)
+    return jnp.trace(x.astype(out), dtype=opmath(out)).astype(out)

@@ -1,0 +1,217 @@
+"""Lowerings: special functions (gamma family, Bessel, error functions, orthogonal polynomials).
+
+Most are ``jax.scipy.special`` behind the ``floating`` adapter (integers compute in the default
+float, bf16/f16 in float32 rounded once); a wrapper exists only where ATen's value at a pole,
+a NaN or outside the domain differs from SciPy's. The orthogonal polynomials run ATen's own
+recurrences, with the degree ``n`` a tensor, up to the largest degree present. Not lowered, as
+jax.scipy's differ from Cephes's: digamma/polygamma (negative x), erfcx (x near 9.3 in float32),
+the Bessel J/Y/K functions and airy_ai.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import jax.scipy.special as jsp
+import torch
+from jax import lax
+
+from ._helpers import floating
+from .registry import lowers, register_table
+
+aten = torch.ops.aten
+
+
+def _mvlgamma(x, p):
+    """log of the multivariate gamma function of dimension p."""
+    terms = x[..., None] - jnp.arange(p, dtype=x.dtype) / 2
+    return lax.lgamma(terms).sum(-1) + p * (p - 1) / 4 * math.log(math.pi)
+
+
+def _entr(x):
+    """-x log x: 0 at 0, -inf below 0, NaN stays NaN."""
+    return jnp.where(x > 0, -x * jnp.log(jnp.where(x > 0, x, 1)), jnp.where(x == 0, 0, -jnp.inf))
+
+
+def _xlog1py(x, y):
+    """x * log1p(y), 0 where x is 0 unless y is NaN (jax.scipy's gives 0 there too)."""
+    return jnp.where(jnp.isnan(y), y, jnp.where(x == 0, 0, x * jnp.log1p(y)))
+
+
+def _sinc(x):
+    return jnp.sinc(x)
+
+
+def _zeta(x, q):
+    """Hurwitz zeta: inf at x = 1, NaN for x < 1, as Cephes (and ATen) define it."""
+    value = jsp.zeta(x, q)
+    return jnp.where(x == 1, jnp.inf, jnp.where(x < 1, jnp.nan, value))
+
+
+def _spherical_bessel_j0(x):
+    """sin(x)/x, 1 at 0; ATen's series below |x| = 0.5 agrees to the last bit."""
+    return jnp.where(x == 0, 1, jnp.sin(x) / jnp.where(x == 0, 1, x))
+
+
+register_table(
+    {
+        aten.lgamma.default: lax.lgamma,
+        aten.erfc.default: lax.erfc,
+        (aten.i0.default, aten.special_i0.default): jsp.i0,
+        aten.special_i0e.default: jsp.i0e,
+        aten.special_i1.default: jsp.i1,
+        aten.special_i1e.default: jsp.i1e,
+        aten.special_modified_bessel_i0.default: jsp.i0,
+        aten.special_modified_bessel_i1.default: jsp.i1,
+        aten.special_ndtr.default: jsp.ndtr,
+        aten.special_ndtri.default: jsp.ndtri,
+        aten.special_log_ndtr.default: jsp.log_ndtr,
+        aten.special_entr.default: _entr,
+        aten.sinc.default: _sinc,
+        aten.special_spherical_bessel_j0.default: _spherical_bessel_j0,
+        (
+            aten.special_xlog1py.default,
+            aten.special_xlog1py.self_scalar,
+            aten.special_xlog1py.other_scalar,
+        ): _xlog1py,
+        (
+            aten.special_zeta.default,
+            aten.special_zeta.self_scalar,
+            aten.special_zeta.other_scalar,
+        ): _zeta,
+    },
+    adapt=floating,
+)
+
+
+@lowers(aten.mvlgamma.default)
+def _mvlgamma_lowering(x, p):
+    return floating(lambda x: _mvlgamma(x, p))(x)
+
+
+# --- orthogonal polynomials: ATen's recurrences, up to the largest degree present -----------
+
+
+def _recurrence(x, n, p0, p1, step):
+    """P_n(x) from P_0 = p0, P_1 = p1 and P_{k+1} = step(k, x, P_{k-1}, P_k), per element; the
+    loop runs to max(n), each element keeping its value once k reaches its own n."""
+
+    def body(carry):
+        k, p, q = carry
+        r = step(k, x, p, q)
+        return k + 1, jnp.where(k < n, q, p), jnp.where(k < n, r, q)
+
+    _, _, q = lax.while_loop(lambda c: c[0] < jnp.max(n, initial=1), body, (1, p0, p1))
+    return jnp.where(n == 0, p0, q)
+
+
+def _polynomial(p1_of, step, special=None):
+    """A polynomial P_n(x) with integer n (ATen truncates it), 0 for n < 0; ``special`` gives
+    (where, value) for ATen's closed forms (|x| = 1, cos/sin forms for large n)."""
+
+    def fn(x, n):
+        x, n = jnp.broadcast_arrays(x, n)
+        k = jnp.trunc(n).astype(jnp.int64)
+        value = _recurrence(x, k, jnp.ones_like(x), p1_of(x), step)
+        if special is not None:
+            for where, closed in special(x, k):
+                value = jnp.where(where, closed, value)
+        return jnp.where(k < 0, 0, value)
+
+    return fn
+
+
+def _chebyshev_step(k, x, p, q):
+    return 2 * x * q - p
+
+
+def _shifted(fn):
+    """The shifted polynomial on [0, 1]: the polynomial at 2x - 1."""
+    return lambda x, n: fn(2 * x - 1, n)
+
+
+def _chebyshev_t_special(x, n):
+    big = (n > 6) & (jnp.abs(x) < 1)
+    one = jnp.where((x > 0) | (n % 2 == 0), 1, -1)
+    return [(big, jnp.cos(n * jnp.arccos(x))), (jnp.abs(x) == 1, one)]
+
+
+def _chebyshev_u_special(x, n):
+    theta = jnp.arccos(x)
+    big = (n > 8) & (jnp.abs(x) < 1) & (jnp.sin(theta) != 0)
+    closed = jnp.sin((n + 1) * theta) / jnp.where(jnp.sin(theta) != 0, jnp.sin(theta), 1)
+    one = jnp.where((x > 0) | (n % 2 == 0), n + 1, -(n + 1))
+    return [(big, closed), (jnp.abs(x) == 1, one)]
+
+
+def _chebyshev_v_special(x, n):
+    theta = jnp.arccos(x)
+    half = jnp.sin(theta / 2)
+    big = (n > 8) & (jnp.abs(x) < 1) & (half != 1)
+    closed = jnp.cos((n + 0.5) * theta) / jnp.cos(theta / 2)
+    at_one = jnp.where(x > 0, 1, jnp.where(n % 2 == 0, n + n + 1, -(n + n + 1)))
+    return [(big, closed), (jnp.abs(x) == 1, at_one)]
+
+
+def _chebyshev_w_special(x, n):
+    theta = jnp.arccos(x)
+    big = (n > 8) & (jnp.abs(x) < 1) & (jnp.cos(theta / 2) != 1)
+    closed = jnp.sin((n + 0.5) * theta) / jnp.sin(theta / 2)
+    at_one = jnp.where(x > 0, n + n + 1, jnp.where(n % 2 == 0, 1, -1))
+    return [(big, closed), (jnp.abs(x) == 1, at_one)]
+
+
+def _legendre_step(k, x, p, q):
+    return ((2 * k + 1) * x * q - k * p) / (k + 1)
+
+
+def _laguerre_step(k, x, p, q):
+    return ((2 * k + 1 - x) * q - k * p) / (k + 1)
+
+
+def _hermite_h_step(k, x, p, q):
+    return 2 * x * q - 2 * k * p
+
+
+def _hermite_he_step(k, x, p, q):
+    return x * q - k * p
+
+
+def _legendre_special(x, n):
+    return [(jnp.abs(x) == 1, jnp.where((x > 0) | (n % 2 == 0), 1, -1))]
+
+
+def _laguerre_special(x, n):
+    return [(x == 0, jnp.ones_like(x))]
+
+
+_CHEBYSHEV_T = _polynomial(lambda x: x, _chebyshev_step, _chebyshev_t_special)
+_CHEBYSHEV_U = _polynomial(lambda x: 2 * x, _chebyshev_step, _chebyshev_u_special)
+_CHEBYSHEV_V = _polynomial(lambda x: 2 * x - 1, _chebyshev_step, _chebyshev_v_special)
+_CHEBYSHEV_W = _polynomial(lambda x: 2 * x + 1, _chebyshev_step, _chebyshev_w_special)
+
+_POLYNOMIALS = {
+    "chebyshev_polynomial_t": _CHEBYSHEV_T,
+    "chebyshev_polynomial_u": _CHEBYSHEV_U,
+    "chebyshev_polynomial_v": _CHEBYSHEV_V,
+    "chebyshev_polynomial_w": _CHEBYSHEV_W,
+    "shifted_chebyshev_polynomial_t": _shifted(_CHEBYSHEV_T),
+    "shifted_chebyshev_polynomial_u": _shifted(_CHEBYSHEV_U),
+    "shifted_chebyshev_polynomial_v": _shifted(_CHEBYSHEV_V),
+    "shifted_chebyshev_polynomial_w": _shifted(_CHEBYSHEV_W),
+    "legendre_polynomial_p": _polynomial(lambda x: x, _legendre_step, _legendre_special),
+    "laguerre_polynomial_l": _polynomial(lambda x: 1 - x, _laguerre_step, _laguerre_special),
+    "hermite_polynomial_h": _polynomial(lambda x: 2 * x, _hermite_h_step),
+    "hermite_polynomial_he": _polynomial(lambda x: x, _hermite_he_step),
+}
+register_table(
+    {
+        tuple(
+            getattr(getattr(aten, f"special_{name}"), o)
+            for o in ("default", "x_scalar", "n_scalar")
+        ): fn
+        for name, fn in _POLYNOMIALS.items()
+    },
+    adapt=floating,
+)
