@@ -81,18 +81,21 @@ class Template:
         key = rng.state() if self.uses_key else None
         src = tuple(self._source(s, args, cpu, key) for s in self.sources)
         node = Node(self.op, src, (tuple(Arg(k) for k in range(len(src))), self), {}, self.avals)
-        outputs = []
+        outputs, storages = [], []
         for kind, k in self.results:
             if kind == "out":
                 outputs.append(wrap((node, k), self.avals[k]))
+                storages.append(outputs[-1]._storage)
             else:
                 outputs.append(args[k] if kind == "arg" else cpu[k] if kind == "cpu" else k)
         for k, position in enumerate(self.writes, start=self.computed):
             args[position]._write((node, k))
         if self.key_out:
             key.set((node, len(self.avals) - 1))
-        if current().eager:
-            execute.sync()
+        # It runs now, with what its inputs still wait for (an input left pending would be
+        # computed again at the barrier), as PyTorch/XLA's graphs do: a loop needs no barrier.
+        storages += [a._storage for a in args if type(a) is LazyTensor]
+        execute.run_now(storages + ([key] if key is not None else []))
         return pytree.tree_unflatten(outputs, self.tree)
 
     @staticmethod
@@ -131,9 +134,10 @@ class CompiledGraph:
 
     def __call__(self, *args: Any) -> Any:
         args = [a.tensor if type(a) is TensorHandle else a for a in args]
+        # Dynamo's guards already hold every tensor's device, dtype and shape to the graph's;
+        # only the values it takes as arguments (sizes of dynamic shapes) tell calls apart.
         signature = tuple(
-            (a.shape, a.dtype, a.device) if isinstance(a, torch.Tensor) else (type(a), a)
-            for a in args
+            (type(a), a) if not isinstance(a, torch.Tensor) else type(a) is LazyTensor for a in args
         )
         if signature not in self.templates:
             self.templates[signature] = self._record(args)

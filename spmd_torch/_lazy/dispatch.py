@@ -306,7 +306,9 @@ def _copy_(func, args: tuple, kwargs: dict) -> LazyTensor:
     dst, src = args[0], args[1]
     if not isinstance(dst, LazyTensor):  # device -> CPU copy into an existing CPU tensor
         return dst.copy_(to_cpu(src))
-    if isinstance(src, LazyTensor):
+    if isinstance(src, LazyTensor) and src.dtype == dst.dtype and src.shape == dst.shape:
+        value = Value(src._ref())  # values are immutable: the copy is src's value itself
+    elif isinstance(src, LazyTensor):
         value = emit_value(aten.copy.default, dst, src)
     else:
         host = host_copy(src.detach().to(dst.dtype).expand(dst.shape).contiguous())

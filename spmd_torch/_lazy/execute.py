@@ -31,8 +31,29 @@ def sync(wait: bool = False) -> None:
     engine = current()
     start = time.perf_counter_ns()
     owners = _owners(engine)
-    if not owners:
-        return
+    if owners:
+        _run(engine, owners, start)
+    if wait:
+        wait_device_ops()
+
+
+def run_now(storages: list) -> None:
+    """Compute the pending values of ``storages`` now, and only what they need, as the barrier
+    does (donating what no tensor holds any more, each laid out as its storage is): a compiled
+    graph's call runs at once, as PyTorch/XLA's does."""
+    start = time.perf_counter_ns()
+    owners: dict = {}
+    for storage in storages:
+        node, index = storage.ref
+        if not node.is_leaf(index):
+            owners.setdefault((id(node), index), (storage.ref, []))[1].append(storage)
+    if owners:
+        _run(current(), owners, start)
+
+
+def _run(engine, owners: dict, start: int) -> None:
+    """One program computing ``owners``' values ((id(node), index) -> (ref, [storages])), bound
+    to their storages."""
     program = linearize([ref for ref, _ in owners.values()])
     counters.record("LinearizeTime", time.perf_counter_ns() - start)
     _check_may_run(engine)
@@ -58,9 +79,8 @@ def sync(wait: bool = False) -> None:
             for storage in holders:
                 storage.set((data, 0))
                 placement.remember(storage, array)
-    engine.in_flight = [weakref.ref(a) for a in arrays]
-    if wait:
-        wait_device_ops()
+    live = [w for w in engine.in_flight if w() is not None]  # an earlier program's, still held
+    engine.in_flight = live + [weakref.ref(a) for a in arrays]
 
 
 def _owners(engine) -> dict:

@@ -15,6 +15,7 @@ import torch
 from functorch.compile import make_boxed_func
 from torch._dynamo import trace_rules
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.variables import optimizer as dynamo_optimizer
 
 from spmd_torch._lazy.compiled import CompiledGraph
 from spmd_torch._lazy.lowering import inductor_prims
@@ -24,6 +25,26 @@ from spmd_torch._lazy.lowering import inductor_prims
 for _module in ("spmd_torch._lazy", "jax", "jaxlib", "ml_dtypes"):
     trace_rules.add(_module)
 inductor_prims.register()
+
+
+def _capturable_on_xla(set_capturable: Callable) -> Callable:
+    """Dynamo makes a new optimizer capturable (its step counters device tensors) when its
+    parameters are on CUDA, so that the compiled step has no CPU part: the same on xla."""
+
+    def on_xla_too(self, tx) -> None:
+        optimizer = self.value
+        for group in optimizer.param_groups:
+            params = group.get("params", [])
+            if "capturable" in group and params and not any(p in optimizer.state for p in params):
+                if all(p.device.type == "xla" for p in params):
+                    group["capturable"] = True
+        set_capturable(self, tx)
+
+    return on_xla_too
+
+
+_OPTIMIZER = dynamo_optimizer.OptimizerVariable
+_OPTIMIZER._set_capturable = _capturable_on_xla(_OPTIMIZER._set_capturable)
 
 
 def extract_compiled_graph(xla_model: torch.fx.GraphModule, xla_args) -> Callable:
@@ -42,4 +63,8 @@ def _name(graph) -> str:
 
 # ``torch.compile(model, backend='spmd_torch')``: registered through this package's entry point
 # (group ``torch_dynamo_backends``), so importing spmd_torch costs no Dynamo import.
-spmd_torch_backend = aot_autograd(fw_compiler=_compiler, bw_compiler=_compiler)
+# Inference graphs (an optimizer step) keep their in-place writes: the template writes them back
+# itself, instead of AOTAutograd copying each output into its input after the call.
+spmd_torch_backend = aot_autograd(
+    fw_compiler=_compiler, bw_compiler=_compiler, keep_inference_input_mutations=True
+)

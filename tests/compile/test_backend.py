@@ -21,9 +21,10 @@ from torch._dynamo.utils import counters as dynamo_counters
 
 import spmd_torch
 import spmd_torch.core.xla_model as xm
+import spmd_torch.debug.graph as graph
 import spmd_torch.distributed.spmd as xs
 from spmd_torch import runtime as xr
-from tests.helpers import assert_close, to_cpu
+from tests.helpers import assert_close, run_example, to_cpu
 
 dev = spmd_torch.device()
 
@@ -147,6 +148,8 @@ def test_training_step_compiled_whole_matches_eager(kind):
     )
     for (name, p), q in zip(model.named_parameters(), cpu_model.parameters()):
         assert_close(p.cpu(), q.detach(), tol="training")
+    # Dynamo made the optimizer capturable, as on CUDA: its step counters live on the device.
+    assert all(s["step"].device.type == "xla" for s in opt.state.values())
     moments = [s["exp_avg"] for s in opt.state.values()]
     cpu_moments = [s["exp_avg"] for s in cpu_opt.state.values()]
     assert_close(to_cpu(moments), cpu_moments, tol="training")
@@ -184,20 +187,38 @@ def test_batch_norm_statistics_written_in_place():
     assert model.bn1.num_batches_tracked.item() == 3
 
 
-def test_a_step_is_one_program():
-    """A compiled forward and backward and an uncompiled optimizer step run as one program at
-    the barrier: a call of a compiled graph is a node of the lazy graph, not a run."""
+def test_a_call_runs_at_once():
+    """Each call of a compiled graph runs at once, as PyTorch/XLA's do: a loop of compiled steps
+    needs no barrier (nothing stays pending between steps); an uncompiled optimizer step after a
+    compiled forward and backward waits for the barrier, as traced code does."""
     torch.manual_seed(0)
     model = MLP().to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    compiled = torch.compile(model, backend="spmd_torch")
-    for x, y in _batches("mlp", 4):
+    loss_of = torch.compile(lambda x, y: F.cross_entropy(model(x), y), backend="spmd_torch")
+    runs = lambda: (spmd_torch.debug.metrics.metric_data("ExecuteTime") or [0])[0]  # noqa: E731
+    for x, y in _batches("mlp", 3):
         opt.zero_grad()
-        F.cross_entropy(compiled(x.to(dev)), y.to(dev)).backward()
+        before = runs()
+        loss = loss_of(x.to(dev), y.to(dev))
+        assert runs() == before + 1 and graph.pending_count() == 0
+        loss.backward()
+        assert runs() == before + 2 and graph.pending_count() == 0
         opt.step()
-        executed = spmd_torch.debug.metrics.metric_data("ExecuteTime")[0]
+        assert graph.pending_count() > 0
         xm.mark_step()
-    assert spmd_torch.debug.metrics.metric_data("ExecuteTime")[0] == executed + 1
+        assert runs() == before + 3
+
+    @torch.compile(backend="spmd_torch")
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    for x, y in _batches("mlp", 4):
+        step(x.to(dev), y.to(dev))
+        assert graph.pending_count() == 0
 
 
 def test_sharded_parameters_keep_their_sharding():
@@ -344,3 +365,15 @@ def test_openxla_backend_with_the_torch_xla_name(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().endswith("ok")
+
+
+@pytest.mark.multiprocess
+def test_compiled_mnist_example_trains_as_the_traced_one():
+    """examples/mnist_compile.py (the step under torch.compile, no mark_step) prints the losses
+    examples/mnist.py prints (traced lazily, dropout included: the same PRNG stream)."""
+    compiled = run_example("mnist_compile.py", "--steps", "12")
+    traced = run_example("mnist.py", "--steps", "12")
+    losses = [line for line in compiled.splitlines() if line.startswith("step")]
+    assert len(losses) == 3
+    assert losses == [line for line in traced.splitlines() if line.startswith("step")]
+    assert "4 compilations" in compiled
