@@ -101,8 +101,11 @@ def w1_spmd(warmup: int, steps: int, check: bool, gpu: bool) -> dict[str, Any]:
     compiles_first = harness.spmd_compiles()
     trace_us = harness.median_per_op(run, warmup - 1, steps, CHAIN.n_ops)
     compiles_end = harness.spmd_compiles()
+    wrapper_us = _empty_wrapper_us_per_op(warmup, steps)
     return {
         "trace_us_per_op": trace_us,
+        "empty_wrapper_us_per_op": wrapper_us,
+        "trace_over_empty_wrapper": trace_us / wrapper_us,
         "sync_ms": statistics.median(sync_times[-steps:]) * 1e3,
         "first_rep_s": first_rep_s,
         "compiles_first_step": compiles_first,
@@ -113,3 +116,28 @@ def w1_spmd(warmup: int, steps: int, check: bool, gpu: bool) -> dict[str, Any]:
         "warmup": warmup,
         "steps": steps,
     }
+
+
+class _EmptyWrapper(torch.Tensor):
+    """The floor of per-op tracing in Python: a ``__torch_dispatch__`` wrapper subclass that
+    records nothing and returns a new wrapper of the op's first tensor's shape (W1's ops keep it)."""
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor) -> _EmptyWrapper:
+        return torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return _EmptyWrapper(next(a for a in args if isinstance(a, torch.Tensor)))
+
+
+def _empty_wrapper_us_per_op(warmup: int, steps: int) -> float:
+    """W1's chain through ``_EmptyWrapper``, in the same process as spmd_torch's tracing."""
+    x, y, w = (_EmptyWrapper(torch.from_numpy(a)) for a in chain_data())
+
+    def run() -> float:
+        t0 = harness.now()
+        chain(x, y, w)
+        return harness.now() - t0
+
+    return harness.median_per_op(run, warmup, steps, CHAIN.n_ops)

@@ -134,7 +134,9 @@ def report_w1(results: Results) -> dict[str, Any]:
         if impl_of(label) == "spmd_torch":
             what = f"trace {fmt(r['trace_us_per_op'], '.2f')} µs/op"
             extra = (
-                f"sync {fmt(r['sync_ms'], '.2f')} ms, first rep {fmt(r['first_rep_s'], '.2f')}"
+                f"empty wrapper {fmt(r.get('empty_wrapper_us_per_op'), '.2f')} µs/op (trace/"
+                f"wrapper {fmt(r.get('trace_over_empty_wrapper'), '.2f', 'x')}), sync "
+                f"{fmt(r['sync_ms'], '.2f')} ms, first rep {fmt(r['first_rep_s'], '.2f')}"
                 f" s, compiles {r['compiles_total']} ({r['compiles_in_timed']} in timed)"
             )
         else:
