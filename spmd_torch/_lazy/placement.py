@@ -22,7 +22,7 @@ import functools
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from . import transfer
 from .engine import current
@@ -70,9 +70,12 @@ def output_sharding(storage: Storage, aval: Aval):
 def remember(storage: Storage, array: jax.Array) -> None:
     """Keep the layout the partitioner chose for an output, so the next step reuses it (a
     replica's block has none)."""
+    if storage.sharding is not None:
+        return
     sharding = getattr(array, "sharding", None)  # a replica's block has none
-    if storage.sharding is None and sharding is not None and sharding.num_devices > 1:
-        storage.sharding = key_of(sharding)
+    if type(sharding) is not SingleDeviceSharding and sharding is not None:
+        if sharding.num_devices > 1:  # a property that builds a set: asked only when needed
+            storage.sharding = key_of(sharding)
 
 
 def key_of(sharding):
