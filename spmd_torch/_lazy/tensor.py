@@ -12,6 +12,7 @@ import weakref
 from collections.abc import Callable
 
 import torch
+import torch.utils._pytree as pytree
 
 from . import counters
 from .engine import current
@@ -204,7 +205,10 @@ class TensorHandle(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise RuntimeError(f"{func} on the handle of an xla tensor: only compiled graphs read it")
+        """An op on a handle is an op on its tensor (a graph another torch.compile backend made
+        gets a backward's tangent as a handle)."""
+        args, kwargs = pytree.tree_map_only(TensorHandle, lambda h: h.tensor, (args, kwargs or {}))
+        return func(*args, **kwargs)
 
 
 def _not_connected(func, args: tuple, kwargs: dict):

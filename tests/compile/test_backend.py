@@ -377,3 +377,41 @@ def test_compiled_mnist_example_trains_as_the_traced_one():
     assert len(losses) == 3
     assert losses == [line for line in traced.splitlines() if line.startswith("step")]
     assert "4 compilations" in compiled
+
+
+def test_mark_sharding_inside_traced_graphs():
+    """PyTorch/XLA's in-graph mark (``torch.ops.xla.dynamo_mark_sharding``, what
+    ``xs.mark_sharding`` becomes while a graph is traced): called directly, inside a function
+    compiled by Dynamo, and through ``MarkShardingFunction`` under ``aot_function`` with another
+    compiler, the marked tensors (and the gradient) come out sharded, the values eager's."""
+    from functorch.compile import aot_function, make_boxed_func
+
+    xr.use_spmd()
+    try:
+        mesh = xs.Mesh(np.arange(8), (8,), ("x",))
+        spec = lambda t: spmd_torch._XLAC._get_xla_sharding_spec(t)  # noqa: E731
+        w = torch.randn(8, 4).to(dev)
+        torch.ops.xla.dynamo_mark_sharding(w, list(range(8)), [8], "('x',)", "('x', None)")
+        assert spec(w).startswith("{devices=[8,1]")
+
+        @torch.compile(backend="spmd_torch")
+        def f(t):
+            h = torch.sin(t) * 2
+            xs.mark_sharding(h, mesh, (None, "x"))
+            return h + 1
+
+        x = torch.randn(4, 8)
+        out = f(x.to(dev))
+        assert_close(out.cpu(), torch.sin(x) * 2 + 1)
+
+        def g(t):
+            return xs.MarkShardingFunction.apply(torch.cos(t), mesh, ("x",)) * 3
+
+        v = torch.randn(8).to(dev).requires_grad_(True)
+        y = aot_function(g, lambda gm, _: make_boxed_func(gm))(v)
+        y.sum().backward()
+        xm.mark_step()
+        assert spec(y).startswith("{devices=[8]") and spec(v.grad).startswith("{devices=[8]")
+        assert_close(v.grad.cpu(), -3 * torch.sin(v.detach().cpu()))
+    finally:
+        xr.reset()

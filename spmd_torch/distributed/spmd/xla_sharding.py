@@ -7,6 +7,7 @@ constraint, and the tensor keeps the sharding across in-place updates.
 
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +15,9 @@ import torch
 import torch.utils._pytree as pytree
 from jax.sharding import NamedSharding
 
-from spmd_torch._lazy import manual, placement, transfer
+from spmd_torch._lazy import dispatch, manual, placement, transfer
+from spmd_torch._lazy.tensor import DEVICE as _XLA
+from spmd_torch._lazy.tensor import LazyTensor
 from spmd_torch.utils.checkpoint import optimization_barrier_
 
 from . import validate
@@ -89,8 +92,35 @@ def mark_sharding(
         >>> xs.get_xla_sharding_spec(x)
         '{devices=[4,1,2]0,1,2,3,4,5,6,7 last_tile_dim_replicate}'
     """
-    lay_out(unwrap_sharded_tensor(t), mesh, partition_spec, "mark_sharding")
+    tensor = unwrap_sharded_tensor(t)
+    traced = type(tensor) is not LazyTensor and getattr(tensor, "device", None) == _XLA
+    if torch.compiler.is_compiling() or traced:  # a graph being traced: fake xla tensors
+        ids, shape, names = mesh._key
+        spec = repr(tuple(partition_spec))
+        torch.ops.xla.dynamo_mark_sharding(tensor, list(ids), list(shape), repr(names), spec)
+        return tensor
+    lay_out(tensor, mesh, partition_spec, "mark_sharding")
     return XLAShardedTensor._marked(t, mesh, partition_spec)
+
+
+# PyTorch/XLA's op for a mark inside a traced graph (torch.compile, aot_function): the graph
+# keeps it as an op with a side effect, and running the graph on xla tensors marks its input.
+_OPS = torch.library.Library("xla", "FRAGMENT")
+_OPS.define(
+    "dynamo_mark_sharding(Tensor input, int[] device_ids, int[] mesh_shape, str axis_names, "
+    "str partition_spec) -> ()"
+)
+torch.library.register_fake("xla::dynamo_mark_sharding", lambda *args: None, lib=_OPS)
+torch.fx.node._side_effectful_functions.add(torch.ops.xla.dynamo_mark_sharding.default)
+
+
+def _dynamo_mark_sharding(func, args: tuple, kwargs: dict) -> None:
+    tensor, ids, shape, names, spec = args
+    mesh = Mesh(ids, shape, ast.literal_eval(names))
+    lay_out(tensor, mesh, ast.literal_eval(spec), "dynamo_mark_sharding")
+
+
+dispatch.SPECIALS[torch.ops.xla.dynamo_mark_sharding.default] = _dynamo_mark_sharding
 
 
 def annotate_custom_sharding(
