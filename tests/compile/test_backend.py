@@ -25,19 +25,9 @@ import spmd_torch.debug.graph as graph
 import spmd_torch.distributed.spmd as xs
 from spmd_torch import runtime as xr
 from tests.helpers import assert_close, run_example, to_cpu
+from tests.models.test_training import MLP
 
 dev = spmd_torch.device()
-
-
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.Sequential(
-            nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 10)
-        )
-
-    def forward(self, x):
-        return self.layers(x)
 
 
 class CNN(nn.Module):
@@ -112,6 +102,19 @@ def _loss(model, x, y):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
+def _compiled_step(model, opt):
+    """The training step as PyTorch/XLA's dynamo guide writes it, under the spmd_torch backend."""
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = _loss(model, x, y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return torch.compile(step, backend="spmd_torch")
+
+
 @pytest.mark.parametrize("kind", ["mlp", "cnn", "gpt"])
 def test_training_step_compiled_whole_matches_eager(kind):
     """zero_grad, forward, backward and AdamW's step inside one compiled function: the losses,
@@ -122,14 +125,7 @@ def test_training_step_compiled_whole_matches_eager(kind):
     cpu_opt = torch.optim.AdamW(cpu_model.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
-    def step(x, y):
-        opt.zero_grad()
-        loss = _loss(model, x, y)
-        loss.backward()
-        opt.step()
-        return loss
-
-    compiled = torch.compile(step, backend="spmd_torch")
+    compiled = _compiled_step(model, opt)
     losses, expected = [], []
     for k, (x, y) in enumerate(_batches(kind, 6)):
         if k == 3:  # warm: the first steps made AdamW's state and recorded every graph
@@ -208,14 +204,7 @@ def test_a_call_runs_at_once():
         xm.mark_step()
         assert runs() == before + 3
 
-    @torch.compile(backend="spmd_torch")
-    def step(x, y):
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-
+    step = _compiled_step(model, opt)
     for x, y in _batches("mlp", 4):
         step(x.to(dev), y.to(dev))
         assert graph.pending_count() == 0
@@ -237,14 +226,7 @@ def test_sharded_parameters_keep_their_sharding():
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         cpu_opt = torch.optim.AdamW(cpu_model.parameters(), lr=1e-2)
 
-        @torch.compile(backend="spmd_torch")
-        def step(x, y):
-            opt.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            return loss
-
+        step = _compiled_step(model, opt)
         for x, y in _batches("mlp", 3):
             loss = step(x.to(dev), y.to(dev))
             xm.mark_step()
