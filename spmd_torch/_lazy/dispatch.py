@@ -85,6 +85,8 @@ def _resolve(func) -> Callable:
     handler = _lowered_handler(func)
     if handler is not None and func in _INDEXING:
         return _with_device_indices(handler)
+    if handler is not None and func in _CLASS_TARGETS:
+        return _with_class_indices(handler, _CLASS_TARGETS[func])
     if handler is not None and func in factories.MADE_LIKE:  # zeros_like(p): laid out like p
         return lambda f, args, kwargs: placement.follow(handler(f, args, kwargs), args[0])
     if handler is not None:
@@ -109,6 +111,24 @@ _INDEXING = {
     aten._unsafe_index.Tensor,
     aten._unsafe_index_put.default,
 }
+
+
+# PyTorch/XLA takes float class indices as nll_loss targets, where CPU PyTorch wants integers.
+_CLASS_TARGETS = {
+    aten.nll_loss_forward.default: 1,
+    aten.nll_loss2d_forward.default: 1,
+    aten.nll_loss_backward.default: 2,
+    aten.nll_loss2d_backward.default: 2,
+}
+
+
+def _with_class_indices(handler: Callable, position: int) -> Callable:
+    def handle(func, args: tuple, kwargs: dict) -> Any:
+        if args[position].dtype.is_floating_point:
+            args = (*args[:position], args[position].long(), *args[position + 1 :])
+        return handler(func, args, kwargs)
+
+    return handle
 
 
 def _lowered_handler(func) -> Callable | None:

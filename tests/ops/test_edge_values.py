@@ -1,5 +1,5 @@
 """Lowerings at the values OpInfo samples miss: bool scatter_add, complex sgn at zero, inf and NaN,
-isneginf/isposinf in half precision, searchsorted over rows and with a sorter."""
+isneginf/isposinf in half precision, searchsorted over rows and with a sorter, float class targets."""
 
 from __future__ import annotations
 
@@ -45,3 +45,22 @@ def test_searchsorted_rows_scalar_and_sorter(right):
         lambda s, v, o: torch.searchsorted(s, v, sorter=o, right=right), shuffled, values, sorter
     )
     assert_matches_eager(lambda s: torch.searchsorted(s, 5, right=right), rows[0])
+
+
+@pytest.mark.parametrize("shape", [(6, 5), (2, 5, 3, 4)], ids=["nll_loss", "nll_loss2d"])
+def test_cross_entropy_takes_float_class_indices_as_pytorch_xla_does(shape):
+    """PyTorch/XLA accepts float class indices as targets (its SPMD tests train so); CPU PyTorch
+    wants integers, so the reference is CPU with the same indices as int64: loss and gradient."""
+    import spmd_torch
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(*shape, generator=gen)
+    target = torch.randint(0, 5, (shape[0], *shape[2:]), generator=gen)
+    x = logits.to(spmd_torch.device()).requires_grad_(True)
+    loss = torch.nn.functional.cross_entropy(x, target.float().to(spmd_torch.device()))
+    loss.backward()
+    reference = logits.clone().requires_grad_(True)
+    expected = torch.nn.functional.cross_entropy(reference, target)
+    expected.backward()
+    torch.testing.assert_close(loss.cpu(), expected.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad.cpu(), reference.grad, rtol=1e-5, atol=1e-6)
