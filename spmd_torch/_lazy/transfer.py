@@ -115,8 +115,11 @@ class HostData:
 def fetch(array: jax.Array) -> np.ndarray:
     """The array's values on this host (waits for them); an array spanning other hosts' devices
     is gathered from them, so every host must read it, as in PyTorch/XLA."""
+    sharding = getattr(array, "sharding", None)  # a host array (a read checkpoint's) has none
+    if sharding is not None and not sharding.is_fully_replicated:
+        counters.bump("ReplicateShardedData")  # its shards assembled into one value, as PyTorch/XLA
     if getattr(array, "is_fully_addressable", True) or array.is_fully_replicated:
-        return np.asarray(array)  # a host array (a read checkpoint's) is addressable too
+        return np.asarray(array)
     return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
 
