@@ -25,7 +25,7 @@ from . import execute, rng
 from .collective import COLLECTIVES
 from .compile import build_function
 from .engine import current
-from .graph import SCALAR, Arg, Aval, Node, linearize
+from .graph import SCALAR, SCALAR_AVAL, Arg, Aval, Node, linearize
 from .lowering import EngineOp, lowers
 from .lowering.dtypes import to_jax_dtype
 from .tensor import LazyTensor, Storage, TensorHandle, wrap, wrap_data
@@ -109,12 +109,11 @@ class Template:
             return source  # a constant's ref
         value = cpu[source[1]] if len(source) == 2 else cpu[source[1]][source[2]]
         if value.dim() == 0:  # lifted, as Python scalars are: packed with the others
-            return (Node(SCALAR, (), (value.item(),), {}, (_SCALAR_AVAL,)), 0)
+            return (Node(SCALAR, (), (value.item(),), {}, (SCALAR_AVAL,)), 0)
         return wrap_data(to_device_array(value), Aval(tuple(value.shape), value.dtype))._ref()
 
 
 lowers(GRAPH, GRAPH_WITH_COLLECTIVES)(lambda inputs, template: template.lower(inputs))
-_SCALAR_AVAL = Aval((), torch.float64)
 
 
 def _has_collectives(program) -> bool:
@@ -147,7 +146,7 @@ class CompiledGraph:
         template, cpu_part = recorded
         return template.call(args, self._run_cpu_part(cpu_part, args))
 
-    def _run_cpu_part(self, cpu_part: list, args: list) -> dict:
+    def _run_cpu_part(self, cpu_part: dict, args: list) -> dict:
         """The values of the graph's CPU part for this call."""
         if not cpu_part:
             return {}
@@ -193,14 +192,14 @@ class _Recorder(fx.Interpreter):
     def __init__(self, graph: fx.GraphModule, placeholders: list, args: list):
         super().__init__(graph)
         self.slots: dict = {}  # id(placeholder leaf) -> its template source
-        self.cpu_part: list = []
+        self.cpu_part: dict = {}  # its nodes in order (a dict: order, and membership in O(1))
         self.inputs, self.xla_inputs = [], {}
         for k, (node, a) in enumerate(zip(placeholders, args)):
             if type(a) is LazyTensor:
                 self.xla_inputs[k] = self._stand_in(a, ("arg", k))
                 self.inputs.append(self.xla_inputs[k])
             elif isinstance(a, torch.Tensor):
-                self.cpu_part.append(node)
+                self.cpu_part[node] = None
                 self.inputs.append(self._stand_in(a, ("cpu", node)))
             else:
                 self.inputs.append(a)
@@ -215,13 +214,11 @@ class _Recorder(fx.Interpreter):
         value = node.meta.get("val", node.meta.get("example_value"))
         if node.op != "call_function" or not _on_cpu(value):
             return super().run_node(node)
-        part = set(self.cpu_part)
         for source in node.all_input_nodes:
-            if source not in part and source.op != "get_attr":
+            if source not in self.cpu_part and source.op != "get_attr":
                 raise RuntimeError(f"{node.target} makes a CPU value of a device value")
-            if source.op == "get_attr" and source not in part:
-                self.cpu_part.append(source)
-        self.cpu_part.append(node)
+            self.cpu_part[source] = None  # a constant it reads joins the part (no-op if in)
+        self.cpu_part[node] = None
         if isinstance(value, torch.Tensor):
             return self._stand_in(value, ("cpu", node))
         return [self._stand_in(v, ("cpu", node, k)) for k, v in enumerate(value)]

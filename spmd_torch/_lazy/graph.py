@@ -39,6 +39,9 @@ class Aval(NamedTuple):
     dtype: torch.dtype
 
 
+SCALAR_AVAL = Aval((), torch.float64)  # a lifted Python scalar's, whatever its Python type
+
+
 class Node:
     __slots__ = (
         "op",

@@ -16,7 +16,7 @@ import torch
 from spmd_torch import config
 
 from . import counters
-from .graph import SCALAR, Arg, Aval, Node, Ref, Value
+from .graph import SCALAR, SCALAR_AVAL, Arg, Aval, Node, Ref, Value
 from .lowering.dtypes import to_jax_dtype
 from .tensor import DEVICE, LazyTensor, wrap_data
 from .transfer import to_device_array
@@ -24,7 +24,6 @@ from .transfer import to_device_array
 _META_DEVICE = torch.device("meta")
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH_ROOT = os.path.dirname(os.path.abspath(torch.__file__))
-_SCALAR_AVAL = Aval((), torch.float64)
 
 _ARGS = [Arg(i) for i in range(4096)]  # shared placeholders: no allocation per traced argument
 
@@ -101,7 +100,7 @@ def _walk(x: Any, src: list, key: list, lift_floats: bool) -> Any:
         key.append(x.aval)
         return Arg(len(src) - 1)
     if cls is float and lift_floats:
-        src.append((Node(SCALAR, (), (x,), {}, (_SCALAR_AVAL,)), 0))
+        src.append((Node(SCALAR, (), (x,), {}, (SCALAR_AVAL,)), 0))
         key.append(float)
         return Arg(len(src) - 1)
     if cls is list or cls is tuple:

@@ -58,7 +58,7 @@ def _compiler(graph: torch.fx.GraphModule, example_inputs) -> Callable:
 
 
 def _name(graph) -> str:
-    return f"compiled graph {getattr(graph, '_get_name', lambda: 'fn')()}"
+    return f"compiled graph {graph._get_name()}"
 
 
 # ``torch.compile(model, backend='spmd_torch')``: registered through this package's entry point
