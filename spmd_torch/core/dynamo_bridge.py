@@ -16,9 +16,12 @@ from functorch.compile import make_boxed_func
 from torch._dynamo import trace_rules
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.variables import optimizer as dynamo_optimizer
+from torch._dynamo.variables import torch as dynamo_torch
+from torch._dynamo.variables.ctx_manager import AutocastModeVariable
 
 from spmd_torch._lazy.compiled import CompiledGraph
 from spmd_torch._lazy.lowering import inductor_prims
+from spmd_torch.amp import autocast as xla_autocast
 
 # Dynamo must never trace the engine's frames, nor JAX's under them: they run where compiled code
 # breaks its graph (a backward, an eager region), and an op there is an op of the lazy graph.
@@ -45,6 +48,29 @@ def _capturable_on_xla(set_capturable: Callable) -> Callable:
 
 _OPTIMIZER = dynamo_optimizer.OptimizerVariable
 _OPTIMIZER._set_capturable = _capturable_on_xla(_OPTIMIZER._set_capturable)
+
+
+def _xla_autocast_as_context(call_function: Callable) -> Callable:
+    """Dynamo enters ``torch.autocast`` as a context of the graph but would trace into
+    ``spmd_torch.amp.autocast``'s ``__init__`` and fail there: the xla autocast is built eagerly
+    from its (constant) arguments and entered as the ``torch.autocast('xla', dtype)`` it is."""
+
+    def xla_autocast_too(self, tx, args, kwargs):
+        if self.value is not xla_autocast:
+            return call_function(self, tx, args, kwargs)
+        made = xla_autocast(
+            *(a.as_python_constant() for a in args),
+            **{k: v.as_python_constant() for k, v in kwargs.items()},
+        )
+        state = [made.device, made.fast_dtype, made._enabled, made._cache_enabled]
+        return AutocastModeVariable(state, initial_values=None)
+
+    return xla_autocast_too
+
+
+_CONTEXTS = dynamo_torch.TorchCtxManagerClassVariable
+dynamo_torch.supported_ctx_manager_classes[xla_autocast] = None
+_CONTEXTS.call_function = _xla_autocast_as_context(_CONTEXTS.call_function)
 
 
 def extract_compiled_graph(xla_model: torch.fx.GraphModule, xla_args) -> Callable:

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine (torch and JAX with CUDA preinstalled, no network): the W7gpu
+# implementations side by side, each in its own bench run under its own time limit so that one
+# that hangs or fails leaves the others' numbers; then W2 and W3 on the GPU; then a compatibility
+# pass of the unit tests on that machine's torch and JAX (CPU backend). Logs (each ending in its BENCH_JSON line) go to $OUT.
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT=${OUT:-/tmp/gpu_run}
+mkdir -p "$OUT"
+py=python3
+# The spmd_torch backend is an entry point: install this checkout (offline, no dependencies).
+$py -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || echo "install failed"
+{
+  $py -c "import sys, torch, jax; print(sys.version.split()[0], torch.__version__, jax.__version__, jax.devices())"
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
+  nproc
+} 2>&1 | tee "$OUT/env.txt"
+
+bench() {  # name limit_s args...
+  local name=$1 limit=$2
+  shift 2
+  timeout "$limit" $py -m tools.bench --gpu "$@" >"$OUT/$name.log" 2>&1
+  echo "== $name: exit $?"
+  grep -v '^BENCH_JSON' "$OUT/$name.log" | tail -n 14
+}
+bench w7ref 160 --workloads W7gpu --impls eager,inductor,jax --warmup 3 --steps 10
+bench w7spmd 130 --workloads W7gpu --impls spmd_torch --warmup 3 --steps 10
+bench w7compile 150 --workloads W7gpu --impls spmd_compile --warmup 3 --steps 10
+bench w23 60 --workloads W2,W3 --impls jax,spmd_torch,spmd_compile
+JAX_PLATFORMS=cpu timeout 50 $py -m pytest -q -x -p no:cacheprovider tests/unit tests/compile \
+  >"$OUT/tests.log" 2>&1
+echo "== tests: exit $?"; tail -n 5 "$OUT/tests.log"
