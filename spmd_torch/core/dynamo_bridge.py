@@ -21,7 +21,6 @@ from torch._dynamo.variables.ctx_manager import AutocastModeVariable
 
 from spmd_torch._lazy.compiled import CompiledGraph
 from spmd_torch._lazy.lowering import inductor_prims
-from spmd_torch.amp import autocast as xla_autocast
 
 # Dynamo must never trace the engine's frames, nor JAX's under them: they run where compiled code
 # breaks its graph (a backward, an eager region), and an op there is an op of the lazy graph.
@@ -50,27 +49,39 @@ _OPTIMIZER = dynamo_optimizer.OptimizerVariable
 _OPTIMIZER._set_capturable = _capturable_on_xla(_OPTIMIZER._set_capturable)
 
 
-def _xla_autocast_as_context(call_function: Callable) -> Callable:
-    """Dynamo enters ``torch.autocast`` as a context of the graph but would trace into
-    ``spmd_torch.amp.autocast``'s ``__init__`` and fail there: the xla autocast is built eagerly
-    from its (constant) arguments and entered as the ``torch.autocast('xla', dtype)`` it is."""
+def _is_autocast_subclass(value) -> bool:
+    """A subclass of ``torch.autocast`` with an ``__init__`` of its own (``spmd_torch.amp``'s
+    and PyTorch/XLA's ``autocast``): Dynamo would trace into that ``__init__`` and fail there."""
+    base = torch.amp.autocast_mode.autocast
+    return (
+        isinstance(value, type) and issubclass(value, base) and value.__init__ is not base.__init__
+    )
 
-    def xla_autocast_too(self, tx, args, kwargs):
-        if self.value is not xla_autocast:
+
+def _autocast_subclasses_too(is_matching_cls: Callable, call_function: Callable):
+    """Such a class is built eagerly from its (constant) arguments, and Dynamo enters the result
+    as the ``torch.autocast(device, dtype)`` it stands for, a context of the graph."""
+
+    def matching(value) -> bool:
+        return is_matching_cls(value) or _is_autocast_subclass(value)
+
+    def call(self, tx, args, kwargs):
+        if not _is_autocast_subclass(self.value):
             return call_function(self, tx, args, kwargs)
-        made = xla_autocast(
+        made = self.value(
             *(a.as_python_constant() for a in args),
             **{k: v.as_python_constant() for k, v in kwargs.items()},
         )
         state = [made.device, made.fast_dtype, made._enabled, made._cache_enabled]
         return AutocastModeVariable(state, initial_values=None)
 
-    return xla_autocast_too
+    return staticmethod(matching), call
 
 
 _CONTEXTS = dynamo_torch.TorchCtxManagerClassVariable
-dynamo_torch.supported_ctx_manager_classes[xla_autocast] = None
-_CONTEXTS.call_function = _xla_autocast_as_context(_CONTEXTS.call_function)
+_CONTEXTS.is_matching_cls, _CONTEXTS.call_function = _autocast_subclasses_too(
+    _CONTEXTS.is_matching_cls, _CONTEXTS.call_function
+)
 
 
 def extract_compiled_graph(xla_model: torch.fx.GraphModule, xla_args) -> Callable:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters as dynamo_counters
 
 import spmd_torch
+import spmd_torch.amp as amp
 import spmd_torch.core.xla_model as xm
 import spmd_torch.debug.graph as graph
 import spmd_torch.distributed.spmd as xs
@@ -181,6 +182,26 @@ def test_batch_norm_statistics_written_in_place():
     assert_close(model.bn1.running_mean.cpu(), cpu_model.bn1.running_mean, tol="training")
     assert_close(model.bn1.running_var.cpu(), cpu_model.bn1.running_var, tol="training")
     assert model.bn1.num_batches_tracked.item() == 3
+
+
+def test_xla_autocast_entered_inside_a_compiled_function():
+    """``spmd_torch.amp.autocast`` entered inside the compiled function (as a training step under
+    autocast writes it): the linear layer runs in bfloat16, softmax in float32, as eager CPU with
+    the casts written out (reference in float32, rounded to bfloat16 once)."""
+    torch.manual_seed(0)
+    layer, x = nn.Linear(16, 8), torch.randn(4, 16)
+
+    def forward(layer, x):
+        with amp.autocast(dev):
+            y = layer(x)
+            return y, torch.softmax(y, dim=-1)
+
+    y, p = torch.compile(forward, backend="spmd_torch")(copy.deepcopy(layer).to(dev), x.to(dev))
+    w, b = (t.bfloat16().float() for t in (layer.weight, layer.bias))
+    expected = F.linear(x.bfloat16().float(), w, b).bfloat16()
+    assert (y.dtype, p.dtype) == (torch.bfloat16, torch.float32)
+    torch.testing.assert_close(y.cpu(), expected, rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(p.cpu(), torch.softmax(expected.float(), -1), rtol=2e-2, atol=1e-2)
 
 
 def test_a_call_runs_at_once():
