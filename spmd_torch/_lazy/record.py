@@ -35,6 +35,11 @@ class DeviceMismatchError(RuntimeError):
     pass
 
 
+class IndexCheckError(IndexError, RuntimeError):
+    """A dimension or size check failed: an IndexError, as CPU PyTorch raises, and a RuntimeError,
+    as PyTorch/XLA's C++ checks raise, so code written for either catches it."""
+
+
 class NoStaticShape(Exception):
     """The op's output shape depends on data (boolean masks, nonzero): it cannot be traced."""
 
@@ -134,6 +139,9 @@ def _infer(func, args: tuple, kwargs: dict) -> tuple:
         torch._subclasses.fake_tensor.DataDependentOutputException,
     ) as error:
         raise NoStaticShape(f"{func}: {error}") from None
+    except IndexError as error:
+        raise IndexCheckError(f"{func}: {error}") from None
+    _check_identity(func, args)
     if isinstance(out, torch.Tensor):
         structure, tensors = None, [out]
     elif isinstance(out, (tuple, list)):
@@ -145,6 +153,24 @@ def _infer(func, args: tuple, kwargs: dict) -> tuple:
     for aval in avals:
         to_jax_dtype(aval.dtype, func)
     return avals, structure
+
+
+_NO_IDENTITY = {torch.ops.aten.max, torch.ops.aten.min}  # meta kernels take empty inputs
+
+
+def _check_identity(func, args: tuple) -> None:
+    """``max``/``min`` of nothing: CPU PyTorch's errors, at the call, not at the barrier."""
+    if func.overloadpacket not in _NO_IDENTITY or args[0].numel():
+        return
+    name, overload = func.overloadpacket.__name__, func._overloadname
+    if overload == "default":
+        raise RuntimeError(
+            f"{name}(): Expected reduction dim to be specified for input.numel() == 0. "
+            "Specify the reduction dim with the 'dim' argument."
+        )
+    if overload == "dim" and args[0].shape[args[1]] == 0:
+        dim = args[1] % args[0].dim()
+        raise IndexCheckError(f"{name}(): Expected reduction dim {dim} to have non-zero size.")
 
 
 def _to_meta(x: Any) -> Any:

@@ -64,3 +64,28 @@ def test_cross_entropy_takes_float_class_indices_as_pytorch_xla_does(shape):
     expected.backward()
     torch.testing.assert_close(loss.cpu(), expected.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(x.grad.cpu(), reference.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        lambda x: x.flip(0, 3),
+        lambda x: x.sum(3),
+        lambda x: torch.max(x[:, :0], dim=1),
+        lambda x: torch.min(x[:, :0], dim=-2),
+        lambda x: torch.max(x[:, :0]),
+        lambda x: torch.min(x[:, :0]),
+    ],
+    ids=["flip", "sum", "max_dim", "min_dim", "max", "min"],
+)
+def test_dimension_checks_raise_at_the_call_as_cpu_does(op):
+    """An out-of-range dim, and max/min over nothing, raise when the op is called (not at the
+    barrier, in JAX's words) with CPU PyTorch's message; an IndexError there is here also a
+    RuntimeError, the type PyTorch/XLA raises."""
+    x = torch.rand(2, 3, 4)
+    with pytest.raises(Exception) as on_cpu:
+        op(x)
+    with pytest.raises(type(on_cpu.value)) as on_xla:
+        op(x.to("xla"))
+    assert str(on_cpu.value) in str(on_xla.value)
+    assert isinstance(on_xla.value, RuntimeError)
