@@ -42,6 +42,10 @@ class Samples:
 
 COUNTERS: dict[str, int] = defaultdict(int)
 METRICS: dict[str, Samples] = defaultdict(Samples)
+# Recorded calls per op (PyTorch/XLA's ``xla::<op>`` counters): keyed by the op's id, a C hash on
+# the trace path; ``OP_NAMES`` names each op once, when its meta kernel first runs.
+OPS: dict[int, int] = defaultdict(int)
+OP_NAMES: dict[int, str] = {}
 _LOCK = threading.Lock()
 
 
@@ -64,7 +68,16 @@ def timed(name: str):
         METRICS[name].append(time.perf_counter_ns() - start)
 
 
+def op_counters() -> dict[str, int]:
+    """``xla::<op>`` -> calls recorded since the counters were cleared (overloads summed)."""
+    counts: dict[str, int] = defaultdict(int)
+    for op, calls in list(OPS.items()):
+        counts[OP_NAMES[op]] += calls
+    return counts
+
+
 def clear() -> None:
     with _LOCK:
         COUNTERS.clear()
         METRICS.clear()
+        OPS.clear()

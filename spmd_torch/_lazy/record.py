@@ -73,6 +73,8 @@ def emit(
     meta = _META_CACHE.get(signature)
     if meta is None:
         meta = _META_CACHE[signature] = _infer(func, args, kwargs)
+        counters.OP_NAMES[signature[0]] = f"xla::{func.overloadpacket.__name__}"
+    counters.OPS[signature[0]] += 1
     avals, structure = meta
     if key is not None:
         static_args = (Arg(0),) + static_args

@@ -1,7 +1,8 @@
 """torch_xla.debug.metrics: a read-only view of the engine's counters and sampled metrics.
 
 Counters count events (``MarkStep``, ``CachedCompile``, ``UncachedCompile``, ``TransferToDevice``,
-``aten::<op>`` for an op run on the CPU because it has no lowering...); metrics keep samples with
+``aten::<op>`` for an op run on the CPU because it has no lowering, ``xla::<op>`` for each call of
+an op recorded into the graph...); metrics keep samples with
 PyTorch/XLA's names and units: times in nanoseconds (``CompileTime``, ``ExecuteTime``, and
 ``ExecuteReplicatedTime`` for a program over the SPMD devices, ``TransferToDeviceTime``,
 ``TransferFromDeviceTime``), data in bytes (``OutboundData`` per upload, ``InboundData`` per
@@ -66,7 +67,8 @@ def counter_names() -> list[str]:
         True
     """
     own = {name for name, value in _store.COUNTERS.items() if value}
-    return sorted(own | {name for name in COUNTED_METRICS if _counted(name)})
+    ops = {name for name, value in _store.op_counters().items() if value}
+    return sorted(own | ops | {name for name in COUNTED_METRICS if _counted(name)})
 
 
 def _counted(name: str) -> int:
@@ -91,6 +93,8 @@ def counter_value(name: str) -> int | None:
         1
     """
     value = _store.COUNTERS.get(name, 0) + (_counted(name) if name in COUNTED_METRICS else 0)
+    if name.startswith("xla::"):
+        value += _store.op_counters().get(name, 0)
     return value if value else None
 
 
@@ -148,6 +152,7 @@ def clear_counters() -> None:
         True
     """
     _store.COUNTERS.clear()
+    _store.OPS.clear()
     for name, metric in COUNTED_METRICS.items():
         samples = _store.METRICS.get(metric)
         _COUNTED_SINCE[name] = (samples, samples.count if samples else 0)

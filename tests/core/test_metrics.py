@@ -91,6 +91,25 @@ def test_executed_fallback_ops_lists_aten_counters():
     assert met.executed_fallback_ops() == ["aten::_unique2", "aten::nonzero"]
 
 
+def test_each_recorded_op_call_counts_under_its_xla_name():
+    """``xla::<op>`` counts the calls recorded into the graph, overloads summed (an in-place
+    ``+=`` records the functional add), not the ops that ran on the CPU; clearing the counters
+    restarts them."""
+    met.clear_all()
+    x = torch.ones(3, device=DEV)
+    x += 2  # add.Tensor
+    y = x.add(1.5).mul(x)  # add.Scalar lifted: still add
+    torch.nonzero(y)  # a CPU fallback: aten::nonzero, no xla::nonzero
+    assert met.counter_value("xla::add") == 2
+    assert met.counter_value("xla::mul") == 1
+    assert "xla::add" in met.counter_names() and "xla::nonzero" not in met.counter_names()
+    assert "Counter: xla::mul\n  Value: 1" in met.metrics_report()
+    met.clear_counters()
+    assert met.counter_value("xla::add") is None
+    x += 1
+    assert met.counter_value("xla::add") == 1
+
+
 def test_metrics_report_format():
     met.clear_all()
     counters.record("CompileTime", 93_462_052)
