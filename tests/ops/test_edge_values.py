@@ -89,3 +89,12 @@ def test_dimension_checks_raise_at_the_call_as_cpu_does(op):
         op(x.to("xla"))
     assert str(on_cpu.value) in str(on_xla.value)
     assert isinstance(on_xla.value, RuntimeError)
+
+
+def test_digamma_polygamma_zeta_at_poles_and_negative_arguments():
+    """ATen's values at +-0, at negative integers and below zero, where jax.scipy's differ."""
+    x = torch.tensor([-10.3, -3.5, -2.0, -0.5, -0.0, 0.0, 1e-3, 0.5, 2.0, 9.3, float("nan")])
+    for n in range(5):
+        assert_matches_eager(lambda t: torch.polygamma(n, t), x)
+    assert_matches_eager(lambda t: torch.special.zeta(3.0, t), x)
+    assert_matches_eager(lambda t: torch.special.zeta(3.5, t), x)

@@ -3,9 +3,10 @@
 Most are ``jax.scipy.special`` behind the ``floating`` adapter (integers compute in the default
 float, bf16/f16 in float32 rounded once); a wrapper exists only where ATen's value at a pole,
 a NaN or outside the domain differs from SciPy's. The orthogonal polynomials run ATen's own
-recurrences, with the degree ``n`` a tensor, up to the largest degree present. Not lowered, as
-jax.scipy's differ from Cephes's: digamma/polygamma (negative x), erfcx (x near 9.3 in float32),
-the Bessel J/Y/K functions and airy_ai.
+recurrences, with the degree ``n`` a tensor, up to the largest degree present; trigamma and
+zeta at negative arguments follow ATen's algorithms (jax.scipy's are wrong there). Not lowered, as
+jax.scipy's differ from Cephes's: erfcx (x near 9.3 in float32), the Bessel J/Y/K functions and
+airy_ai.
 """
 
 from __future__ import annotations
@@ -44,9 +45,55 @@ def _sinc(x):
 
 
 def _zeta(x, q):
-    """Hurwitz zeta: inf at x = 1, NaN for x < 1, as Cephes (and ATen) define it."""
-    value = jsp.zeta(x, q)
-    return jnp.where(x == 1, jnp.inf, jnp.where(x < 1, jnp.nan, value))
+    """Hurwitz zeta as Cephes (and ATen) define it: inf at x = 1 and at integer q <= 0, NaN for
+    x < 1 and for q < 0 with x not an integer. Below q = 1 the terms (q + k)^-x are added one by
+    one until q + k reaches 1 (Cephes sums directly too; jax.scipy's fixed series loses accuracy
+    at negative q), then jax.scipy's series takes the rest. The terms have both signs and cancel:
+    they are summed in float64, as ATen's CPU kernel computes (its accumulate type)."""
+    x, q = jnp.broadcast_arrays(x, q)
+    pole = (x == 1) | ((q <= 0) & (q == jnp.floor(q)))
+    undefined = (x < 1) | ((q < 0) & (x != jnp.floor(x)))
+    steps = jnp.where(pole | undefined, 0, jnp.fmax(jnp.ceil(1 - q), 0))  # fmax: NaN q adds none
+
+    wide_x, wide_q = x.astype(jnp.float64), q.astype(jnp.float64)
+
+    def add_term(carry):
+        k, total = carry
+        return k + 1, total + jnp.where(k < steps, (wide_q + k) ** -wide_x, 0)
+
+    start = (jnp.zeros((), jnp.float64), jnp.zeros_like(wide_q))
+    _, head = lax.while_loop(lambda c: c[0] < jnp.max(steps, initial=0), add_term, start)
+    value = (head + jsp.zeta(x, q + steps)).astype(q.dtype)
+    return jnp.where(pole, jnp.inf, jnp.where(undefined, jnp.nan, value))
+
+
+def _digamma(x):
+    """jax.scipy's digamma, but -inf at +0 and inf at -0 as ATen (jax.scipy gives NaN)."""
+    return jnp.where(x == 0, jnp.copysign(jnp.inf, -x), jsp.digamma(x))
+
+
+def _trigamma(x):
+    """ATen's trigamma: reflection below 0.5, six recurrence steps, then the asymptotic series
+    (jax.scipy's polygamma(1, x) is wrong for x < 0)."""
+    reflected = x < 0.5
+    sin_pi_x = jnp.sin(math.pi * x)
+    result = jnp.where(reflected, -(math.pi**2) / (sin_pi_x * sin_pi_x), 0)
+    x = jnp.where(reflected, 1 - x, x)
+    for _ in range(6):
+        result = result + 1 / (x * x)
+        x = x + 1
+    ixx = 1 / (x * x)
+    result = result + (1 + 1 / (2 * x) + ixx * (1 / 6 - ixx * (1 / 30 - ixx / 42))) / x
+    return jnp.where(reflected, -result, result)
+
+
+def _polygamma(n, x):
+    """ATen's definition: digamma, trigamma, else (-1)^(n+1) n! zeta(n + 1, x)."""
+    if n == 0:
+        return _digamma(x)
+    if n == 1:
+        return _trigamma(x)
+    return (-1) ** (n + 1) * math.factorial(n) * _zeta(jnp.asarray(n + 1, x.dtype), x)
 
 
 def _spherical_bessel_j0(x):
@@ -57,6 +104,7 @@ def _spherical_bessel_j0(x):
 register_table(
     {
         aten.lgamma.default: lax.lgamma,
+        aten.digamma.default: _digamma,
         aten.erfc.default: lax.erfc,
         (aten.i0.default, aten.special_i0.default): jsp.i0,
         aten.special_i0e.default: jsp.i0e,
@@ -83,6 +131,11 @@ register_table(
     },
     adapt=floating,
 )
+
+
+@lowers(aten.polygamma.default)
+def _polygamma_lowering(n, x):
+    return floating(lambda x: _polygamma(n, x))(x)
 
 
 @lowers(aten.mvlgamma.default)
