@@ -1,5 +1,6 @@
 """Lowerings at the values OpInfo samples miss: bool scatter_add, complex sgn at zero, inf and NaN,
-isneginf/isposinf in half precision, searchsorted over rows and with a sorter, float class targets."""
+isneginf/isposinf in half precision, searchsorted over rows and with a sorter, float class targets,
+polygamma and zeta at poles and negative arguments, histc's ranges, bucketize, logspace."""
 
 from __future__ import annotations
 
@@ -98,3 +99,38 @@ def test_digamma_polygamma_zeta_at_poles_and_negative_arguments():
         assert_matches_eager(lambda t: torch.polygamma(n, t), x)
     assert_matches_eager(lambda t: torch.special.zeta(3.0, t), x)
     assert_matches_eager(lambda t: torch.special.zeta(3.5, t), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "bins, lo, hi", [(4, 0, 0), (5, 2.5, 2.5), (3, -1, 1), (6, 0.25, 0.75)], ids=str
+)
+def test_histc_ranges(dtype, bins, lo, hi):
+    """min == max takes the data's range; elements outside [min, max] (and NaN, where the
+    range is given: CPU raises on a NaN range) are dropped; the last bin is closed."""
+    values = [-2.0, -1.0, 0.0, 0.25, 0.5, 0.75, 1.0, 3.0] + ([float("nan")] if lo != hi else [])
+    values = torch.tensor(values, dtype=dtype)
+    assert_matches_eager(lambda t: torch.histc(t, bins, lo, hi), values)
+    assert_matches_eager(lambda t: torch.histc(t, bins, lo, hi), values[:0])
+
+
+def test_histc_of_one_repeated_value_widens_the_range():
+    assert_matches_eager(lambda t: torch.histc(t, 4), torch.full((5,), 3.0))
+
+
+@pytest.mark.parametrize("right", [False, True])
+def test_bucketize_sides_and_scalar(right):
+    boundaries = torch.tensor([1.0, 3.0, 3.0, 5.0])
+    values = torch.tensor([[0.0, 1.0, 3.0], [4.0, 5.0, 6.0]])
+    assert_matches_eager(lambda v, b: torch.bucketize(v, b, right=right), values, boundaries)
+    assert_matches_eager(
+        lambda v, b: torch.bucketize(v, b, right=right, out_int32=True), values, boundaries
+    )
+    assert_matches_eager(lambda b: torch.bucketize(3.0, b, right=right), boundaries)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+def test_logspace_tensor_ends_base_and_one_step(dtype):
+    start, end = torch.tensor(-1.5), torch.tensor(2.0)
+    assert_matches_eager(lambda s, e: torch.logspace(s, e, 7, base=2, dtype=dtype), start, end)
+    assert_matches_eager(lambda s, e: torch.logspace(s, e, 1, dtype=dtype), start, end)

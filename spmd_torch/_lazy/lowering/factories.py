@@ -48,6 +48,18 @@ def _linspace(start, end, steps, *, dtype=None, **_):
     return jnp.where(forward, start + step * i, end - step * (steps - 1 - i)).astype(out)
 
 
+def _logspace(start, end, steps, base=10.0, *, dtype=None, **_):
+    """ATen's: the ends cast to the result dtype, exponents stepped as linspace's (the first half
+    from start, the rest from end) and ``base ** exponent`` in float64, then cast."""
+    out = _dtype(dtype)
+    start, end = (jnp.asarray(v).astype(out).astype(jnp.float64) for v in (start, end))
+    step = (end - start) / max(steps - 1, 1)
+    i = lax.iota(jnp.float64, steps)
+    forward = i < max(steps // 2, 1)
+    exponent = jnp.where(forward, start + step * i, end - step * (steps - 1 - i))
+    return jnp.power(jnp.float64(base), exponent).astype(out)
+
+
 def _full(size, fill_value, *, dtype=None, **_):
     """Without a dtype, the fill value's: bool, int64 or the default float."""
     return jnp.full(size, fill_value, _dtype(dtype, scalar_dtype(fill_value)))
@@ -109,6 +121,12 @@ register_table(
             aten.linspace.Tensor_Scalar,
             aten.linspace.Scalar_Tensor,
         ): _linspace,
+        (
+            aten.logspace.default,
+            aten.logspace.Tensor_Tensor,
+            aten.logspace.Tensor_Scalar,
+            aten.logspace.Scalar_Tensor,
+        ): _logspace,
         aten.eye.default: lambda n, *, dtype=None, **_: jnp.eye(n, dtype=_dtype(dtype)),
         aten.eye.m: lambda n, m, *, dtype=None, **_: jnp.eye(n, m, dtype=_dtype(dtype)),
     }

@@ -313,6 +313,12 @@ def _searchsorted(sorted_sequence, x, *, out_int32=False, right=False, side=None
     return flat.reshape(x.shape)
 
 
+@lowers(aten.bucketize.Tensor, aten.bucketize.Scalar)
+def _bucketize(x, boundaries, *, out_int32=False, right=False):
+    """searchsorted of every element in the 1-d boundaries; ``right`` is its side."""
+    return jnp.searchsorted(boundaries, jnp.asarray(x), side="right" if right else "left")
+
+
 @lowers(aten.gather.default)
 def _gather(x, dim, index, sparse_grad=False):
     """The index may be smaller than self along the other axes: gather from that corner of self.

@@ -361,3 +361,19 @@ def _logcumsumexp(x, dim):
 def _trace(x):
     out = _sum_dtype(x, None)
     return jnp.trace(x.astype(out), dtype=opmath(out)).astype(out)
+
+
+@lowers(aten.histc.default)
+def _histc(x, bins=100, min=0, max=0):
+    """ATen's histc: ``bins`` equal bins over [min, max], or over the data's range where
+    min == max (widened by 1 each way if still empty); elements outside (and NaN) are ignored,
+    the last bin is closed. The bin index is computed in the input dtype, as ATen's kernel does."""
+    x = x.reshape(-1)
+    lo, hi = jnp.asarray(min, jnp.float64), jnp.asarray(max, jnp.float64)
+    use_data = lo == hi
+    lo = jnp.where(use_data, jnp.min(x, initial=jnp.inf), lo).astype(x.dtype)
+    hi = jnp.where(use_data, jnp.max(x, initial=-jnp.inf), hi).astype(x.dtype)
+    lo, hi = jnp.where(lo == hi, lo - 1, lo), jnp.where(lo == hi, hi + 1, hi)
+    position = ((x - lo) * jnp.asarray(bins, x.dtype) / (hi - lo)).astype(jnp.int64)
+    position = jnp.where((x >= lo) & (x <= hi), jnp.minimum(position, bins - 1), bins)
+    return jnp.zeros(bins, x.dtype).at[position].add(1, mode="drop")
