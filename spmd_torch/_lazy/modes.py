@@ -114,7 +114,9 @@ class SpmdMesh(OneDevice):
         return f"SpmdMesh({self.replicated.num_devices} devices)"
 
     def stage(self, host: np.ndarray) -> transfer.HostData:
-        """Kept on the host: a ``mark_sharding`` may come next, uploading only each shard."""
+        """Kept on the host: a ``mark_sharding`` may come next, uploading only each shard
+        (PyTorch/XLA's virtual device, whose use it counts)."""
+        counters.bump("VirtualDeviceUsage")
         return transfer.HostData(host, self.replicated)
 
     def gather(self, program: Program) -> list:

@@ -968,22 +968,13 @@ def send_cpu_data_to_device(datas: Any, device: str | torch.device, input_shardi
         if input_sharding is not None:
             for cpu, xla in zip(tensors, uploaded):
                 if input_sharding.can_apply(xla):
-                    _check_minibatch(cpu, input_sharding)
+                    input_sharding.check_minibatch(cpu)
                     input_sharding.apply(xla)
         return uploaded
 
     if isinstance(datas, torch.Tensor):
         datas = [datas]
     return ToXlaTensorArena(convert, _is_cpu_tensor).transform(datas)
-
-
-def _check_minibatch(t: torch.Tensor, spec) -> None:
-    local = runtime.addressable_runtime_device_count()
-    if spec.minibatch and t.dim() > 0 and t.shape[0] % local:
-        raise RuntimeError(
-            f"send_cpu_data_to_device: with a minibatch input_sharding the per-host batch size "
-            f"must divide by the {local} local accelerators; got shape {tuple(t.shape)}"
-        )
 
 
 def _is_cpu_tensor(value: Any) -> bool:

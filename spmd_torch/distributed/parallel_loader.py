@@ -373,17 +373,18 @@ class _Plan:
 
     spec: tuple | None = None  # partition spec of the single ShardingSpec
     sharding: NamedSharding | None = None
-    minibatch: bool = False  # the single spec's: tensors are this host's part of the batch
-    per_key: dict | None = None  # key -> (partition spec, NamedSharding, minibatch)
+    minibatch: ShardingSpec | None = None  # the single spec, when tensors are the host's part
+    per_key: dict | None = None  # key -> (partition spec, NamedSharding, the spec if minibatch)
     # Where tensors without a spec land, as the constructing thread's engine says (the upload
     # threads have no engine of their own): a replica's device, or the default placement.
     landing: Any = None
 
-    def sharding_for(self, path: tuple, leaf: torch.Tensor) -> tuple[NamedSharding | None, bool]:
-        """The leaf's sharding (None: where uploads land), and whether it is a minibatch."""
+    def sharding_for(self, path: tuple, leaf: torch.Tensor) -> tuple:
+        """The leaf's sharding (None: where uploads land), and its ShardingSpec if the leaf is
+        the host's part of the batch (a minibatch), else None."""
         if self.per_key is None:
             fits = self.spec is not None and len(self.spec) == leaf.dim()
-            return (self.sharding, self.minibatch) if fits else (None, False)
+            return (self.sharding, self.minibatch) if fits else (None, None)
         spec, sharding, minibatch = self.per_key[path[0].key]
         try:
             validate._check_spec_rank(tuple(leaf.shape), spec)
@@ -540,7 +541,11 @@ def _stage(batch: Any, plan: _Plan, seq: int) -> _Staged:
     for path, leaf in flat:
         if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu":
             sharding, minibatch = plan.sharding_for(path, leaf)
-            if minibatch and jax.process_count() > 1:  # the global batch from every host's part
+            if minibatch is not None:
+                minibatch.check_minibatch(leaf)
+            if (
+                minibatch is not None and jax.process_count() > 1
+            ):  # the global batch from every host's part
                 array = transfer.upload_part(leaf, sharding)
                 shape = tuple(array.shape)
             else:
@@ -566,7 +571,8 @@ def _plan(input_sharding: Any) -> _Plan:
         return _Plan(landing=landing)
     if isinstance(input_sharding, ShardingSpec):
         spec, sharding = input_sharding.partition_spec, input_sharding.sharding
-        return _Plan(spec, layout.canonical(sharding), input_sharding.minibatch, landing=landing)
+        minibatch = input_sharding if input_sharding.minibatch else None
+        return _Plan(spec, layout.canonical(sharding), minibatch, landing=landing)
     if isinstance(input_sharding, dict):
         per_key = {}
         for key, spec in input_sharding.items():
@@ -575,7 +581,8 @@ def _plan(input_sharding: Any) -> _Plan:
                     f"input_sharding[{key!r}] must be a spmd_torch.distributed.spmd.ShardingSpec, "
                     f"got {type(spec).__name__}: {spec!r}"
                 )
-            per_key[key] = (spec.partition_spec, layout.canonical(spec.sharding), spec.minibatch)
+            minibatch = spec if spec.minibatch else None
+            per_key[key] = (spec.partition_spec, layout.canonical(spec.sharding), minibatch)
         return _Plan(per_key=per_key, landing=landing)
     raise ValueError(
         "input_sharding must be a spmd_torch.distributed.spmd.ShardingSpec, a dict of them keyed "

@@ -592,12 +592,17 @@ class ProcessGroupXla(dist.ProcessGroup):
 # ---------------------------------------------------------------------------------------------
 
 
+class SpmdModeError(RuntimeError, AssertionError):
+    """The xla process group asked for in SPMD mode: a RuntimeError, and the AssertionError that
+    PyTorch/XLA raises there, so code written for either catches it."""
+
+
 def _create_process_group(
     prefix_store: dist.Store, rank: int, size: int, timeout: timedelta
 ) -> ProcessGroupXla:
     """The ``xla`` backend's constructor, as ``dist.Backend.register_backend`` calls it."""
     if runtime.is_spmd():
-        raise RuntimeError(
+        raise SpmdModeError(
             "the xla backend of torch.distributed runs over the replicas of launch/spawn; it is "
             "not supported in SPMD mode (use a CPU process group such as gloo there)"
         )

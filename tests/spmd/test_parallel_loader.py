@@ -115,6 +115,20 @@ def test_sharded_input_uneven_batch_is_padded_per_shard():
     assert_close((x * 2).sum(0), (cx * 2).sum(0), tol="single_op")  # the padding adds nothing
 
 
+@pytest.mark.parametrize("per_key", [False, True])
+def test_minibatch_batch_must_divide_by_the_local_devices(per_key):
+    """A minibatch spec (the host's part of a global batch) refuses a batch its 8 local devices
+    cannot split evenly, naming the shape and the count; without minibatch it is padded."""
+    spec = xs.ShardingSpec(xs.get_1d_mesh("data"), ("data", None), minibatch=True)
+    x, _ = xy_batches(1, rows=7)[0]
+    batches, sharding = ([{"x": x}], {"x": spec}) if per_key else ([x], spec)
+    loader = pl.MpDeviceLoader(Batches(batches), spmd_torch.device(), input_sharding=sharding)
+    with pytest.raises(RuntimeError, match=r"divisible by local .* shape = \(7, 4\), .* = 8"):
+        list(loader)
+    (even,) = list(pl.MpDeviceLoader(Batches([x[:0].new_ones(8, 4)]), "xla", input_sharding=spec))
+    assert_placed(even, torch.ones(8, 4), spec, rows=1)
+
+
 def test_sharded_input_uploads_shards_directly():
     """Each tensor is uploaded once, straight to its sharding (no replicated copy first)."""
     spec = data_spec()

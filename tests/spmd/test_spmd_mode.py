@@ -12,6 +12,7 @@ import torch
 
 import spmd_torch
 import spmd_torch.debug.graph
+import spmd_torch.debug.metrics as met
 import spmd_torch.distributed.spmd as xs
 import spmd_torch.runtime as xr
 from spmd_torch._lazy.execute import global_array
@@ -83,6 +84,28 @@ def test_to_then_mark_sharding_sends_each_device_only_its_shard(monkeypatch):
     assert_close(t, cpu)
 
 
+def test_uploads_held_on_the_host_count_as_virtual_device_use():
+    """Each upload that waits on the host (PyTorch/XLA's SPMD virtual device) counts once under
+    VirtualDeviceUsage; a mark then uploads each device's shard."""
+    before = met.counter_value("VirtualDeviceUsage") or 0
+    t = torch.randn(8, 4).to(dev)
+    u = torch.nn.Linear(4, 8).to(dev)  # weight and bias
+    assert met.counter_value("VirtualDeviceUsage") - before == 3
+    xs.mark_sharding(t, xs.get_1d_mesh("x"), ("x", None))
+    xs.mark_sharding(u.weight, xs.get_1d_mesh("x"), ("x", None))
+    assert met.counter_value("VirtualDeviceUsage") - before == 3
+
+
+def test_a_sharding_is_built_once_per_mesh_and_spec():
+    """CreateOpSharding counts the shardings built: a second mark with the same mesh and spec
+    reuses the first one's, another spec builds one more."""
+    mesh = xs.Mesh(list(reversed(range(8))), (8, 1), ("a", "b"))  # a mesh no other test builds
+    before = met.counter_value("CreateOpSharding") or 0
+    for spec in (("a", "b"), ("a", "b"), ("a", None)):
+        xs.mark_sharding(torch.zeros(8, 2).to(dev), mesh, spec)
+    assert met.counter_value("CreateOpSharding") - before == 2
+
+
 def test_unmarked_data_is_uploaded_replicated_by_its_first_program():
     cpu = torch.randn(4, 3)
     t = cpu.to(dev)
@@ -95,3 +118,15 @@ def test_data_still_on_the_host_can_be_inspected():
     x = torch.ones(4).to(dev)  # not uploaded yet: no program has needed it
     assert "%in0:f32[4] = input" in spmd_torch.debug.graph.pending_text([x * 2])
     assert xs.get_xla_sharding_spec(x) == ""
+
+
+def test_xla_process_group_is_refused_in_spmd_mode():
+    """The xla backend runs over launch's replicas: in SPMD mode it is refused with an error that
+    is a RuntimeError and PyTorch/XLA's AssertionError, naming the alternative."""
+    import torch.distributed as dist
+
+    import spmd_torch.distributed.xla_backend  # noqa: F401  (registers 'xla' and 'xla://')
+
+    with pytest.raises(RuntimeError, match="not supported in SPMD mode.*gloo") as refused:
+        dist.init_process_group("xla", init_method="xla://")
+    assert isinstance(refused.value, AssertionError) and not dist.is_initialized()

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spmd_torch._lazy import engine
+from spmd_torch._lazy import counters, engine
 
 from . import validate
 
@@ -351,6 +351,7 @@ def named_sharding(mesh: Mesh, partition_spec: PartitionSpecLike) -> NamedShardi
 
 @functools.lru_cache(maxsize=4096)
 def _named_sharding(mesh: Mesh, indices: tuple) -> NamedSharding:
+    counters.bump("CreateOpSharding")  # PyTorch/XLA's count of shardings built (cache misses)
     jax_mesh = _jax_mesh(mesh)
     names = jax_mesh.axis_names
     entries = []

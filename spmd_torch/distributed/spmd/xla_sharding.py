@@ -15,6 +15,7 @@ import torch
 import torch.utils._pytree as pytree
 from jax.sharding import NamedSharding
 
+from spmd_torch import runtime
 from spmd_torch._lazy import dispatch, manual, placement, transfer
 from spmd_torch._lazy.tensor import DEVICE as _XLA
 from spmd_torch._lazy.tensor import LazyTensor
@@ -483,8 +484,9 @@ class ShardingSpec:
         mesh: The device mesh.
         partition_spec: One entry per tensor dimension (see :func:`mark_sharding`).
         minibatch: The tensors are per-host minibatches of a global batch sharded along the
-            first dimension (PyTorch/XLA's data loader flag). On one process the local batch
-            is the global batch, so it changes nothing there.
+            first dimension (PyTorch/XLA's data loader flag): each batch dimension must divide
+            by the host's device count (:meth:`check_minibatch`). On one process the local
+            batch is the global batch.
 
     Example:
         >>> spec = xs.ShardingSpec(xs.get_1d_mesh('data'), ('data', None))
@@ -530,6 +532,21 @@ class ShardingSpec:
             t: A tensor on the xla device.
         """
         mark_sharding(t, self.mesh, self.partition_spec)
+
+    def check_minibatch(self, t: torch.Tensor) -> None:
+        """With ``minibatch``, refuse a per-host batch that the host's devices cannot split
+        evenly (its first dimension), as PyTorch/XLA does, before anything is uploaded.
+
+        Args:
+            t: A CPU tensor about to be uploaded with this spec.
+        """
+        local = runtime.addressable_runtime_device_count()
+        if self.minibatch and t.dim() > 0 and t.shape[0] % local:
+            raise RuntimeError(
+                "When minibatch is configured, the per-host batch size must be divisible by "
+                f"local runtime device count. Per host input data shape = {tuple(t.shape)}, "
+                f"local_runtime_device_count = {local}"
+            )
 
     def xla_spec(self, t: torch.Tensor) -> NamedSharding | None:
         """The sharding to give ``t``, or None if the spec does not fit it.
