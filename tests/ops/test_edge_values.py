@@ -1,6 +1,7 @@
 """Lowerings at the values OpInfo samples miss: bool scatter_add, complex sgn at zero, inf and NaN,
 isneginf/isposinf in half precision, searchsorted over rows and with a sorter, float class targets,
-polygamma and zeta at poles and negative arguments, histc's ranges, bucketize, logspace."""
+polygamma and zeta at poles and negative arguments, histc's ranges, bucketize, logspace,
+index_reduce over repeated indices."""
 
 from __future__ import annotations
 
@@ -134,3 +135,18 @@ def test_logspace_tensor_ends_base_and_one_step(dtype):
     start, end = torch.tensor(-1.5), torch.tensor(2.0)
     assert_matches_eager(lambda s, e: torch.logspace(s, e, 7, base=2, dtype=dtype), start, end)
     assert_matches_eager(lambda s, e: torch.logspace(s, e, 1, dtype=dtype), start, end)
+
+
+@pytest.mark.parametrize("reduce", ["prod", "mean", "amax", "amin"])
+@pytest.mark.parametrize("include_self", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+def test_index_reduce_repeated_and_untouched_rows(reduce, include_self, dtype):
+    x = torch.arange(12).reshape(4, 3).to(dtype) - 5
+    source = torch.tensor([[3, -1, 2], [7, 4, -6], [1, 1, 9]]).to(dtype)
+    index = torch.tensor([2, 0, 2])
+    assert_matches_eager(
+        lambda x, i, s: x.index_reduce(0, i, s, reduce, include_self=include_self),
+        x,
+        index,
+        source,
+    )

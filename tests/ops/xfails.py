@@ -117,18 +117,6 @@ XFAILS: dict[tuple[str, str, str], str] = {
     ("histogramdd", "fwd", "float32"): _cpu(
         "_histogramdd_bin_edges", "_histogramdd_from_bin_cts", "_histogramdd_from_bin_tensors"
     ),
-    ("index_reduce.amax", "fwd", "bfloat16"): _cpu("index_reduce"),
-    ("index_reduce.amax", "fwd", "float32"): _cpu("index_reduce"),
-    ("index_reduce.amax", "grad", "float32"): _cpu("index_reduce"),
-    ("index_reduce.amin", "fwd", "bfloat16"): _cpu("index_reduce"),
-    ("index_reduce.amin", "fwd", "float32"): _cpu("index_reduce"),
-    ("index_reduce.amin", "grad", "float32"): _cpu("index_reduce"),
-    ("index_reduce.mean", "fwd", "bfloat16"): _cpu("index_reduce"),
-    ("index_reduce.mean", "fwd", "float32"): _cpu("index_reduce"),
-    ("index_reduce.mean", "grad", "float32"): _cpu("index_reduce"),
-    ("index_reduce.prod", "fwd", "bfloat16"): _cpu("index_reduce"),
-    ("index_reduce.prod", "fwd", "float32"): _cpu("index_reduce"),
-    ("index_reduce.prod", "grad", "float32"): _cpu("index_reduce"),
     ("jiterator_2inputs_2outputs", "fwd", "bfloat16"): _CUDA_ONLY,
     ("jiterator_2inputs_2outputs", "fwd", "float32"): _CUDA_ONLY,
     ("jiterator_4inputs_with_extra_args", "fwd", "bfloat16"): _CUDA_ONLY,

@@ -350,9 +350,19 @@ def _scatter_add(x, dim, index, src):
 @lowers(aten.scatter_reduce.two)
 @_scalar_as_vector
 def _scatter_reduce(x, dim, index, src, reduce, include_self=True):
-    """include_self=False first resets the targets to the reduction's identity; mean counts self
-    as one element iff included (untouched positions divide by 1)."""
-    idx, src = _scatter_index(index, dim), crop(src, index.shape)
+    return _reduce_into(x, _scatter_index(index, dim), crop(src, index.shape), reduce, include_self)
+
+
+@lowers(aten.index_reduce.default)
+@_scalar_as_vector
+def _index_reduce(x, dim, index, source, reduce, *, include_self=True):
+    """scatter_reduce's rules, over the slices of self that index picks along dim."""
+    return _reduce_into(x, _at(x.ndim, dim, index), source, reduce, include_self)
+
+
+def _reduce_into(x, idx, src, reduce, include_self):
+    """x.at[idx] reduced with src. include_self=False first resets the targets to the reduction's
+    identity; mean counts self as one element iff included (untouched positions divide by 1)."""
     if not include_self:
         x = x.at[idx].set(_reduce_identity(reduce, x.dtype))
     out = getattr(x.at[idx], _AT_METHOD[reduce])(src)
