@@ -10,6 +10,7 @@ GEMMs do, and round once at the end.
 from __future__ import annotations
 
 import math
+import string
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +72,24 @@ def _linear(x, w, bias=None):
     if bias is not None:
         out = out + bias.astype(out.dtype)
     return out.astype(x.dtype)
+
+
+@lowers(aten._trilinear.default)
+def _trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
+    """nn.functional.bilinear's kernel as one einsum: each operand has a subscript for every axis
+    but those its ``expand`` list names (where ATen unsqueezes it); ``sumdim``'s are summed out."""
+    total = i1.ndim + len(expand1)
+    letters = string.ascii_letters[:total]
+
+    def subscripts(skipped):
+        skipped = {d % total for d in skipped}
+        return "".join(c for d, c in enumerate(letters) if d not in skipped)
+
+    spec = ",".join(subscripts(e) for e in (expand1, expand2, expand3)) + "->" + subscripts(sumdim)
+    out = jnp.einsum(
+        spec, i1, i2, i3, precision=precision(), preferred_element_type=accumulation_dtype(i1.dtype)
+    )
+    return out.astype(i1.dtype)
 
 
 @lowers(aten.vdot.default)
