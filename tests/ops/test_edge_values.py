@@ -150,3 +150,17 @@ def test_index_reduce_repeated_and_untouched_rows(reduce, include_self, dtype):
         index,
         source,
     )
+
+
+def test_cauchy_log_normal_geometric_sample_their_laws():
+    """The device's PRNG stream differs from CPU's, so OpInfo can't compare values: check each
+    law on many draws instead (medians, quartiles, means, the support)."""
+    x = torch.empty(200_000, device="xla")
+    cauchy = x.cauchy_(median=2.0, sigma=3.0).cpu()
+    quartiles = cauchy.quantile(torch.tensor([0.25, 0.5, 0.75]))
+    torch.testing.assert_close(quartiles, torch.tensor([-1.0, 2.0, 5.0]), rtol=0, atol=0.05)
+    log_normal = x.log_normal_(mean=0.5, std=0.25).cpu().log()
+    assert abs(log_normal.mean() - 0.5) < 0.005 and abs(log_normal.std() - 0.25) < 0.005
+    geometric = x.geometric_(0.2).cpu()
+    assert geometric.min() == 1 and geometric.eq(geometric.round()).all()
+    assert abs(geometric.mean() - 5.0) < 0.05

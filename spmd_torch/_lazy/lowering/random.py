@@ -163,6 +163,23 @@ def _exponential(key, x, lambd=1.0, **_):
     return jax.random.exponential(key, x.shape, x.dtype) / lambd
 
 
+@lowers(aten.cauchy.default, random=True)
+def _cauchy(key, x, median=0.0, sigma=1.0, **_):
+    return median + sigma * jax.random.cauchy(key, x.shape, x.dtype)
+
+
+@lowers(aten.log_normal.default, random=True)
+def _log_normal(key, x, mean=1.0, std=2.0, **_):
+    """exp of a normal with that mean and std (they are the underlying normal's, as in PyTorch)."""
+    return jnp.exp(mean + std * jax.random.normal(key, x.shape, x.dtype))
+
+
+@lowers(aten.geometric.default, random=True)
+def _geometric(key, x, p, **_):
+    """The number of Bernoulli(p) trials up to the first success (1, 2, ...), in x's dtype."""
+    return jax.random.geometric(key, p, x.shape).astype(x.dtype)
+
+
 @lowers(aten.random.default, random=True)
 def _random(key, x, **_):
     return _randint(key, x.shape, 0, _random_end(x.dtype), x.dtype)
