@@ -234,21 +234,9 @@ XFAILS: dict[tuple[str, str, str], str] = {
     ("sparse.sampled_addmm", "fwd", "float32"): _SPARSE,
     ("sparse.sampled_addmm", "grad", "float32"): _SPARSE,
     ("special.airy_ai", "fwd", "float32"): _cpu("special_airy_ai"),
-    ("special.bessel_j0", "fwd", "float32"): _cpu("special_bessel_j0"),
-    ("special.bessel_j1", "fwd", "float32"): _cpu("special_bessel_j1"),
-    ("special.bessel_y0", "fwd", "float32"): _cpu("special_bessel_y0"),
-    ("special.bessel_y1", "fwd", "float32"): _cpu("special_bessel_y1"),
     ("special.erfcx", "fwd", "float32"): _cpu("special_erfcx"),
     ("special.erfcx", "grad", "float32"): _cpu("special_erfcx"),
-    ("special.modified_bessel_k0", "fwd", "float32"): _cpu("special_modified_bessel_k0"),
-    ("special.modified_bessel_k1", "fwd", "float32"): _cpu("special_modified_bessel_k1"),
     ("special.ndtr", "fwd", "bfloat16"): _BF16_ROUNDING,
-    ("special.scaled_modified_bessel_k0", "fwd", "float32"): _cpu(
-        "special_scaled_modified_bessel_k0"
-    ),
-    ("special.scaled_modified_bessel_k1", "fwd", "float32"): _cpu(
-        "special_scaled_modified_bessel_k1"
-    ),
     ("stft", "fwd", "float32"): _STFT,
     ("stft", "grad", "float32"): _STFT,
     ("svd_lowrank", "fwd", "float32"): _RANDOM_SAMPLES,

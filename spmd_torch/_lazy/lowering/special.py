@@ -4,9 +4,9 @@ Most are ``jax.scipy.special`` behind the ``floating`` adapter (integers compute
 float, bf16/f16 in float32 rounded once); a wrapper exists only where ATen's value at a pole,
 a NaN or outside the domain differs from SciPy's. The orthogonal polynomials run ATen's own
 recurrences, with the degree ``n`` a tensor, up to the largest degree present; trigamma and
-zeta at negative arguments follow ATen's algorithms (jax.scipy's are wrong there). Not lowered, as
-jax.scipy's differ from Cephes's: erfcx (x near 9.3 in float32), the Bessel J/Y/K functions and
-airy_ai.
+zeta at negative arguments follow ATen's algorithms (jax.scipy's are wrong there). Bessel J, Y
+and K of orders 0 and 1, which jax.scipy lacks, are textbook series and expansions in float64.
+Not lowered, as jax.scipy's differ from Cephes's: erfcx (x near 9.3 in float32) and airy_ai.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import math
 
 import jax.numpy as jnp
 import jax.scipy.special as jsp
+import numpy as np
 import torch
 from jax import lax
 
@@ -101,6 +102,89 @@ def _spherical_bessel_j0(x):
     return jnp.where(x == 0, 1, jnp.sin(x) / jnp.where(x == 0, 1, x))
 
 
+# --- Bessel J, Y and K of orders 0 and 1, which jax.scipy lacks: textbook formulas in float64 --
+
+
+_HANKEL_FROM = 20.0  # J/Y: power series below (float64 keeps its cancellation under 1e-9)
+_SERIES_TERMS = 48  # (x^2/4)^k / (k!)^2 is below 1e-23 of the sum's largest term by then at x = 20
+
+
+def _bessel_series(x, n, sign):
+    """(x/2)^n sum_k sign^k (x^2/4)^k / (k! (n+k)!) (J_n for sign -1, I_n for +1) and the same
+    sum weighted by psi(k+1) + psi(n+k+1) (Abramowitz & Stegun 9.1.11, 9.6.11)."""
+    z = sign * x * x / 4
+    term = (x / 2) ** n / math.factorial(n)
+    psi_k, psi_nk = -np.euler_gamma, -np.euler_gamma + sum(1 / j for j in range(1, n + 1))
+    plain, weighted = term, term * (psi_k + psi_nk)
+    for k in range(1, _SERIES_TERMS):
+        term = term * z / (k * (n + k))
+        psi_k, psi_nk = psi_k + 1 / k, psi_nk + 1 / (n + k)
+        plain, weighted = plain + term, weighted + term * (psi_k + psi_nk)
+    return plain, weighted
+
+
+def _bessel_jy_series(x, n):
+    """J_n and Y_n (n = 0, 1) for 0 < x < 20 (A&S 9.1.10, 9.1.11)."""
+    j, weighted = _bessel_series(x, n, -1)
+    y = 2 / math.pi * jnp.log(x / 2) * j - weighted / math.pi
+    return j, y - 2 / (math.pi * x) if n == 1 else y
+
+
+def _bessel_jy_hankel(x, n):
+    """J_n and Y_n (n = 0, 1) for x >= 20: Hankel's asymptotic expansion (A&S 9.2.5-9.2.10), the
+    phase x - (n/2 + 1/4) pi taken through cos x and sin x so that it stays exact."""
+    mu, p, q, a = 4 * n * n, 1.0, 0.0, 1.0
+    for k in range(1, 13):  # a_k(n) / x^k alternate between Q (k odd) and P (k even)
+        a = a * (mu - (2 * k - 1) ** 2) / (8 * k)
+        sign = -1 if k % 4 in (2, 3) else 1
+        if k % 2:
+            q = q + sign * a / x**k
+        else:
+            p = p + sign * a / x**k
+    phase = (n / 2 + 1 / 4) * math.pi
+    cos_chi = jnp.cos(x) * math.cos(phase) + jnp.sin(x) * math.sin(phase)
+    sin_chi = jnp.sin(x) * math.cos(phase) - jnp.cos(x) * math.sin(phase)
+    scale = jnp.sqrt(2 / (math.pi * x))
+    return scale * (p * cos_chi - q * sin_chi), scale * (p * sin_chi + q * cos_chi)
+
+
+def _bessel_jy(x, n):
+    """J_n and Y_n of |x| in float64 (J_1 odd; Y is NaN below 0 and -inf at 0, as in ATen)."""
+    ax = jnp.abs(x.astype(jnp.float64))
+    small = ax < _HANKEL_FROM
+    j_small, y_small = _bessel_jy_series(jnp.where(small & (ax > 0), ax, 1), n)
+    j_large, y_large = _bessel_jy_hankel(jnp.where(small, _HANKEL_FROM, ax), n)
+    j, y = jnp.where(small, j_small, j_large), jnp.where(small, y_small, y_large)
+    j = jnp.where(ax == 0, 1 - n, j)
+    y = jnp.where(x < 0, jnp.nan, jnp.where(x == 0, -jnp.inf, y))
+    return (jnp.sign(x) * j if n else j).astype(x.dtype), y.astype(x.dtype)
+
+
+_K_SERIES_BELOW = 1.0
+_K_STEP, _K_POINTS = 0.25, 27  # trapezoid on u in [0, 6.5], where e^-u^2 has fallen below 1e-18
+
+
+def _bessel_k(x, n, scaled):
+    """K_n (n = 0, 1), times e^x if ``scaled``, in float64: A&S 9.6.11's series below 1, else
+    e^x K_n(x) = int_0^inf exp(-x (cosh t - 1)) cosh(n t) dt with u = sqrt(2x) sinh(t/2), i.e.
+    int_0^inf e^-u^2 (1 + u^2/x)^n 2 / sqrt(2x + u^2) du: a Gaussian whatever x, which the
+    trapezoid rule integrates to float64 precision. inf at 0, NaN below 0, as in ATen."""
+    wide = x.astype(jnp.float64)
+    small = wide < _K_SERIES_BELOW
+    xs = jnp.where(small & (wide > 0), wide, 1)
+    i, weighted = _bessel_series(xs, n, 1)
+    k_small = (-1) ** (n + 1) * jnp.log(xs / 2) * i + (-1) ** n * weighted / 2 + n / xs
+    u = _K_STEP * np.arange(_K_POINTS)
+    weights = np.where(u == 0, _K_STEP / 2, _K_STEP) * 2 * np.exp(-u * u)
+    xl = jnp.where(small, 2, wide)[..., None]
+    scaled_large = jnp.sum(weights * (1 + u * u / xl) ** n / jnp.sqrt(2 * xl + u * u), axis=-1)
+    if scaled:
+        value = jnp.where(small, k_small * jnp.exp(xs), scaled_large)
+    else:
+        value = jnp.where(small, k_small, scaled_large * jnp.exp(-xl[..., 0]))
+    return jnp.where(wide == 0, jnp.inf, jnp.where(wide < 0, jnp.nan, value)).astype(x.dtype)
+
+
 register_table(
     {
         aten.lgamma.default: lax.lgamma,
@@ -118,6 +202,14 @@ register_table(
         aten.special_entr.default: _entr,
         aten.sinc.default: _sinc,
         aten.special_spherical_bessel_j0.default: _spherical_bessel_j0,
+        aten.special_bessel_j0.default: lambda x: _bessel_jy(x, 0)[0],
+        aten.special_bessel_j1.default: lambda x: _bessel_jy(x, 1)[0],
+        aten.special_bessel_y0.default: lambda x: _bessel_jy(x, 0)[1],
+        aten.special_bessel_y1.default: lambda x: _bessel_jy(x, 1)[1],
+        aten.special_modified_bessel_k0.default: lambda x: _bessel_k(x, 0, scaled=False),
+        aten.special_modified_bessel_k1.default: lambda x: _bessel_k(x, 1, scaled=False),
+        aten.special_scaled_modified_bessel_k0.default: lambda x: _bessel_k(x, 0, scaled=True),
+        aten.special_scaled_modified_bessel_k1.default: lambda x: _bessel_k(x, 1, scaled=True),
         (
             aten.special_xlog1py.default,
             aten.special_xlog1py.self_scalar,
