@@ -1,7 +1,7 @@
 """Lowerings at the values OpInfo samples miss: bool scatter_add, complex sgn at zero, inf and NaN,
 isneginf/isposinf in half precision, searchsorted over rows and with a sorter, float class targets,
 polygamma and zeta at poles and negative arguments, histc's ranges, bucketize, logspace,
-index_reduce over repeated indices, the Bessel functions across their ranges."""
+index_reduce over repeated indices, the Bessel functions and erfcx across their ranges."""
 
 from __future__ import annotations
 
@@ -177,13 +177,14 @@ def test_cauchy_log_normal_geometric_sample_their_laws():
         torch.special.modified_bessel_k1,
         torch.special.scaled_modified_bessel_k0,
         torch.special.scaled_modified_bessel_k1,
+        torch.special.erfcx,
     ],
     ids=lambda op: op.__name__,
 )
-def test_bessel_functions_across_their_ranges(op):
-    """Series and expansions meet at 1 (K) and 20 (J, Y): values on both sides, the far tails,
-    0, negative arguments, inf and NaN."""
-    special = [float("-inf"), -2.0, -0.0, 0.0, 1e-30, 0.999, 1.0, 19.999, 20.0, 1e5]
+def test_series_and_expansions_across_their_ranges(op):
+    """Series and expansions meet at 1 (K), 20 (J, Y) and 25 (erfcx): values on both sides, the
+    far tails, 0, negative arguments, inf and NaN."""
+    special = [float("-inf"), -2.0, -0.0, 0.0, 1e-30, 0.999, 1.0, 19.999, 20.0, 25.0, 1e5]
     values = torch.cat([torch.linspace(-40, 40, 801), torch.logspace(-6, 3, 200)])
     values = torch.cat([values, torch.tensor(special + [float("inf"), float("nan")])])
     assert_matches_eager(op, values)

@@ -234,8 +234,6 @@ XFAILS: dict[tuple[str, str, str], str] = {
     ("sparse.sampled_addmm", "fwd", "float32"): _SPARSE,
     ("sparse.sampled_addmm", "grad", "float32"): _SPARSE,
     ("special.airy_ai", "fwd", "float32"): _cpu("special_airy_ai"),
-    ("special.erfcx", "fwd", "float32"): _cpu("special_erfcx"),
-    ("special.erfcx", "grad", "float32"): _cpu("special_erfcx"),
     ("special.ndtr", "fwd", "bfloat16"): _BF16_ROUNDING,
     ("stft", "fwd", "float32"): _STFT,
     ("stft", "grad", "float32"): _STFT,

@@ -5,8 +5,8 @@ float, bf16/f16 in float32 rounded once); a wrapper exists only where ATen's val
 a NaN or outside the domain differs from SciPy's. The orthogonal polynomials run ATen's own
 recurrences, with the degree ``n`` a tensor, up to the largest degree present; trigamma and
 zeta at negative arguments follow ATen's algorithms (jax.scipy's are wrong there). Bessel J, Y
-and K of orders 0 and 1, which jax.scipy lacks, are textbook series and expansions in float64.
-Not lowered, as jax.scipy's differ from Cephes's: erfcx (x near 9.3 in float32) and airy_ai.
+and K of orders 0 and 1, which jax.scipy lacks, and erfcx (jax.scipy's underflows) are textbook
+series and expansions in float64. Not lowered: airy_ai.
 """
 
 from __future__ import annotations
@@ -102,6 +102,27 @@ def _spherical_bessel_j0(x):
     return jnp.where(x == 0, 1, jnp.sin(x) / jnp.where(x == 0, 1, x))
 
 
+_ERFCX_DIRECT_BELOW = 25.0  # exp(x^2) stays finite and erfc(x) normal in float64 up to here
+
+
+def _erfcx(x):
+    """exp(x^2) erfc(x) in float64 below 25 (jax.scipy's, in the input dtype, underflows to 0
+    from x = 9.2 in float32), above it the asymptotic series 1/(x sqrt(pi)) sum_k
+    (-1)^k (2k-1)!! / (2x^2)^k, whose seventh term is below 1e-16 there."""
+    wide = x.astype(jnp.float64)
+    direct = wide < _ERFCX_DIRECT_BELOW
+    near = jnp.where(direct, wide, 0)
+    far = jnp.where(direct, _ERFCX_DIRECT_BELOW, wide)
+    term = series = 1.0
+    for k in range(1, 7):
+        term = -term * (2 * k - 1) / (2 * far * far)
+        series = series + term
+    value = jnp.where(
+        direct, jnp.exp(near * near) * lax.erfc(near), series / (far * math.sqrt(math.pi))
+    )
+    return value.astype(x.dtype)
+
+
 # --- Bessel J, Y and K of orders 0 and 1, which jax.scipy lacks: textbook formulas in float64 --
 
 
@@ -190,6 +211,7 @@ register_table(
         aten.lgamma.default: lax.lgamma,
         aten.digamma.default: _digamma,
         aten.erfc.default: lax.erfc,
+        aten.special_erfcx.default: _erfcx,
         (aten.i0.default, aten.special_i0.default): jsp.i0,
         aten.special_i0e.default: jsp.i0e,
         aten.special_i1.default: jsp.i1,
