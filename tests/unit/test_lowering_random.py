@@ -293,6 +293,21 @@ def test_native_dropout_train_none_trains_like_torch():
     _assert_rate(mask, 0.5)
 
 
+def test_dropout_backward_is_one_op_equal_to_cpu():
+    """Dropout's backward reaches the device as one op (PyTorch/XLA's xla::native_dropout_backward
+    counter) and equals CPU's kernel on the same gradient and mask, in float32 and bfloat16."""
+    import spmd_torch.debug.metrics as met
+
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16):
+        grad, mask = torch.randn(64, 8, generator=g).to(dtype), torch.rand(64, 8, generator=g) > 0.3
+        before = met.counter_value("xla::native_dropout_backward") or 0
+        got = torch.ops.aten.native_dropout_backward(grad.to("xla"), mask.to("xla"), 1 / 0.7)
+        assert met.counter_value("xla::native_dropout_backward") == before + 1
+        expected = torch.ops.aten.native_dropout_backward(grad, mask, 1 / 0.7)
+        assert_close(got.cpu(), expected, tol="exact" if dtype == torch.float32 else "single_op")
+
+
 def test_exponential_moments():
     _assert_mean_std(_draw(aten.exponential.default, ones, 4.0), 0.25, 0.25)
 

@@ -158,6 +158,13 @@ def _native_dropout(key, x, p, train):
     return jnp.where(keep, x / (1 - p), 0), keep
 
 
+@lowers(aten.native_dropout_backward.default)
+def _native_dropout_backward(grad, mask, scale):
+    """The gradient through the kept elements, scaled as the forward scaled them (ATen's order:
+    the mask times the scale, then the gradient)."""
+    return grad * (mask.astype(grad.dtype) * scale)
+
+
 @lowers(aten.exponential.default, random=True)
 def _exponential(key, x, lambd=1.0, **_):
     return jax.random.exponential(key, x.shape, x.dtype) / lambd
