@@ -1,7 +1,8 @@
 """Lowerings at the values OpInfo samples miss: bool scatter_add, complex sgn at zero, inf and NaN,
 isneginf/isposinf in half precision, searchsorted over rows and with a sorter, float class targets,
 polygamma and zeta at poles and negative arguments, histc's ranges, bucketize, logspace,
-index_reduce over repeated indices, the Bessel functions and erfcx across their ranges."""
+index_reduce and put over repeated indices, renorm, the Bessel functions and erfcx across their
+ranges."""
 
 from __future__ import annotations
 
@@ -188,3 +189,22 @@ def test_series_and_expansions_across_their_ranges(op):
     values = torch.cat([torch.linspace(-40, 40, 801), torch.logspace(-6, 3, 200)])
     values = torch.cat([values, torch.tensor(special + [float("inf"), float("nan")])])
     assert_matches_eager(op, values)
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_put_negative_and_repeated_indices(accumulate):
+    index = (
+        torch.tensor([[-1, 0], [5, -12]]) if not accumulate else torch.tensor([[-1, 11], [0, 0]])
+    )
+    source = torch.tensor([[1.5, -2.0], [3.0, 4.0]])
+    assert_matches_eager(
+        lambda x, i, s: x.put(i, s, accumulate=accumulate), torch.rand(3, 4), index, source
+    )
+
+
+@pytest.mark.parametrize("p", [1, 2, 3.5, float("inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_renorm_norms_and_slices_below_maxnorm(p, dtype):
+    x = torch.tensor([[0.1, -0.2, 0.1], [3.0, -4.0, 12.0], [0.0, 0.0, 0.0]], dtype=dtype)
+    assert_matches_eager(lambda t: t.renorm(p, 0, 1.0), x)
+    assert_matches_eager(lambda t: t.renorm(p, -1, 2.0), x)

@@ -392,6 +392,14 @@ def _index_copy(x, dim, index, source):
     return x.at[_at(x.ndim, dim, index)].set(source)
 
 
+@lowers(aten.put.default)
+def _put(x, index, source, accumulate=False):
+    """take's inverse: flat (wrapping negative) indices into x, set or added."""
+    flat, at = x.reshape(-1), index.reshape(-1) % max(x.size, 1)
+    values = source.reshape(-1)
+    return (flat.at[at].add(values) if accumulate else flat.at[at].set(values)).reshape(x.shape)
+
+
 @lowers(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor)
 @_scalar_as_vector
 def _index_fill(x, dim, index, value):

@@ -272,6 +272,17 @@ def _norm(x, p=2, dim=None, keepdim=False, *, dtype=None):
     return _vector_norm(x, 2 if p is None else p, dim, keepdim, dtype=dtype)
 
 
+@lowers(aten.renorm.default)
+def _renorm(x, p, dim, maxnorm):
+    """Each slice along ``dim`` whose p-norm exceeds maxnorm is scaled down to it, by ATen's
+    factor maxnorm / (norm + 1e-7), computed in float32 for bf16/f16 and rounded to x's dtype."""
+    others = [d for d in range(x.ndim) if d != dim % x.ndim]
+    y = x.astype(opmath(x.dtype))
+    norm = jnp.linalg.vector_norm(y, ord=p, axis=tuple(others), keepdims=True)
+    factor = jnp.where(norm > maxnorm, maxnorm / (norm + 1e-7), 1).astype(x.dtype)
+    return x * factor
+
+
 # --- order statistics: one stable sort (NaN last), then a position ------------------------------
 
 
