@@ -2,7 +2,7 @@
 isneginf/isposinf in half precision, searchsorted over rows and with a sorter, float class targets,
 polygamma and zeta at poles and negative arguments, histc's ranges, bucketize, logspace,
 index_reduce and put over repeated indices, renorm, the Bessel functions and erfcx across their
-ranges."""
+ranges, adaptive max pools' backward."""
 
 from __future__ import annotations
 
@@ -208,3 +208,13 @@ def test_renorm_norms_and_slices_below_maxnorm(p, dtype):
     x = torch.tensor([[0.1, -0.2, 0.1], [3.0, -4.0, 12.0], [0.0, 0.0, 0.0]], dtype=dtype)
     assert_matches_eager(lambda t: t.renorm(p, 0, 1.0), x)
     assert_matches_eager(lambda t: t.renorm(p, -1, 2.0), x)
+
+
+@pytest.mark.parametrize("nd", [2, 3])
+def test_adaptive_max_pool_backward_scatters_onto_the_indices(nd):
+    """Called directly with CPU's indices: adaptive_max_pool2d's forward has no lowering yet."""
+    x = torch.randn(2, 3, *[7] * nd, generator=torch.Generator().manual_seed(0))
+    pool = torch.ops.aten.adaptive_max_pool2d if nd == 2 else torch.ops.aten.adaptive_max_pool3d
+    out, indices = pool(x, [3] * nd)
+    backward = getattr(torch.ops.aten, f"adaptive_max_pool{nd}d_backward")
+    assert_matches_eager(backward, torch.randn_like(out), x, indices)

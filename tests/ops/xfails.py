@@ -161,7 +161,6 @@ XFAILS: dict[tuple[str, str, str], str] = {
     ("nn.functional.adaptive_max_pool2d", "fwd", "bfloat16"): _ADAPTIVE_MAX_POOL,
     ("nn.functional.adaptive_max_pool2d", "fwd", "float32"): _ADAPTIVE_MAX_POOL,
     ("nn.functional.adaptive_max_pool2d", "grad", "float32"): _ADAPTIVE_MAX_POOL,
-    ("nn.functional.adaptive_max_pool3d", "grad", "float32"): _cpu("adaptive_max_pool3d_backward"),
     ("nn.functional.alpha_dropout", "fwd", "bfloat16"): _FEATURE_DROPOUT,
     ("nn.functional.alpha_dropout", "fwd", "float32"): _FEATURE_DROPOUT,
     ("nn.functional.cosine_similarity", "fwd", "bfloat16"): _BF16_ROUNDING,

@@ -200,7 +200,22 @@ def _max_pool(self, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=Fal
 def _max_pool_backward(
     grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices, *, nd
 ):
-    """Scatter-add each output's gradient onto the input element its index names."""
+    return _to_indices(grad_output, self, indices, nd)
+
+
+@lowers(aten.adaptive_max_pool2d_backward.default)
+def _adaptive_max_pool2d_backward(grad_output, self, indices):
+    return _to_indices(grad_output, self, indices, 2)
+
+
+@lowers(aten.adaptive_max_pool3d_backward.default)
+def _adaptive_max_pool3d_backward(grad_output, self, indices):
+    return _to_indices(grad_output, self, indices, 3)
+
+
+def _to_indices(grad_output, self, indices, nd):
+    """Scatter-add each output's gradient onto the input element its index (into the flattened
+    last ``nd`` dims) names: every max pool's backward."""
     rows = math.prod(self.shape[:-nd])
     grad = _upcast(grad_output).reshape(rows, -1)
     out = jnp.zeros((rows, math.prod(self.shape[-nd:])), grad.dtype)
