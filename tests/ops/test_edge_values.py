@@ -2,7 +2,7 @@
 isneginf/isposinf in half precision, searchsorted over rows and with a sorter, float class targets,
 polygamma and zeta at poles and negative arguments, histc's ranges, bucketize, logspace,
 index_reduce and put over repeated indices, renorm, the Bessel functions and erfcx across their
-ranges, adaptive max pools' backward."""
+ranges, adaptive max pools' backward, pdist at zero distances."""
 
 from __future__ import annotations
 
@@ -218,3 +218,10 @@ def test_adaptive_max_pool_backward_scatters_onto_the_indices(nd):
     out, indices = pool(x, [3] * nd)
     backward = getattr(torch.ops.aten, f"adaptive_max_pool{nd}d_backward")
     assert_matches_eager(backward, torch.randn_like(out), x, indices)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, float("inf")])
+def test_pdist_norms_with_repeated_rows(p):
+    """Equal rows (distance 0) and equal coordinates (difference 0) get a zero gradient."""
+    x = torch.tensor([[1.0, 2.0, 0.5], [1.0, 2.0, 0.5], [0.0, 2.0, -1.0], [3.0, -1.0, 0.5]])
+    assert_matches_eager(lambda t: torch.nn.functional.pdist(t, p), x, grad=True)

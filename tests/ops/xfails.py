@@ -208,8 +208,6 @@ XFAILS: dict[tuple[str, str, str], str] = {
         "multilabel_margin_loss_backward"
     ),
     ("nn.functional.multilabel_soft_margin_loss", "fwd", "bfloat16"): _BF16_ROUNDING,
-    ("nn.functional.pdist", "fwd", "float32"): _cpu("_pdist_forward"),
-    ("nn.functional.pdist", "grad", "float32"): _cpu("_pdist_backward", "_pdist_forward"),
     ("nn.functional.rrelu", "fwd", "bfloat16"): _cpu("rrelu_with_noise"),
     ("nn.functional.rrelu", "fwd", "float32"): _cpu("rrelu_with_noise"),
     ("nn.functional.tanhshrink", "fwd", "bfloat16"): _BF16_ROUNDING,

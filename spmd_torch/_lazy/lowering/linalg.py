@@ -14,6 +14,7 @@ import string
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 from jax import lax
 
@@ -156,6 +157,26 @@ def _cdist_backward(grad, x1, x2, p, cdist):
         coef = jnp.sign(diff) * jnp.abs(diff) ** (p - 1) / dist ** (p - 1)
     coef = jnp.where((dist == 0) | (diff == 0), 0, coef)
     return (grad[..., None] * coef).sum(-2)
+
+
+@lowers(aten._pdist_forward.default)
+def _pdist_forward(x, p=2.0):
+    """The rows' cdist with themselves (never by GEMM, as ATen's pdist), upper triangle."""
+    i, j = np.triu_indices(x.shape[0], 1)
+    return _cdist_forward(x, x, p, compute_mode=2)[i, j]
+
+
+@lowers(aten._pdist_backward.default)
+def _pdist_backward(grad, x, p, pdist):
+    """cdist's backward with the pairs' gradients and distances as symmetric matrices: pair
+    (i, j) gives x_j the opposite of what it gives x_i, the distance's gradient being odd."""
+    n = x.shape[0]
+    i, j = np.triu_indices(n, 1)
+
+    def symmetric(v):
+        return jnp.zeros((n, n), v.dtype).at[i, j].set(v).at[j, i].set(v)
+
+    return _cdist_backward(symmetric(grad), x, x, p, symmetric(pdist))
 
 
 @lowers(aten._linalg_svd.default)
