@@ -2,7 +2,7 @@
 isneginf/isposinf in half precision, searchsorted over rows and with a sorter, float class targets,
 polygamma and zeta at poles and negative arguments, histc's ranges, bucketize, logspace,
 index_reduce and put over repeated indices, renorm, the Bessel functions and erfcx across their
-ranges, adaptive max pools' backward, pdist at zero distances."""
+ranges, adaptive max pools' backward, pdist at zero distances, hash_tensor's bits per dtype."""
 
 from __future__ import annotations
 
@@ -225,3 +225,20 @@ def test_pdist_norms_with_repeated_rows(p):
     """Equal rows (distance 0) and equal coordinates (difference 0) get a zero gradient."""
     x = torch.tensor([[1.0, 2.0, 0.5], [1.0, 2.0, 0.5], [0.0, 2.0, -1.0], [3.0, -1.0, 0.5]])
     assert_matches_eager(lambda t: torch.nn.functional.pdist(t, p), x, grad=True)
+
+
+@pytest.mark.parametrize(
+    "x",
+    [
+        torch.tensor([[1.0, -0.0, float("inf")], [3.5, float("nan"), -2.0]]),
+        torch.tensor([[1.0, -0.0, 7.0], [3.5, 0.25, -2.0]], dtype=torch.bfloat16),
+        torch.tensor([[-1, 5, 2**40], [0, -(2**62), 3]]),
+        torch.tensor([[-1, 5, 9], [0, -7, 3]], dtype=torch.int32),
+        torch.tensor([[True, False, True], [True, True, False]]),
+    ],
+    ids=["float32", "bfloat16", "int64", "int32", "bool"],
+)
+def test_hash_tensor_dtypes_and_dims(x):
+    assert_matches_eager(torch.hash_tensor, x)
+    assert_matches_eager(lambda t: torch.hash_tensor(t, dim=1), x)
+    assert_matches_eager(lambda t: torch.hash_tensor(t, dim=0, keepdim=True), x)

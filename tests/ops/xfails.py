@@ -115,8 +115,6 @@ XFAILS: dict[tuple[str, str, str], str] = {
     ("grid_sampler_3d", "fwd", "bfloat16"): _BF16_ROUNDING,
     ("grid_sampler_3d", "fwd", "float32"): _cpu("grid_sampler_3d"),
     ("grid_sampler_3d", "grad", "float32"): _cpu("grid_sampler_3d", "grid_sampler_3d_backward"),
-    ("hash_tensor", "fwd", "bfloat16"): _cpu("hash_tensor"),
-    ("hash_tensor", "fwd", "float32"): _cpu("hash_tensor"),
     ("histogram", "fwd", "float32"): _cpu("histogram"),
     ("histogramdd", "fwd", "float32"): _cpu(
         "_histogramdd_bin_edges", "_histogramdd_from_bin_cts", "_histogramdd_from_bin_tensors"

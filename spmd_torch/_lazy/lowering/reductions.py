@@ -272,6 +272,17 @@ def _norm(x, p=2, dim=None, keepdim=False, *, dtype=None):
     return _vector_norm(x, 2 if p is None else p, dim, keepdim, dtype=dtype)
 
 
+@lowers(aten.hash_tensor.default)
+def _hash_tensor(x, dim=(), *, keepdim=False, mode=0):
+    """ATen's mode 0 (its only one): the XOR of every element's bits as uint64, floats widened
+    to float64 first, integers and bools sign-extended."""
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        bits = lax.bitcast_convert_type(x.astype(jnp.float64), jnp.uint64)
+    else:
+        bits = x.astype(jnp.int64).astype(jnp.uint64)
+    return jnp.bitwise_xor.reduce(bits, axis=_axes(x, dim), keepdims=keepdim)
+
+
 @lowers(aten.renorm.default)
 def _renorm(x, p, dim, maxnorm):
     """Each slice along ``dim`` whose p-norm exceeds maxnorm is scaled down to it, by ATen's
