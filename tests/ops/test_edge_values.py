@@ -2,7 +2,8 @@
 isneginf/isposinf in half precision, searchsorted over rows and with a sorter, float class targets,
 polygamma and zeta at poles and negative arguments, histc's ranges, bucketize, logspace,
 index_reduce and put over repeated indices, renorm, the Bessel functions and erfcx across their
-ranges, adaptive max pools' backward, pdist at zero distances, hash_tensor's bits per dtype."""
+ranges, adaptive max pools' backward, pdist at zero distances, hash_tensor's bits per dtype,
+ormqr on batches of rectangular factors."""
 
 from __future__ import annotations
 
@@ -242,3 +243,13 @@ def test_hash_tensor_dtypes_and_dims(x):
     assert_matches_eager(torch.hash_tensor, x)
     assert_matches_eager(lambda t: torch.hash_tensor(t, dim=1), x)
     assert_matches_eager(lambda t: torch.hash_tensor(t, dim=0, keepdim=True), x)
+
+
+@pytest.mark.parametrize("left", [True, False])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_ormqr_batched_rectangular(left, transpose):
+    a, tau = torch.geqrf(torch.randn(2, 5, 3, generator=torch.Generator().manual_seed(0)))
+    other = torch.randn(2, 5, 4) if left else torch.randn(2, 4, 5)
+    assert_matches_eager(
+        lambda a, t, o: torch.ormqr(a, t, o, left=left, transpose=transpose), a, tau, other
+    )

@@ -209,8 +209,6 @@ XFAILS: dict[tuple[str, str, str], str] = {
     ("nn.functional.rrelu", "fwd", "bfloat16"): _cpu("rrelu_with_noise"),
     ("nn.functional.rrelu", "fwd", "float32"): _cpu("rrelu_with_noise"),
     ("nn.functional.tanhshrink", "fwd", "bfloat16"): _BF16_ROUNDING,
-    ("ormqr", "fwd", "float32"): _cpu("ormqr"),
-    ("ormqr", "grad", "float32"): _cpu("ormqr"),
     ("pca_lowrank", "fwd", "float32"): _RANDOM_SAMPLES,
     ("resize_", "fwd", "bfloat16"): _RESIZE,
     ("resize_", "fwd", "float32"): _RESIZE,

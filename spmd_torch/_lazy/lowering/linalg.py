@@ -386,6 +386,12 @@ def _linalg_householder_product(a, tau):
     return lax.linalg.householder_product(a, tau)
 
 
+@lowers(aten.ormqr.default)
+def _ormqr(a, tau, other, left=True, transpose=False):
+    """other multiplied by geqrf's Q (or Q^T), from the left or the right."""
+    return lax.linalg.ormqr(a, tau, other, left=left, transpose=transpose)
+
+
 @lowers(aten._linalg_eigh.default)
 def _linalg_eigh(a, UPLO="L", compute_v=True):
     """Reads only the ``UPLO`` triangle; without compute_v the vectors are empty."""
