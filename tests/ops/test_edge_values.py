@@ -3,7 +3,7 @@ isneginf/isposinf in half precision, searchsorted over rows and with a sorter, f
 polygamma and zeta at poles and negative arguments, histc's ranges, bucketize, logspace,
 index_reduce and put over repeated indices, renorm, the Bessel functions and erfcx across their
 ranges, adaptive max pools' backward, pdist at zero distances, hash_tensor's bits per dtype,
-ormqr on batches of rectangular factors."""
+ormqr on batches of rectangular factors, segment_reduce with empty segments, ties and zeros."""
 
 from __future__ import annotations
 
@@ -252,4 +252,27 @@ def test_ormqr_batched_rectangular(left, transpose):
     other = torch.randn(2, 5, 4) if left else torch.randn(2, 4, 5)
     assert_matches_eager(
         lambda a, t, o: torch.ormqr(a, t, o, left=left, transpose=transpose), a, tau, other
+    )
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean", "prod", "max", "min"])
+@pytest.mark.parametrize("initial", [None, 2.0])
+def test_segment_reduce_with_empty_segments_ties_and_zeros(reduce, initial):
+    """Forward and gradient; rows of equal values (max/min share the gradient) and zeros (prod's
+    gradient), an empty segment, and a reduction along axis 1 with per-row lengths."""
+    data = torch.tensor([[1.0, 3.0, 3.0, 0.0, 2.0, 0.0, 0.0], [4.0, -1.0, 0.0, 2.0, 2.0, 5.0, 1.0]])
+    lengths = torch.tensor([2, 0, 3, 2])
+    kwargs = {"initial": initial} if initial is not None else {}
+    assert_matches_eager(
+        lambda d, n: torch.segment_reduce(d, reduce, lengths=n, axis=1, unsafe=True, **kwargs),
+        data,
+        lengths.expand(2, 4),
+        grad=True,
+    )
+    offsets = torch.tensor([0, 2, 2, 5, 7])
+    assert_matches_eager(
+        lambda d, o: torch.segment_reduce(d, reduce, offsets=o, **kwargs),
+        data.T,
+        offsets,
+        grad=True,
     )

@@ -80,16 +80,6 @@ XFAILS: dict[tuple[str, str, str], str] = {
     ("_native_batch_norm_legit", "fwd", "bfloat16"): _STATS_DTYPE + "; " + _BN_EVAL_STATS,
     ("_native_batch_norm_legit", "fwd", "float32"): _BN_EVAL_STATS,
     ("_native_batch_norm_legit", "grad", "float32"): _BN_EVAL_STATS,
-    ("_segment_reduce.lengths", "fwd", "bfloat16"): _cpu("segment_reduce"),
-    ("_segment_reduce.lengths", "fwd", "float32"): _cpu("segment_reduce"),
-    ("_segment_reduce.lengths", "grad", "float32"): _cpu(
-        "_segment_reduce_backward", "segment_reduce"
-    ),
-    ("_segment_reduce.offsets", "fwd", "bfloat16"): _cpu("segment_reduce"),
-    ("_segment_reduce.offsets", "fwd", "float32"): _cpu("segment_reduce"),
-    ("_segment_reduce.offsets", "grad", "float32"): _cpu(
-        "_segment_reduce_backward", "segment_reduce"
-    ),
     ("_unsafe_masked_index_put_accumulate", "fwd", "bfloat16"): _BF16_ROUNDING,
     ("_upsample_bilinear2d_aa", "fwd", "float32"): _cpu("_upsample_bilinear2d_aa"),
     ("_upsample_bilinear2d_aa", "grad", "float32"): _cpu(

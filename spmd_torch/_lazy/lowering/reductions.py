@@ -294,6 +294,98 @@ def _renorm(x, p, dim, maxnorm):
     return x * factor
 
 
+# --- segment_reduce: segments of consecutive elements along ``axis``, as a (segment, position) mask
+
+
+_SEGMENT_IDENTITY = {"sum": 0, "mean": 0, "prod": 1, "max": -math.inf, "min": math.inf}
+_SEGMENT_REDUCE = {
+    "sum": jnp.sum,
+    "mean": jnp.sum,
+    "prod": jnp.prod,
+    "max": jnp.max,
+    "min": jnp.min,
+}
+_SEGMENT_WITH_INITIAL = {
+    "sum": jnp.add,
+    "mean": jnp.add,
+    "prod": jnp.multiply,
+    "max": jnp.maximum,
+    "min": jnp.minimum,
+}
+
+
+def _segment_lengths(lengths, offsets):
+    return jnp.diff(offsets, axis=-1) if lengths is None else lengths
+
+
+def _segment_mask(lengths, data, axis):
+    """(*data.shape[:axis], S, N, 1, ...): whether position n along axis lies in segment s, shaped
+    to broadcast against data with a segment axis inserted before ``axis``."""
+    ends = jnp.cumsum(lengths, -1)[..., None]
+    position = jnp.arange(data.shape[axis])
+    mask = (position >= ends - lengths[..., None]) & (position < ends)
+    return mask.reshape(mask.shape + (1,) * (data.ndim - axis - 1))
+
+
+def _per_position(values, mask, axis):
+    """Each position's segment's value: ``values`` (a segment axis at ``axis``) taken along it."""
+    segment = jnp.argmax(mask, axis=axis)
+    return jnp.take_along_axis(values, jnp.broadcast_to(segment, segment.shape), axis)
+
+
+@lowers(aten.segment_reduce.default)
+def _segment_reduce(
+    data, reduce, *, lengths=None, indices=None, offsets=None, axis=0, unsafe=False, initial=None
+):
+    """Each segment reduced, starting from ``initial`` where given; an empty segment is initial,
+    else the identity (NaN for mean). Computed in float32 for bf16/f16."""
+    axis %= data.ndim
+    lengths = _segment_lengths(lengths, offsets)
+    mask = _segment_mask(lengths, data, axis)
+    x = jnp.expand_dims(data.astype(opmath(data.dtype)), axis)
+    out = _SEGMENT_REDUCE[reduce](jnp.where(mask, x, _SEGMENT_IDENTITY[reduce]), axis=axis + 1)
+    if initial is not None:
+        out = _SEGMENT_WITH_INITIAL[reduce](out, initial)
+    if reduce == "mean":
+        count = lengths.reshape(lengths.shape + (1,) * (data.ndim - axis - 1))
+        empty = jnp.nan if initial is None else initial
+        out = jnp.where(count == 0, empty, out / jnp.maximum(count, 1))
+    return out.astype(data.dtype)
+
+
+@lowers(aten._segment_reduce_backward.default)
+def _segment_reduce_backward(
+    grad, output, data, reduce, *, lengths=None, offsets=None, axis=0, initial=None
+):
+    """ATen's rules: max/min give a segment's gradient to the elements equal to its result (NaN
+    matching NaN), shared among them only where it is positive (ATen divides only those); prod
+    gives output / x, or where x is 0 the product of the others (0 if another is zero)."""
+    axis %= data.ndim
+    lengths = _segment_lengths(lengths, offsets)
+    mask = _segment_mask(lengths, data, axis)
+    x = data.astype(opmath(data.dtype))
+    g, out = grad.astype(x.dtype), output.astype(x.dtype)
+    if reduce == "mean":
+        count = lengths.reshape(lengths.shape + (1,) * (data.ndim - axis - 1))
+        g = g / jnp.maximum(count, 1)
+    if reduce in ("max", "min"):
+        result = _per_position(out, mask, axis)
+        picked = (x == result) | (jnp.isnan(x) & jnp.isnan(result))
+        ties = jnp.sum(jnp.where(mask, jnp.expand_dims(picked, axis), 0), axis=axis + 1)
+        g = jnp.where(g > 0, g / jnp.maximum(ties, 1), g)
+        return jnp.where(picked, _per_position(g, mask, axis), 0).astype(data.dtype)
+    if reduce == "prod":
+        expanded = jnp.expand_dims(x, axis)
+        zeros = jnp.sum(mask & (expanded == 0), axis=axis + 1)
+        others = jnp.prod(jnp.where(mask & (expanded != 0), expanded, 1), axis=axis + 1)
+        others = others * (1 if initial is None else initial)
+        at_zero = jnp.where(zeros == 1, others, 0)
+        gx = jnp.where(x == 0, _per_position(g * at_zero, mask, axis), 0)
+        safe = jnp.where(x == 0, 1, x)
+        return jnp.where(x == 0, gx, _per_position(g * out, mask, axis) / safe).astype(data.dtype)
+    return _per_position(g, mask, axis).astype(data.dtype)
+
+
 # --- order statistics: one stable sort (NaN last), then a position ------------------------------
 
 
