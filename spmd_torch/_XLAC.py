@@ -153,7 +153,9 @@ def _get_xla_sharding_spec(t: torch.Tensor) -> str:
 
     ``'{devices=[8,1]0,1,2,3,4,5,6,7}'`` tiled, ``'{devices=[4,1,2]0,1,2,3,4,5,6,7
     last_tile_dim_replicate}'`` when each tile is replicated over the mesh axes the spec leaves
-    out, ``'{replicated}'``. Device ids are written out in full, never XLA's ``<=[8]`` form.
+    out, ``'{replicated}'``. Device ids are written out in full, never XLA's ``<=[8]`` form. As in
+    PyTorch/XLA, a pending value and an upload no program has written since have none (``''``);
+    a program's output in SPMD mode has its layout, ``'{replicated}'`` included.
 
     Example:
         >>> xs.mark_sharding(t, xs.Mesh(np.arange(8), (8,)), (0, None))

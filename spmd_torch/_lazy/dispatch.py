@@ -336,6 +336,7 @@ def _copy_(func, args: tuple, kwargs: dict) -> LazyTensor:
         array = current().mode.stage(host) if sharding is None else upload(host, sharding)
         if dst._view is None:
             placement.remember(dst._storage, array)
+            dst._storage.from_host = sharding is None  # lands replicated: a layout, not a spec
         value = Value(wrap_data(array, Aval(tuple(dst.shape), dst.dtype))._ref())
     dst._write(value.ref)
     return dst

@@ -69,7 +69,8 @@ def output_sharding(storage: Storage, aval: Aval):
 
 def remember(storage: Storage, array: jax.Array) -> None:
     """Keep the layout the partitioner chose for an output, so the next step reuses it (a
-    replica's block has none)."""
+    replica's block has none). The output is the storage's own value from now on."""
+    storage.from_host = False
     if storage.sharding is not None:
         return
     sharding = getattr(array, "sharding", None)  # a replica's block has none

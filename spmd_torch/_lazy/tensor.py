@@ -24,13 +24,14 @@ DEVICE = torch.device("xla", 0)
 class Storage:
     """The value shared by a tensor and all its aliases, with a version bumped on every write."""
 
-    __slots__ = ("ref", "version", "views", "sharding", "__weakref__")
+    __slots__ = ("ref", "version", "views", "sharding", "from_host", "__weakref__")
 
     def __init__(self, ref: Ref):
         self.ref = None
         self.version = 0
         self.views = None  # weak refs to views caching a value read from this storage
         self.sharding = None  # jax Sharding every value written here gets (see placement.py)
+        self.from_host = False  # an upload no program wrote since: no sharding spec of its own
         self.set(ref)
 
     def set(self, ref: Ref) -> None:

@@ -83,6 +83,21 @@ def test_sharding_spec_is_empty_and_type_none_without_a_sharding(spmd_mode):
     assert xlac._get_xla_sharding_type(t) is None
 
 
+def test_a_programs_output_has_a_sharding_spec_and_an_upload_none(spmd_mode):
+    """As measured on PyTorch/XLA: an upload reads '' before and after a sync, a value a program
+    computed reads '{replicated}' (an upload updated in place too), a pending value ''."""
+    upload = torch.randn(4, 4).to(dev)
+    computed = upload @ upload
+    assert xlac._get_xla_sharding_spec(computed) == ""
+    spmd_torch.sync()
+    assert xlac._get_xla_sharding_spec(upload) == ""
+    assert xlac._get_xla_sharding_spec(computed) == "{replicated}"
+    upload.add_(1)
+    spmd_torch.sync()
+    assert xlac._get_xla_sharding_spec(upload) == "{replicated}"
+    assert xlac._get_xla_sharding_type(upload) == int(xs.ShardingType.REPLICATED)
+
+
 def test_sharding_specs_of_several_tensors(spmd_mode):
     sharded, plain = _marked((8, 4), (8,), (0, None)), torch.zeros(2).to(dev)
     assert xlac._get_xla_sharding_specs([sharded, plain]) == ["{devices=[8,1]0,1,2,3,4,5,6,7}", ""]

@@ -515,16 +515,18 @@ def _load_shards(tensor: torch.Tensor, shards: list[XLAShard]) -> None:
 def annotated_tiling(tensor: torch.Tensor, api: str) -> Tiling | None:
     """The tiling of the tensor's sharding; None when it has none of its own.
 
-    Data that merely sits on one device, or replicated on every device as SPMD mode uploads
-    it, is unsharded, as PyTorch/XLA reports such tensors.
+    As PyTorch/XLA reports them: data that sits on one device, or an upload replicated over
+    the devices that no program has written since, has none; a program's output has its layout
+    (``{replicated}`` too), and so has a mark or a loader's placement.
     """
     validate._check_xla_tensor(tensor, api)
     sharding = placement.sharding_of(tensor)
     if sharding is None or sharding.num_devices == 1 and not isinstance(sharding, NamedSharding):
         return None
-    if sharding == transfer.landing():
-        return None
-    return tiling_of(sharding, tensor.dim())
+    uploaded = tensor._view is not None or tensor._storage.from_host
+    return (
+        None if uploaded and sharding == transfer.landing() else tiling_of(sharding, tensor.dim())
+    )
 
 
 def lay_out(tensor: torch.Tensor, mesh: Mesh, partition_spec: PartitionSpecLike, api: str) -> None:

@@ -395,8 +395,9 @@ def get_xla_sharding_spec(t: torch.Tensor | XLAShardedTensor) -> str:
 
     ``'{devices=[8,1]0,1,2,3,4,5,6,7}'`` for a tiled sharding (tiles per dimension, then the
     device ids in tile order), ``'{devices=[4,1,2]... last_tile_dim_replicate}'`` when each tile
-    is replicated over a group of devices, ``'{replicated}'``, or ``''`` for a tensor without
-    sharding. The device list is always written out in full (never XLA's ``<=[8]``).
+    is replicated over a group of devices, ``'{replicated}'`` (a program's replicated output), or
+    ``''`` for a tensor without sharding (pending, or uploaded and not written by a program since).
+    The device list is always written out in full (never XLA's ``<=[8]``).
 
     Args:
         t: A tensor on the xla device, or an XLAShardedTensor.
