@@ -329,8 +329,7 @@ def _segment_mask(lengths, data, axis):
 
 def _per_position(values, mask, axis):
     """Each position's segment's value: ``values`` (a segment axis at ``axis``) taken along it."""
-    segment = jnp.argmax(mask, axis=axis)
-    return jnp.take_along_axis(values, jnp.broadcast_to(segment, segment.shape), axis)
+    return jnp.take_along_axis(values, jnp.argmax(mask, axis=axis), axis)
 
 
 @lowers(aten.segment_reduce.default)
@@ -379,10 +378,9 @@ def _segment_reduce_backward(
         zeros = jnp.sum(mask & (expanded == 0), axis=axis + 1)
         others = jnp.prod(jnp.where(mask & (expanded != 0), expanded, 1), axis=axis + 1)
         others = others * (1 if initial is None else initial)
-        at_zero = jnp.where(zeros == 1, others, 0)
-        gx = jnp.where(x == 0, _per_position(g * at_zero, mask, axis), 0)
-        safe = jnp.where(x == 0, 1, x)
-        return jnp.where(x == 0, gx, _per_position(g * out, mask, axis) / safe).astype(data.dtype)
+        at_zero = _per_position(g * jnp.where(zeros == 1, others, 0), mask, axis)
+        elsewhere = _per_position(g * out, mask, axis) / jnp.where(x == 0, 1, x)
+        return jnp.where(x == 0, at_zero, elsewhere).astype(data.dtype)
     return _per_position(g, mask, axis).astype(data.dtype)
 
 
