@@ -86,13 +86,24 @@ class CacheKey(NamedTuple):
     flags: tuple
 
 
-def cache_key(run) -> CacheKey:
-    """Inputs enter as (stored shape, dtype, sharding, logical shape): uneven ones are padded."""
-    program = run.program
-    inputs = tuple(
+def inputs_by_aval(run) -> tuple:
+    """On one device an input is its aval (shape and dtype): nothing else can differ."""
+    return tuple([node.avals[i] for node, i in run.program.leaves])
+
+
+def inputs_by_layout(run) -> tuple:
+    """Over several devices an input is (stored shape, dtype, sharding, logical shape): uneven
+    ones are stored padded."""
+    return tuple(
         (a.shape, a.dtype, placement.key_of(a.sharding), node.avals[i].shape)
-        for a, (node, i) in zip(run.arrays, program.leaves)
+        for a, (node, i) in zip(run.arrays, run.program.leaves)
     )
+
+
+def cache_key(run) -> CacheKey:
+    """The program's identity and what of its inputs the engine's mode says matters."""
+    program = run.program
+    inputs = current().mode.input_key(run)
     replicas = None if run.replicas is None else tuple(d.id for d in run.replicas.devices.flat)
     return CacheKey(
         program.identity,

@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from . import counters, engine, placement, transfer
+from .compile import inputs_by_aval, inputs_by_layout
 from .graph import Program, linearize
 from .lowering.collectives import REPLICA_AXIS
 from .replicas import across_hosts
@@ -27,6 +28,7 @@ class OneDevice:
 
     landing = None  # JAX's default device
     replicated = None  # the layout replicated over the SPMD devices: none here
+    input_key = staticmethod(inputs_by_aval)  # what of an input the compile cache keys on
 
     def __init__(self):
         self.meetings: dict = {}  # tag -> rendezvous held with the other processes so far
@@ -101,6 +103,8 @@ class SpmdMesh(OneDevice):
     replicated, and data already on one device is replicated the first time a program reads it
     (PyTorch/XLA's one-time replication when SPMD starts)."""
 
+    input_key = staticmethod(inputs_by_layout)
+
     def __init__(self, devices: list):
         super().__init__()
         mesh = Mesh(np.array(list(devices)), ("devices",))
@@ -127,6 +131,8 @@ class SpmdMesh(OneDevice):
 class Replica(OneDevice):
     """A replica of ``launch``: a thread tracing its own graph on its own device, standing for one
     process of PyTorch/XLA's multiprocessing. Its world runs all replicas' runs as one program."""
+
+    input_key = staticmethod(inputs_by_layout)  # the replicas' inputs, stacked over their mesh
 
     def __init__(self, world, ordinal: int, cpu_rng):
         super().__init__()

@@ -112,6 +112,8 @@ def test_spmd_and_eight_replicas_record_the_same_metrics_as_one_device():
         per_replica = ("MarkStep", "TransferToDevice", "TransferFromDevice", "xla::")
         runs = got_counters.pop("ExecuteReplicated")  # PyTorch/XLA's name over several devices
         assert runs == device_counters["ExecuteComputation"]
+        # SPMD mode holds uploads on the host (PyTorch/XLA's virtual device) until placed.
+        assert (got_counters.pop("VirtualDeviceUsage", 0) > 0) == (run is _in_spmd)
         assert got_counters == {
             name: value * (replicas if name.startswith(per_replica) else 1)
             for name, value in device_counters.items()
