@@ -1,8 +1,8 @@
 """Lowerings at the values OpInfo samples miss: bool scatter_add, complex sgn at zero, inf and NaN,
 isneginf/isposinf in half precision, searchsorted over rows and with a sorter, float class targets,
 polygamma and zeta at poles and negative arguments, histc's ranges, bucketize, logspace,
-index_reduce and put over repeated indices, renorm, the Bessel functions and erfcx across their
-ranges, adaptive max pools' backward, pdist at zero distances, hash_tensor's bits per dtype,
+index_reduce and put over repeated indices, renorm, the Bessel functions, erfcx and airy_ai across
+their ranges, adaptive max pools' backward, pdist at zero distances, hash_tensor's bits per dtype,
 ormqr on batches of rectangular factors, segment_reduce with empty segments, ties and zeros."""
 
 from __future__ import annotations
@@ -180,13 +180,15 @@ def test_cauchy_log_normal_geometric_sample_their_laws():
         torch.special.scaled_modified_bessel_k0,
         torch.special.scaled_modified_bessel_k1,
         torch.special.erfcx,
+        torch.special.airy_ai,
     ],
     ids=lambda op: op.__name__,
 )
 def test_series_and_expansions_across_their_ranges(op):
-    """Series and expansions meet at 1 (K), 20 (J, Y) and 25 (erfcx): values on both sides, the
-    far tails, 0, negative arguments, inf and NaN."""
-    special = [float("-inf"), -2.0, -0.0, 0.0, 1e-30, 0.999, 1.0, 19.999, 20.0, 25.0, 1e5]
+    """Series and expansions meet at 1 (K), 20 (J, Y), 25 (erfcx), -8 and 5 (Ai): values on both
+    sides, the far tails, 0, negative arguments, inf and NaN."""
+    special = [float("-inf"), -8.001, -8.0, -2.0, -0.0, 0.0, 1e-30, 0.999, 1.0, 5.0, 5.001, 19.999]
+    special += [20.0, 25.0, 1e5]
     values = torch.cat([torch.linspace(-40, 40, 801), torch.logspace(-6, 3, 200)])
     values = torch.cat([values, torch.tensor(special + [float("inf"), float("nan")])])
     assert_matches_eager(op, values)

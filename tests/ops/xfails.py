@@ -210,7 +210,6 @@ XFAILS: dict[tuple[str, str, str], str] = {
     ("sparse.mm.reduce", "grad", "float32"): _SPARSE,
     ("sparse.sampled_addmm", "fwd", "float32"): _SPARSE,
     ("sparse.sampled_addmm", "grad", "float32"): _SPARSE,
-    ("special.airy_ai", "fwd", "float32"): _cpu("special_airy_ai"),
     ("special.ndtr", "fwd", "bfloat16"): _BF16_ROUNDING,
     ("stft", "fwd", "float32"): _STFT,
     ("stft", "grad", "float32"): _STFT,

@@ -5,8 +5,8 @@ float, bf16/f16 in float32 rounded once); a wrapper exists only where ATen's val
 a NaN or outside the domain differs from SciPy's. The orthogonal polynomials run ATen's own
 recurrences, with the degree ``n`` a tensor, up to the largest degree present; trigamma and
 zeta at negative arguments follow ATen's algorithms (jax.scipy's are wrong there). Bessel J, Y
-and K of orders 0 and 1, which jax.scipy lacks, and erfcx (jax.scipy's underflows) are textbook
-series and expansions in float64. Not lowered: airy_ai.
+and K of orders 0 and 1 and Airy Ai, which jax.scipy lacks, and erfcx (jax.scipy's underflows)
+are textbook series and expansions in float64.
 """
 
 from __future__ import annotations
@@ -206,12 +206,47 @@ def _bessel_k(x, n, scaled):
     return jnp.where(wide == 0, jnp.inf, jnp.where(wide < 0, jnp.nan, value)).astype(x.dtype)
 
 
+_AIRY_SERIES_WITHIN = (-8.0, 5.0)  # Maclaurin series in here: float64 cancellation below 1e-9
+_AIRY_AI0, _AIRY_AI0_SLOPE = 3 ** (-2 / 3) / math.gamma(2 / 3), -(3 ** (-1 / 3)) / math.gamma(1 / 3)
+# u_k = Gamma(3k + 1/2) / (54^k k! Gamma(k + 1/2)): the coefficients of Ai's asymptotic series
+_AIRY_U = [
+    math.gamma(3 * k + 0.5) / (54**k * math.factorial(k) * math.gamma(k + 0.5)) for k in range(12)
+]
+
+
+def _airy_ai(x):
+    """Airy Ai in float64 (A&S 10.4.2-10.4.3 and 10.4.59-10.4.60): the Maclaurin series between
+    -8 and 5, asymptotic expansions in zeta = 2/3 |x|^(3/2) beyond; NaN at +-inf as in ATen."""
+    wide = x.astype(jnp.float64)
+    low, high = _AIRY_SERIES_WITHIN
+    inside = (wide >= low) & (wide <= high)
+    t = jnp.where(inside, wide, 0)
+    f = term_f = 1.0
+    g = term_g = t
+    for k in range(1, 30):
+        term_f = term_f * t**3 / ((3 * k - 1) * (3 * k))
+        term_g = term_g * t**3 / ((3 * k) * (3 * k + 1))
+        f, g = f + term_f, g + term_g
+    series = _AIRY_AI0 * f + _AIRY_AI0_SLOPE * g
+    r = jnp.abs(jnp.where(inside, high, wide))
+    zeta = 2 / 3 * r**1.5
+    decaying = sum((-1) ** k * u / zeta**k for k, u in enumerate(_AIRY_U))
+    right = jnp.exp(-zeta) / (2 * math.sqrt(math.pi) * r**0.25) * decaying
+    even = sum((-1) ** k * u / zeta ** (2 * k) for k, u in enumerate(_AIRY_U[::2]))
+    odd = sum((-1) ** k * u / zeta ** (2 * k + 1) for k, u in enumerate(_AIRY_U[1::2]))
+    phase = zeta + math.pi / 4
+    left = (jnp.sin(phase) * even - jnp.cos(phase) * odd) / (math.sqrt(math.pi) * r**0.25)
+    value = jnp.where(inside, series, jnp.where(wide > 0, right, left))
+    return jnp.where(jnp.isinf(wide), jnp.nan, value).astype(x.dtype)
+
+
 register_table(
     {
         aten.lgamma.default: lax.lgamma,
         aten.digamma.default: _digamma,
         aten.erfc.default: lax.erfc,
         aten.special_erfcx.default: _erfcx,
+        aten.special_airy_ai.default: _airy_ai,
         (aten.i0.default, aten.special_i0.default): jsp.i0,
         aten.special_i0e.default: jsp.i0e,
         aten.special_i1.default: jsp.i1,
