@@ -543,9 +543,7 @@ def _stage(batch: Any, plan: _Plan, seq: int) -> _Staged:
             sharding, minibatch = plan.sharding_for(path, leaf)
             if minibatch is not None:
                 minibatch.check_minibatch(leaf)
-            if (
-                minibatch is not None and jax.process_count() > 1
-            ):  # the global batch from every host's part
+            if minibatch is not None and jax.process_count() > 1:  # every host's part, one batch
                 array = transfer.upload_part(leaf, sharding)
                 shape = tuple(array.shape)
             else:

@@ -523,10 +523,11 @@ def annotated_tiling(tensor: torch.Tensor, api: str) -> Tiling | None:
     sharding = placement.sharding_of(tensor)
     if sharding is None or sharding.num_devices == 1 and not isinstance(sharding, NamedSharding):
         return None
-    uploaded = tensor._view is not None or tensor._storage.from_host
-    return (
-        None if uploaded and sharding == transfer.landing() else tiling_of(sharding, tensor.dim())
-    )
+    # An upload (or a view, reading data it does not own) lands replicated: a layout, no spec.
+    landed = tensor._view is not None or tensor._storage.from_host
+    if landed and sharding == transfer.landing():
+        return None
+    return tiling_of(sharding, tensor.dim())
 
 
 def lay_out(tensor: torch.Tensor, mesh: Mesh, partition_spec: PartitionSpecLike, api: str) -> None:
