@@ -179,6 +179,11 @@ LOOPBACK = _flag(
     False,
     "Keep the coordinator and CPU collectives of a multi-process job on 127.0.0.1 (one machine).",
 )
+FREEZE_HEAP = _flag(
+    "SPMD_TORCH_FREEZE_HEAP",
+    True,
+    "Once warm-up ends (a compiled program runs again), collect and gc.freeze() the Python heap.",
+)
 RATE_TRACKER_SMOOTHING = _flag(
     "RATE_TRACKER_SMOOTHING",
     0.4,

@@ -8,6 +8,7 @@ reuses its executable.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import re
 import sys
@@ -264,6 +265,18 @@ def _laid_out(value: jax.Array, sharding) -> jax.Array:
 # --- the cache -----------------------------------------------------------------------------------
 
 
+def settle_heap(cache) -> None:
+    """Warm-up is over (a program compiled earlier runs again): free what compiling left and
+    freeze what lives on (the model, Dynamo's graphs, program templates) out of the cyclic
+    collector's reach. Each full collection otherwise walks all of it: on GPT-2 small, ~780k
+    objects, a 0.5-0.9 s pause every 10-40 steps, which pipelined steps cannot hide. Frozen
+    objects are still freed when their last reference goes; only their cycles are not."""
+    cache.unsettled = False
+    with counters.timed("HeapFreezeTime"):
+        gc.collect()
+        gc.freeze()
+
+
 def lookup_or_compile(run) -> tuple[Executable, bool]:
     """The executable of ``run`` (a ``run.Run``); compiles on a miss. Returns (exe, was_hit)."""
     cache = current().cache
@@ -272,8 +285,11 @@ def lookup_or_compile(run) -> tuple[Executable, bool]:
         executable = cache.executables.get(key)
     if executable is not None:
         counters.bump("CachedCompile")
+        if cache.unsettled:
+            settle_heap(cache)
         return executable, True
     counters.bump("UncachedCompile")
+    cache.unsettled = config.FREEZE_HEAP.value
     program, donated, arrays = run.program, run.donated, run.arrays
     cache.ops.update((id(node.op), node.op) for node in program.nodes)
     structure = STRUCTURES[key.structure]

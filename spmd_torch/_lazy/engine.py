@@ -18,10 +18,11 @@ class CompileCache:
     """Executables by cache key, and the recent keys that explain a recompilation. Engines may
     share one: the same program traced by two of them compiles once."""
 
-    __slots__ = ("executables", "history", "ops")
+    __slots__ = ("executables", "history", "ops", "unsettled")
 
     def __init__(self):
         self.executables: dict = {}
+        self.unsettled = False  # compiled since the heap was last frozen (compile.settle_heap)
         self.history: list = []  # recent keys, newest last
         self.ops: dict = {}  # id(op) -> op, for naming the ops of keys (which hold ids)
 

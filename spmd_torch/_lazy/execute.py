@@ -79,8 +79,13 @@ def _run(engine, owners: dict, start: int) -> None:
             for storage in holders:
                 storage.set((data, 0))
                 placement.remember(storage, array)
-    live = [w for w in engine.in_flight if w() is not None]  # an earlier program's, still held
-    engine.in_flight = live + [weakref.ref(a) for a in arrays]
+    engine.in_flight = _running(engine.in_flight) + [weakref.ref(a) for a in arrays]
+
+
+def _running(outputs: list) -> list:
+    """The weak refs to program outputs still worth waiting for: held, and not donated to a
+    later program (a donated buffer is deleted; waiting on it raises)."""
+    return [w for w in outputs if (a := w()) is not None and not a.is_deleted()]
 
 
 def _owners(engine) -> dict:
@@ -168,7 +173,7 @@ def rng_words() -> tuple[int, int]:
 
 def wait_device_ops() -> None:
     """Block until every dispatched program has finished."""
-    for weak in current().in_flight:
+    for weak in _running(current().in_flight):
         output = weak()
-        if output is not None:
+        if output is not None:  # released since _running looked
             output.block_until_ready()

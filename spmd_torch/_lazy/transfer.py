@@ -96,6 +96,9 @@ class ReplicaShard:
         self.stacked.block_until_ready()
         return self
 
+    def is_deleted(self) -> bool:
+        return self.stacked.is_deleted()
+
 
 class HostData:
     """Data moved to the device in SPMD mode, still on the host: the first program uploads it

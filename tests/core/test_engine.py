@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import threading
 import warnings
 
@@ -11,8 +12,10 @@ import pytest
 import torch
 
 import spmd_torch
+import spmd_torch.core.xla_model as xm
 import spmd_torch.debug.graph
 import spmd_torch.runtime as xr
+from spmd_torch import config
 from spmd_torch._lazy import counters, engine, modes
 from spmd_torch._lazy.execute import global_array
 from tests.conftest import engine_leaks
@@ -405,3 +408,45 @@ def test_each_thread_can_trace_with_an_engine_of_its_own():
     assert spmd_torch.debug.graph.pending_count() == 1  # the other engine's sync left x pending
     assert_close(seen["value"], torch.full((2,), 15.0))
     assert_close(x, torch.full((2,), 2.0))
+
+
+def test_wait_device_ops_skips_an_output_a_later_program_was_given():
+    # An output still held (here through the engine's own list) whose buffer the next program
+    # took over (donated, as an in-place update does) is not waited for: waiting on it raised.
+    x = torch.ones(4).to(dev)
+    y = x * 2
+    spmd_torch.sync()
+    held = [ref() for ref in engine.current().in_flight]
+    y.add_(1)
+    spmd_torch.sync()
+    assert any(array.is_deleted() for array in held)
+    xm.wait_device_ops()
+    assert_close(y, torch.full((4,), 3.0))
+
+
+def _frozen(obj) -> bool:
+    return not any(o is obj for o in gc.get_objects())  # frozen objects are in no generation
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_warm_up_end_freezes_the_heap_once(monkeypatch, freeze):
+    # The first cache hit after a compile collects and freezes the heap (the model included),
+    # so full collections stop walking it; the hits after it leave the heap alone.
+    monkeypatch.setattr(config.FREEZE_HEAP, "value", freeze)
+    gc.unfreeze()
+    layer = torch.nn.Linear(13, 7 if freeze else 6).to(dev)  # a program no other test compiled
+
+    def step():
+        with torch.no_grad():
+            layer.weight.mul_(0.5)
+        spmd_torch.sync()
+
+    step()
+    assert not _frozen(layer) and gc.get_freeze_count() == 0
+    step()
+    assert _frozen(layer) is freeze
+    frozen = gc.get_freeze_count()
+    assert (frozen > 0) is freeze
+    step()
+    assert gc.get_freeze_count() == frozen
+    gc.unfreeze()
