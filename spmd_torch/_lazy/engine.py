@@ -54,7 +54,7 @@ class Engine:
         self.pending: list = []
         self.rng = None  # the Storage of the device PRNG key; seeded on first use
         self.manual_used = False  # until a region is entered, the barrier skips looking for one
-        self.in_flight: list = []  # weak refs to the last program's outputs (wait_device_ops)
+        self.in_flight: list = []  # per program not known done, weak refs to its outputs
         self.step_closures: list = []  # xm.add_step_closure's (callable, run_async)
         self.scope: str | None = None  # open profiler Trace names, "/"-joined: nodes carry them
         self.one_graph: str | None = None  # the compile(full_graph=True) region: nothing runs

@@ -79,13 +79,21 @@ def _run(engine, owners: dict, start: int) -> None:
             for storage in holders:
                 storage.set((data, 0))
                 placement.remember(storage, array)
-    engine.in_flight = _running(engine.in_flight) + [weakref.ref(a) for a in arrays]
+    running = [group for group in engine.in_flight if _unfinished_output(group) is not None]
+    running.append([weakref.ref(a) for a in arrays])
+    engine.in_flight = running
 
 
-def _running(outputs: list) -> list:
-    """The weak refs to program outputs still worth waiting for: held, and not donated to a
-    later program (a donated buffer is deleted; waiting on it raises)."""
-    return [w for w in outputs if (a := w()) is not None and not a.is_deleted()]
+def _unfinished_output(outputs: list):
+    """An output of one program (``outputs``: weak refs to all of them) to wait on, or None when
+    the program is done. Its outputs become ready together, so the first one held and not given
+    to a later program (waiting on a donated buffer raises) answers for all: one check per
+    program in flight, not per live output."""
+    for weak in outputs:
+        output = weak()
+        if output is not None and not output.is_deleted():
+            return None if output.is_ready() else output
+    return None
 
 
 def _owners(engine) -> dict:
@@ -173,7 +181,7 @@ def rng_words() -> tuple[int, int]:
 
 def wait_device_ops() -> None:
     """Block until every dispatched program has finished."""
-    for weak in _running(current().in_flight):
-        output = weak()
-        if output is not None:  # released since _running looked
+    for outputs in current().in_flight:
+        output = _unfinished_output(outputs)
+        if output is not None:
             output.block_until_ready()

@@ -99,6 +99,9 @@ class ReplicaShard:
     def is_deleted(self) -> bool:
         return self.stacked.is_deleted()
 
+    def is_ready(self) -> bool:
+        return self.stacked.is_ready()
+
 
 class HostData:
     """Data moved to the device in SPMD mode, still on the host: the first program uploads it

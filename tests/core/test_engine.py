@@ -416,7 +416,7 @@ def test_wait_device_ops_skips_an_output_a_later_program_was_given():
     x = torch.ones(4).to(dev)
     y = x * 2
     spmd_torch.sync()
-    held = [ref() for ref in engine.current().in_flight]
+    held = [ref() for outputs in engine.current().in_flight for ref in outputs]
     y.add_(1)
     spmd_torch.sync()
     assert any(array.is_deleted() for array in held)
