@@ -2,17 +2,19 @@
 
 The first call with new input shapes runs the graph once through the dispatcher on placeholder
 inputs, recording a template program. Its CPU part (an optimizer's step counters and the scalars
-made from them) runs on the CPU at every call, feeding the template its values. Every call records one node whose static argument is that
-template, and which lowers to the template's JAX function: no per-op Python after the first call.
-The node joins the pending graph like any other, so the step still runs as one program in every
-mode and what runs outside the compiled graph (an optimizer step) joins the same barrier. A graph
-that cannot be recorded (it reads a value, or an op's output shape depends on data) runs op by op
-instead, traced lazily as uncompiled code is.
-"""
+made from them) runs on the CPU at every call, feeding the template its values. Every call
+records one node whose static argument is that template, and which lowers to the template's JAX
+function: no per-op Python after the first call. The node joins the pending graph like any
+other, so the step still runs as one program in every mode and what runs outside the compiled
+graph (an optimizer step) joins the same barrier; a graph called again before a barrier runs the
+earlier iteration first (loops need no barrier). A graph that cannot be recorded (it reads a
+value, or an op's output shape depends on data) runs op by op instead, traced lazily as
+uncompiled code is."""
 
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any
 
 import jax
@@ -45,8 +47,9 @@ class Template:
     whose new values follow the outputs, and then the next PRNG key if it draws random numbers.
     Equal only to itself: it is a node's static argument, and so part of the program's key."""
 
-    def __init__(self, program, sources: list, results: list, tree, writes: list, key_out: bool):
+    def __init__(self, program, sources, results, tree, writes, key_out: bool, layouts: list):
         self.program = program
+        self.layouts = layouts  # per computed output, the layout marked inside the graph, or None
         self.sources = sources
         self.results = results
         self.tree = tree
@@ -56,6 +59,7 @@ class Template:
         self.avals = tuple(node.avals[i] for node, i in program.outputs)
         self.computed = sum(kind == "out" for kind, _ in results)
         self.op = GRAPH_WITH_COLLECTIVES if _has_collectives(program) else GRAPH
+        self.pending_calls: dict = {}  # id(engine) -> weak ref to its last call's node
         # CPU scalars arrive as lifted float64 scalars: each is cast back to its tensor's dtype.
         self.casts = [
             to_jax_dtype(node.avals[i].dtype)
@@ -77,25 +81,31 @@ class Template:
 
     def call(self, args: list, cpu: dict) -> Any:
         """One node computing the graph on ``args`` (``cpu``: its CPU part's values); the graph's
-        outputs, new tensors."""
+        outputs, new tensors. The node waits for the barrier with the rest of the step."""
+        engine = current()
+        earlier = self.pending_calls.get(id(engine))
+        if earlier is not None and (node := earlier()) is not None and node.arrays is None:
+            # Called again with its last call still pending: a loop of compiled steps and no
+            # barrier. Running what is pending now keeps the graph one iteration long, the same
+            # program each time, as PyTorch/XLA's loops need no mark_step.
+            execute.sync()
         key = rng.state() if self.uses_key else None
         src = tuple(self._source(s, args, cpu, key) for s in self.sources)
         node = Node(self.op, src, (tuple(Arg(k) for k in range(len(src))), self), {}, self.avals)
-        outputs, storages = [], []
+        outputs = []
         for kind, k in self.results:
             if kind == "out":
                 outputs.append(wrap((node, k), self.avals[k]))
-                storages.append(outputs[-1]._storage)
+                outputs[-1]._storage.sharding = self.layouts[k]  # read before the barrier too
             else:
                 outputs.append(args[k] if kind == "arg" else cpu[k] if kind == "cpu" else k)
         for k, position in enumerate(self.writes, start=self.computed):
             args[position]._write((node, k))
         if self.key_out:
             key.set((node, len(self.avals) - 1))
-        # It runs now, with what its inputs still wait for (an input left pending would be
-        # computed again at the barrier), as PyTorch/XLA's graphs do: a loop needs no barrier.
-        storages += [a._storage for a in args if type(a) is LazyTensor]
-        execute.run_now(storages + ([key] if key is not None else []))
+        self.pending_calls[id(engine)] = weakref.ref(node)
+        if engine.eager:  # eager mode runs each call as it runs each op
+            execute.sync()
         return pytree.tree_unflatten(outputs, self.tree)
 
     @staticmethod
@@ -225,7 +235,7 @@ class _Recorder(fx.Interpreter):
 
     def template(self, out: Any, key_in: tuple, key_now: tuple) -> Template:
         leaves, tree = pytree.tree_flatten(out)
-        results, refs = [], []
+        results, refs, layouts = [], [], []
         for leaf in leaves:
             source = self.slots.get(id(leaf._ref()[0])) if type(leaf) is LazyTensor else None
             if source is not None and leaf._view is None:
@@ -233,6 +243,7 @@ class _Recorder(fx.Interpreter):
             elif type(leaf) is LazyTensor:
                 results.append(("out", len(refs)))
                 refs.append(leaf._ref())
+                layouts.append(leaf._storage.sharding if leaf._view is None else None)
             elif isinstance(leaf, torch.Tensor):
                 raise RuntimeError(f"the graph returned a tensor on {leaf.device}, not on xla")
             else:
@@ -245,7 +256,7 @@ class _Recorder(fx.Interpreter):
         program = linearize(refs)
         self.slots[id(key_in[0])] = ("key",)
         sources = [self.slots.get(id(node), (node, i)) for node, i in program.leaves]
-        return Template(program, sources, results, tree, writes, key_out)
+        return Template(program, sources, results, tree, writes, key_out, layouts)
 
 
 def _on_cpu(value) -> bool:

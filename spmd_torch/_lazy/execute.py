@@ -37,20 +37,6 @@ def sync(wait: bool = False) -> None:
         wait_device_ops()
 
 
-def run_now(storages: list) -> None:
-    """Compute the pending values of ``storages`` now, and only what they need, as the barrier
-    does (donating what no tensor holds any more, each laid out as its storage is): a compiled
-    graph's call runs at once, as PyTorch/XLA's does."""
-    start = time.perf_counter_ns()
-    owners: dict = {}
-    for storage in storages:
-        node, index = storage.ref
-        if not node.is_leaf(index):
-            owners.setdefault((id(node), index), (storage.ref, []))[1].append(storage)
-    if owners:
-        _run(current(), owners, start)
-
-
 def _run(engine, owners: dict, start: int) -> None:
     """One program computing ``owners``' values ((id(node), index) -> (ref, [storages])), bound
     to their storages."""
