@@ -309,7 +309,7 @@ def _get_xla_tensor_debug_info(t: torch.Tensor) -> str:
         f"ShardingSpec: {spec or 'None'}",
     ]
     if not node.is_leaf(index):
-        name = node.op.name() if hasattr(node.op, "name") else str(node.op)
+        name = node.op.name() if callable(getattr(node.op, "name", None)) else str(node.op)
         return "\n".join(lines + [f"IR: {name}", "XLAData: None", "Tensor on host: None", "}\n"])
     lines.append("IR: None")
     array = node.arrays[index]

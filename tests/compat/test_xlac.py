@@ -336,6 +336,13 @@ def test_debug_info_shows_the_pending_op_then_the_device_data():
     assert "Data Shape: f32[5]" in info and f"Data Device: {xr.device_type()}:" in info
 
 
+def test_debug_info_names_an_engine_op():
+    # A compiled graph's call is one node of the engine's own op until the barrier.
+    out = torch.compile(lambda t: t * 2, backend="spmd_torch")(torch.ones(3).to(dev))
+    assert "IR: compiled_graph" in xlac._get_xla_tensor_debug_info(out)
+    spmd_torch.sync()
+
+
 @pytest.mark.parametrize(
     "make,shape",
     [
