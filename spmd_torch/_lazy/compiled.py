@@ -79,9 +79,10 @@ class Template:
         inputs = [x if d is None else x.astype(d) for x, d in zip(inputs, self.casts)]
         return self._function([], inputs, self._scalars)
 
-    def call(self, args: list, cpu: dict) -> Any:
+    def call(self, args: list, cpu: dict, at_once: bool) -> Any:
         """One node computing the graph on ``args`` (``cpu``: its CPU part's values); the graph's
-        outputs, new tensors. The node waits for the barrier with the rest of the step."""
+        outputs, new tensors. The node waits for the barrier with the rest of the step, unless
+        ``at_once`` (or in eager mode): then what is pending runs now."""
         engine = current()
         earlier = self.pending_calls.get(id(engine))
         if earlier is not None and (node := earlier()) is not None and node.arrays is None:
@@ -104,7 +105,7 @@ class Template:
         if self.key_out:
             key.set((node, len(self.avals) - 1))
         self.pending_calls[id(engine)] = weakref.ref(node)
-        if engine.eager:  # eager mode runs each call as it runs each op
+        if at_once or engine.eager:
             execute.sync()
         return pytree.tree_unflatten(outputs, self.tree)
 
@@ -134,9 +135,10 @@ class CompiledGraph:
     """A graph ``torch.compile`` traced, callable on xla tensors (or the handles its runtime
     passes, ``tensor.TensorHandle``), on CPU tensors and on Python values."""
 
-    def __init__(self, graph: fx.GraphModule, name: str = "compiled graph"):
+    def __init__(self, graph: fx.GraphModule, name: str = "compiled graph", at_once: bool = False):
         self.graph = graph
         self.name = name
+        self.at_once = at_once  # each call runs what is pending (PyTorch/XLA's bridge does)
         # input signature -> (Template, its CPU part's nodes in order), or None: op by op
         self.templates: dict = {}
         self.placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
@@ -154,7 +156,7 @@ class CompiledGraph:
         if recorded is None:
             return self.graph(*args)
         template, cpu_part = recorded
-        return template.call(args, self._run_cpu_part(cpu_part, args))
+        return template.call(args, self._run_cpu_part(cpu_part, args), self.at_once)
 
     def _run_cpu_part(self, cpu_part: dict, args: list) -> dict:
         """The values of the graph's CPU part for this call."""

@@ -3,8 +3,11 @@ PyTorch's own ``openxla`` and ``openxla_eval`` backends (with the ``torch_xla`` 
 
 Dynamo traces the Python code; AOTAutograd splits the graph into a forward and a backward over
 plain aten ops; each becomes a :class:`~spmd_torch._lazy.compiled.CompiledGraph`, recorded once
-per input shapes and then called as one node of the lazy graph. Unlike PyTorch/XLA's bridge, a
-call does not end the step: the graph joins the barrier's program with the rest of the step.
+per input shapes and then called as one node of the lazy graph. Under ``spmd_torch`` a call does
+not end the step: the graph joins the barrier's program with the rest of the step (forward,
+backward and optimizer step: one program). Under PyTorch's ``openxla`` names, through PyTorch/XLA's
+bridge entry, each call runs at once with what is pending, as PyTorch/XLA's does, so its outputs
+are device data (their shardings and metrics readable) when the call returns.
 """
 
 from __future__ import annotations
@@ -86,8 +89,9 @@ _CONTEXTS.is_matching_cls, _CONTEXTS.call_function = _autocast_subclasses_too(
 
 def extract_compiled_graph(xla_model: torch.fx.GraphModule, xla_args) -> Callable:
     """The graph ``xla_model`` as a function of xla tensors (PyTorch/XLA's bridge entry, which
-    PyTorch's ``openxla`` backends call with the graph's first real arguments)."""
-    return CompiledGraph(xla_model, _name(xla_model))
+    PyTorch's ``openxla`` backends call with the graph's first real arguments); each call runs
+    at once, as PyTorch/XLA's."""
+    return CompiledGraph(xla_model, _name(xla_model), at_once=True)
 
 
 def _compiler(graph: torch.fx.GraphModule, example_inputs) -> Callable:
