@@ -253,7 +253,9 @@ def _functional_variant(func):
     if all(a.kwarg_only for a in mutated):  # out= variants
         arguments = [a for a in schema.arguments if a not in mutated]
         return _overload_taking(getattr(aten, name, None), arguments, None, exclude=func)
-    return None
+    # An argument written as a side effect (rrelu_with_noise's noise): functionalization's
+    # ``<op>_functional`` returns the results, then the arguments' new values.
+    return getattr(getattr(aten, f"{name}_functional", None), "default", None)
 
 
 def _overload_taking(packet, arguments, preferred, exclude=None):
@@ -289,6 +291,14 @@ def _mutation(functional) -> Callable:
                 _assign(out, value, func)
             return outs[0] if len(outs) == 1 else tuple(outs)
         result = dispatch(functional, args, kwargs)
+        returned = len(schema.returns)
+        if len(functional._schema.returns) > returned:  # results, then the written arguments
+            written = [
+                k for k, a in enumerate(schema.arguments) if a.alias_info and a.alias_info.is_write
+            ]
+            for position, value in zip(written, result[returned:]):
+                _assign(args[position], value, func)
+            return result[0] if returned == 1 else tuple(result[:returned])
         _assign(args[0], result, func)
         return args[0]
 

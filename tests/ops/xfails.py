@@ -196,8 +196,6 @@ XFAILS: dict[tuple[str, str, str], str] = {
         "multilabel_margin_loss_backward"
     ),
     ("nn.functional.multilabel_soft_margin_loss", "fwd", "bfloat16"): _BF16_ROUNDING,
-    ("nn.functional.rrelu", "fwd", "bfloat16"): _cpu("rrelu_with_noise"),
-    ("nn.functional.rrelu", "fwd", "float32"): _cpu("rrelu_with_noise"),
     ("nn.functional.tanhshrink", "fwd", "bfloat16"): _BF16_ROUNDING,
     ("pca_lowrank", "fwd", "float32"): _RANDOM_SAMPLES,
     ("resize_", "fwd", "bfloat16"): _RESIZE,

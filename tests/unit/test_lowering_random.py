@@ -308,6 +308,34 @@ def test_dropout_backward_is_one_op_equal_to_cpu():
         assert_close(got.cpu(), expected, tol="exact" if dtype == torch.float32 else "single_op")
 
 
+def test_rrelu_with_noise_trains_with_uniform_slopes_and_keeps_them():
+    """On the device, rrelu_with_noise (which writes its noise argument) is one lowered op: in
+    training the slopes of elements at or below 0 are uniform in [lower, upper] (mean within 5
+    standard errors), written into the noise, which the output and the gradient are x times;
+    in eval it equals CPU's kernel and leaves the noise as it was."""
+    import spmd_torch.debug.metrics as met
+
+    x = torch.randn(N, generator=torch.Generator().manual_seed(0))
+    noise, xd = torch.zeros(N).to("xla"), x.to("xla").requires_grad_()
+    fallbacks = met.counter_value("aten::rrelu_with_noise")
+    out = aten.rrelu_with_noise(xd, noise, 0.1, 0.3, True)
+    out.sum().backward()
+    assert met.counter_value("aten::rrelu_with_noise") == fallbacks  # no CPU fallback
+    slopes, negative = noise.cpu(), x <= 0
+    assert torch.all(slopes[~negative] == 1)
+    assert torch.all((slopes[negative] >= 0.1) & (slopes[negative] <= 0.3))
+    _assert_mean_std(jnp.asarray(slopes[negative].numpy()), 0.2, 0.2 / math.sqrt(12))
+    assert_close(out.cpu(), x * slopes, tol="exact")
+    assert_close(xd.grad.cpu(), slopes, tol="exact")
+    kept = torch.full((8,), 7.0)
+    small = torch.randn(8, generator=torch.Generator().manual_seed(1))
+    got = aten.rrelu_with_noise(small.to("xla"), device_kept := kept.to("xla"), 0.1, 0.3, False)
+    assert_close(
+        got.cpu(), aten.rrelu_with_noise(small, kept.clone(), 0.1, 0.3, False), tol="exact"
+    )
+    assert torch.equal(device_kept.cpu(), kept)
+
+
 def test_exponential_moments():
     _assert_mean_std(_draw(aten.exponential.default, ones, 4.0), 0.25, 0.25)
 

@@ -158,6 +158,18 @@ def _native_dropout(key, x, p, train):
     return jnp.where(keep, x / (1 - p), 0), keep
 
 
+@lowers(aten.rrelu_with_noise_functional.default, random=True)
+def _rrelu_with_noise(key, x, noise, lower=0.125, upper=1 / 3, training=False, **_):
+    """(output, noise): training, each element at or below 0 is scaled by a slope drawn from
+    U(lower, upper) and the noise keeps the slopes (1 elsewhere); in eval the slope is their mean
+    and the noise is left as it was."""
+    if not training:
+        return jnp.where(x >= 0, x, x * ((lower + upper) / 2)), noise
+    slopes = jax.random.uniform(key, x.shape, jnp.float32, lower, upper).astype(x.dtype)
+    noise_out = jnp.where(x <= 0, slopes, jnp.ones_like(slopes)).astype(noise.dtype)
+    return x * noise_out.astype(x.dtype), noise_out
+
+
 @lowers(aten.native_dropout_backward.default)
 def _native_dropout_backward(grad, mask, scale):
     """The gradient through the kept elements, scaled as the forward scaled them (ATen's order:
