@@ -463,6 +463,12 @@ def _materialising(func, args: tuple, kwargs: dict) -> Any:
     return _cpu_fallback(func, args, kwargs, count=False)
 
 
+def _allclose(func, args: tuple, kwargs: dict) -> bool:
+    """``isclose(...).all()`` on the device: only the answer comes back to the host."""
+    close = dispatch(aten.isclose.default, args, kwargs)
+    return bool(to_cpu(dispatch(aten.all.default, (close,), {})).item())
+
+
 _WARNED: set = set()
 
 
@@ -546,6 +552,7 @@ SPECIALS: dict = {
     aten.mm.default: _mm,
     aten.set_.source_Tensor: _set_,
     aten.equal.default: _materialising,
+    aten.allclose.default: _allclose,
     aten._linalg_check_errors.default: _materialising,  # raises PyTorch's error from `info`
     aten.is_nonzero.default: _materialising,
     aten.nonzero.default: _cpu_fallback,  # data-dependent output shapes

@@ -85,8 +85,6 @@ XFAILS: dict[tuple[str, str, str], str] = {
     ("_upsample_bilinear2d_aa", "grad", "float32"): _cpu(
         "_upsample_bilinear2d_aa", "_upsample_bilinear2d_aa_backward"
     ),
-    ("allclose", "fwd", "bfloat16"): _cpu("allclose"),
-    ("allclose", "fwd", "float32"): _cpu("allclose"),
     ("argsort", "fwd", "bfloat16"): _TIES,
     ("as_strided.partial_views", "fwd", "bfloat16"): _PARTIAL_VIEWS,
     ("as_strided.partial_views", "fwd", "float32"): _PARTIAL_VIEWS,
@@ -105,7 +103,6 @@ XFAILS: dict[tuple[str, str, str], str] = {
     ("grid_sampler_3d", "fwd", "bfloat16"): _BF16_ROUNDING,
     ("grid_sampler_3d", "fwd", "float32"): _cpu("grid_sampler_3d"),
     ("grid_sampler_3d", "grad", "float32"): _cpu("grid_sampler_3d", "grid_sampler_3d_backward"),
-    ("histogram", "fwd", "float32"): _cpu("histogram"),
     ("histogramdd", "fwd", "float32"): _cpu(
         "_histogramdd_bin_edges", "_histogramdd_from_bin_cts", "_histogramdd_from_bin_tensors"
     ),
