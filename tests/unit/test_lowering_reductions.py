@@ -226,3 +226,44 @@ def test_topk_matches_torch(args):
 )
 def test_norm_matches_torch(op, args, kwargs):
     check(op, *args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "args, kwargs",
+    [
+        ((7,), {}),
+        ((13,), {"range": (-1.3, 2.1)}),
+        ((5,), {"weight": "w", "density": True}),
+        ((torch.tensor([-2.0, 0.0, 0.5, 3.0]),), {"weight": "w"}),
+        ((torch.tensor([-1.0, 0.25, 1.0]),), {"density": True}),
+    ],
+)
+def test_histogram_is_lowered_and_matches_cpu(args, kwargs):
+    """histogram (which has no meta kernel in PyTorch) runs on the device: counts (or summed
+    weights, or densities) equal CPU's; elements outside the edges are left out, the last bin is
+    closed. The edges follow ATen's scalar linspace; CPU's vector loops round some points by
+    the CPU's vector width, so they are compared to within float32 rounding."""
+    import spmd_torch.debug.metrics as met
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 25, generator=g)
+    w = torch.rand(40, 25, generator=g)
+    kwargs = {k: (w if v == "w" else v) for k, v in kwargs.items()}
+    hist, edges = torch.histogram(x, *args, **kwargs)
+    before = met.counter_value("aten::histogram")
+    device_args = [a.to("xla") if isinstance(a, torch.Tensor) else a for a in args]
+    device_kwargs = {
+        k: (v.to("xla") if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()
+    }
+    got_hist, got_edges = torch.histogram(x.to("xla"), *device_args, **device_kwargs)
+    assert met.counter_value("aten::histogram") == before  # not run on the CPU
+    assert_close(got_edges.cpu(), edges, tol="single_op")
+    assert_close(got_hist.cpu(), hist, tol="single_op")
+
+
+def test_histogram_of_nothing_and_of_one_value():
+    """numpy's conventions, as CPU's: no data spans [0, 1]; one value, that value +- 0.5."""
+    for x in (torch.empty(0), torch.full((5,), 3.0)):
+        hist, edges = torch.histogram(x.to("xla"), 4)
+        expected_hist, expected_edges = torch.histogram(x, 4)
+        assert torch.equal(edges.cpu(), expected_edges) and torch.equal(hist.cpu(), expected_hist)

@@ -15,7 +15,8 @@ import torch
 from jax import lax
 
 from ._helpers import category, float_dtype, opmath
-from .dtypes import to_jax_dtype
+from .dtypes import to_jax_dtype, to_torch_dtype
+from .factories import _linspace
 from .registry import lowers, register_table
 
 aten = torch.ops.aten
@@ -473,6 +474,58 @@ def _logcumsumexp(x, dim):
 def _trace(x):
     out = _sum_dtype(x, None)
     return jnp.trace(x.astype(out), dtype=opmath(out)).astype(out)
+
+
+@lowers(aten.histogram.bin_ct)
+def _histogram(x, bins=100, *, range=None, weight=None, density=False):
+    """ATen's histogram over ``bins`` equal bins: over ``range``, or the data's [min, max] (an
+    empty range widened by 0.5 each way, as numpy does; [0, 1] without data). Returns (hist,
+    bin_edges)."""
+    if range is not None:
+        lo, hi = (jnp.float64(v) for v in range)
+    elif x.size:
+        lo, hi = jnp.min(x).astype(jnp.float64), jnp.max(x).astype(jnp.float64)
+    else:
+        lo, hi = jnp.float64(0), jnp.float64(1)
+    lo, hi = jnp.where(lo == hi, lo - 0.5, lo), jnp.where(lo == hi, hi + 0.5, hi)
+    # ATen's linspace, as its scalar loop computes it (its vector loops round some points
+    # differently, by the CPU's vector width)
+    edges = _linspace(lo, hi, bins + 1, dtype=to_torch_dtype(x.dtype))
+    return _histogram_over(x, edges, weight, density), edges
+
+
+def _histogram_meta(x, bins=100, *, range=None, weight=None, density=False):
+    """Shapes of (hist, bin_edges): PyTorch has no meta kernel for histogram, and the engine takes
+    output shapes from meta kernels (without one the op would run on the CPU)."""
+    bins = bins.shape[0] - 1 if isinstance(bins, torch.Tensor) else bins
+    return x.new_empty(bins), x.new_empty(bins + 1)
+
+
+_META_KERNELS = torch.library.Library("aten", "IMPL")
+for _overload in ("histogram.bin_ct", "histogram.bins_tensor"):
+    _META_KERNELS.impl(_overload, _histogram_meta, "Meta")
+
+
+@lowers(aten.histogram.bins_tensor)
+def _histogram_edges(x, bins, *, weight=None, density=False):
+    """ATen's histogram over the given bin edges. Returns (hist, bin_edges)."""
+    return _histogram_over(x, bins, weight, density), bins
+
+
+def _histogram_over(x, edges, weight, density):
+    """Counts (or summed weights) of the elements in each bin: the bin whose edges hold it, the
+    last bin closed; elements outside the edges and NaN are left out. ``density`` divides by the
+    total, then by each bin's width, in that order (ATen's)."""
+    x = x.reshape(-1)
+    bins = edges.shape[0] - 1
+    position = jnp.searchsorted(edges, x, side="right") - 1
+    position = jnp.where(position == bins, bins - 1, position)
+    inside = (x >= edges[0]) & (x <= edges[-1])
+    values = jnp.ones_like(x) if weight is None else weight.reshape(-1).astype(x.dtype)
+    hist = jnp.zeros(bins, x.dtype).at[jnp.where(inside, position, bins)].add(values, mode="drop")
+    if density:
+        hist = hist / hist.sum() / jnp.diff(edges)
+    return hist
 
 
 @lowers(aten.histc.default)
