@@ -188,7 +188,6 @@ XFAILS: dict[tuple[str, str, str], str] = {
     ("nn.functional.multi_head_attention_forward", "fwd", "bfloat16"): _MHA,
     ("nn.functional.multi_head_attention_forward", "fwd", "float32"): _MHA,
     ("nn.functional.multi_head_attention_forward", "grad", "float32"): _MHA,
-    ("nn.functional.multi_margin_loss", "grad", "float32"): _cpu("multi_margin_loss_backward"),
     ("nn.functional.multilabel_margin_loss", "grad", "float32"): _cpu(
         "multilabel_margin_loss_backward"
     ),

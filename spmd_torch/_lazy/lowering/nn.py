@@ -21,7 +21,7 @@ from jax import lax
 
 from .dtypes import to_jax_dtype
 from .linalg import PRECISION, accumulation_dtype, precision
-from .registry import lowers, register_table
+from .registry import lowers, meta_kernel, register_table
 
 aten = torch.ops.aten
 
@@ -550,6 +550,35 @@ def _nll_loss_forward(self, target, weight, reduction, ignore_index):
         return loss, w if self.ndim == 1 else jnp.zeros((), self.dtype)
     total = w.sum()
     return (loss.sum() / total if reduction == 1 else loss.sum()), total
+
+
+def _multi_margin_loss(x, target, p, margin, weight, reduction):
+    """ATen's multi_margin_loss: per sample, the hinge ``max(0, margin - x[y] + x[j])`` (to the
+    power ``p``, weighted by ``weight[y]``) summed over the classes j != y, divided by C."""
+    scores = x.reshape(-1, x.shape[-1] if x.ndim else 1)  # a 0-d or 1-d input is one sample
+    labels = target.reshape(-1)
+    classes = scores.shape[1]
+    own = jnp.take_along_axis(scores, labels[:, None], 1)
+    hinge = jnp.maximum(margin - own + scores, 0) ** p
+    if weight is not None:
+        hinge = hinge * weight[labels][:, None]
+    hinge = jnp.where(jnp.arange(classes) == labels[:, None], 0, hinge)
+    per_sample = hinge.sum(1) / classes
+    return _reduce(per_sample if x.ndim == 2 else per_sample.reshape(()), reduction)
+
+
+@meta_kernel("multi_margin_loss_backward")
+def _input_shaped(grad_output, x, *args, **kwargs):
+    """A loss backward's result: shaped like the loss's input."""
+    return torch.empty_like(x)
+
+
+@lowers(aten.multi_margin_loss_backward.default)
+def _multi_margin_loss_backward(grad_output, x, target, p, margin, weight=None, reduction=1):
+    """The gradient of the loss above (autodiff of it: the hinge's slope is 0 where it is 0)."""
+    loss = partial(_multi_margin_loss, target=target, p=p, margin=margin, weight=weight)
+    value, pullback = jax.vjp(lambda v: loss(v, reduction=reduction), x)
+    return pullback(grad_output.astype(x.dtype).reshape(value.shape))[0]
 
 
 @lowers(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)

@@ -17,7 +17,7 @@ from jax import lax
 from ._helpers import category, float_dtype, opmath
 from .dtypes import to_jax_dtype, to_torch_dtype
 from .factories import _linspace
-from .registry import lowers, register_table
+from .registry import lowers, meta_kernel, register_table
 
 aten = torch.ops.aten
 
@@ -494,16 +494,11 @@ def _histogram(x, bins=100, *, range=None, weight=None, density=False):
     return _histogram_over(x, edges, weight, density), edges
 
 
+@meta_kernel("histogram.bin_ct", "histogram.bins_tensor")
 def _histogram_meta(x, bins=100, *, range=None, weight=None, density=False):
-    """Shapes of (hist, bin_edges): PyTorch has no meta kernel for histogram, and the engine takes
-    output shapes from meta kernels (without one the op would run on the CPU)."""
+    """Shapes of (hist, bin_edges)."""
     bins = bins.shape[0] - 1 if isinstance(bins, torch.Tensor) else bins
     return x.new_empty(bins), x.new_empty(bins + 1)
-
-
-_META_KERNELS = torch.library.Library("aten", "IMPL")
-for _overload in ("histogram.bin_ct", "histogram.bins_tensor"):
-    _META_KERNELS.impl(_overload, _histogram_meta, "Meta")
 
 
 @lowers(aten.histogram.bins_tensor)

@@ -64,3 +64,19 @@ def register_table(table: dict, adapt: Callable = lambda f: f) -> None:
         if not isinstance(overloads, tuple):
             overloads = (overloads,)
         lowers(*overloads)(adapt(fn))
+
+
+_META_KERNELS = torch.library.Library("aten", "IMPL")
+
+
+def meta_kernel(*overload_names: str) -> Callable:
+    """Register the decorated function as the Meta kernel of aten overloads PyTorch has none for
+    (``"histogram.bin_ct"``): the engine takes output shapes from meta kernels, so without one a
+    lowered op would still run on the CPU."""
+
+    def register(fn: Callable) -> Callable:
+        for name in overload_names:
+            _META_KERNELS.impl(name, fn, "Meta")
+        return fn
+
+    return register
