@@ -188,9 +188,6 @@ XFAILS: dict[tuple[str, str, str], str] = {
     ("nn.functional.multi_head_attention_forward", "fwd", "bfloat16"): _MHA,
     ("nn.functional.multi_head_attention_forward", "fwd", "float32"): _MHA,
     ("nn.functional.multi_head_attention_forward", "grad", "float32"): _MHA,
-    ("nn.functional.multilabel_margin_loss", "grad", "float32"): _cpu(
-        "multilabel_margin_loss_backward"
-    ),
     ("nn.functional.multilabel_soft_margin_loss", "fwd", "bfloat16"): _BF16_ROUNDING,
     ("nn.functional.tanhshrink", "fwd", "bfloat16"): _BF16_ROUNDING,
     ("pca_lowrank", "fwd", "float32"): _RANDOM_SAMPLES,

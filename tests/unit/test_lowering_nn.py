@@ -649,3 +649,33 @@ def test_multi_margin_loss_backward_is_lowered_and_matches_cpu(p, reduction):
     (got,) = torch.autograd.grad(out_d, xd, cotangent.to("xla"))
     assert met.counter_value("aten::multi_margin_loss_backward") == before
     assert_close(got.cpu(), expected, tol="single_op")
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_multilabel_margin_loss_backward_is_lowered_and_matches_cpu(reduction):
+    """multilabel_margin_loss's backward (no meta kernel in PyTorch either) runs on the device and
+    equals CPU's gradient: labels up to each row's first -1, repeated labels counted twice."""
+    import spmd_torch.debug.metrics as met
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 6, generator=g).requires_grad_()
+    target = torch.tensor(
+        [
+            [3, 0, -1, 1, 2, 4],
+            [0, 1, 2, 3, 4, 5],
+            [-1, 1, 2, 0, 0, 0],
+            [5, 5, -1, 0, 0, 0],
+            [2, -1, 3, 3, 3, 3],
+        ]
+    )
+    loss = torch.nn.functional.multilabel_margin_loss
+    out = loss(x, target, reduction=reduction)
+    cotangent = torch.rand(out.shape, generator=g)
+    (expected,) = torch.autograd.grad(out, x, cotangent)
+    xd = x.detach().to("xla").requires_grad_()
+    before = met.counter_value("aten::multilabel_margin_loss_backward")
+    (got,) = torch.autograd.grad(
+        loss(xd, target.to("xla"), reduction=reduction), xd, cotangent.to("xla")
+    )
+    assert met.counter_value("aten::multilabel_margin_loss_backward") == before
+    assert_close(got.cpu(), expected, tol="single_op")

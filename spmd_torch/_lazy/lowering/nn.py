@@ -567,7 +567,7 @@ def _multi_margin_loss(x, target, p, margin, weight, reduction):
     return _reduce(per_sample if x.ndim == 2 else per_sample.reshape(()), reduction)
 
 
-@meta_kernel("multi_margin_loss_backward")
+@meta_kernel("multi_margin_loss_backward", "multilabel_margin_loss_backward")
 def _input_shaped(grad_output, x, *args, **kwargs):
     """A loss backward's result: shaped like the loss's input."""
     return torch.empty_like(x)
@@ -589,6 +589,27 @@ def _nll_loss_backward(grad_output, self, target, weight, reduction, ignore_inde
     coef = jnp.where(valid, -w * scale, 0)
     one_hot = jax.nn.one_hot(safe, self.shape[axis], axis=axis, dtype=self.dtype)
     return one_hot * jnp.expand_dims(coef, axis)
+
+
+def _multilabel_margin_loss(x, target, is_target, reduction):
+    """ATen's multilabel_margin_loss: per sample, for each label j listed in ``target`` before its
+    first -1 and each class i not listed, ``max(0, 1 - x[j] + x[i])``, summed, divided by C."""
+    scores = x.reshape(-1, x.shape[-1] if x.ndim else 1)
+    labels = target.reshape(scores.shape)
+    listed = jnp.cumprod(labels >= 0, axis=1).astype(x.dtype)  # the labels before the first -1
+    own = jnp.take_along_axis(scores, jnp.maximum(labels, 0), 1)
+    hinge = jnp.maximum(1 - own[:, :, None] + scores[:, None, :], 0)
+    others = 1 - is_target.reshape(scores.shape).astype(x.dtype)
+    per_sample = (hinge * listed[:, :, None] * others[:, None, :]).sum((1, 2)) / scores.shape[1]
+    return _reduce(per_sample if x.ndim == 2 else per_sample.reshape(()), reduction)
+
+
+@lowers(aten.multilabel_margin_loss_backward.default)
+def _multilabel_margin_loss_backward(grad_output, x, target, reduction, is_target):
+    """The gradient of the loss above (autodiff of it: the hinge's slope is 0 where it is 0)."""
+    loss = partial(_multilabel_margin_loss, target=target, is_target=is_target)
+    value, pullback = jax.vjp(lambda v: loss(v, reduction=reduction), x)
+    return pullback(grad_output.astype(x.dtype).reshape(value.shape))[0]
 
 
 @lowers(aten.mse_loss.default)
