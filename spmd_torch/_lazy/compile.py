@@ -270,9 +270,11 @@ def settle_heap(cache) -> None:
     freeze what lives on (the model, Dynamo's graphs, program templates) out of the cyclic
     collector's reach. Each full collection otherwise walks all of it: on GPT-2 small, ~780k
     objects, a 0.5-0.9 s pause every 10-40 steps, which pipelined steps cannot hide. Frozen
-    objects are still freed when their last reference goes; only their cycles are not."""
+    objects are still freed when their last reference goes; their cycles (a graph Dynamo
+    dropped on a recompile) wait for the next warm-up's end, whose collection covers all."""
     cache.unsettled = False
     with counters.timed("HeapFreezeTime"):
+        gc.unfreeze()
         gc.collect()
         gc.freeze()
 

@@ -450,3 +450,32 @@ def test_warm_up_end_freezes_the_heap_once(monkeypatch, freeze):
     step()
     assert gc.get_freeze_count() == frozen
     gc.unfreeze()
+
+
+def test_a_cycle_frozen_then_dropped_is_collected_when_the_next_warm_up_ends(monkeypatch):
+    # Cycles alive at one freeze (a graph Dynamo later drops) are not kept for ever: the next
+    # warm-up's end unfreezes, collects everything, and freezes again.
+    import weakref
+
+    monkeypatch.setattr(config.FREEZE_HEAP, "value", True)
+    gc.unfreeze()
+
+    class Cyclic:
+        pass
+
+    def warm_up(rows: int) -> None:  # a program no other test compiled, run twice
+        t = torch.ones(rows, 5).to(dev)
+        for _ in range(2):
+            t.mul_(0.5)
+            spmd_torch.sync()
+
+    cycle = Cyclic()
+    cycle.itself = cycle
+    alive = weakref.ref(cycle)
+    warm_up(17)
+    del cycle
+    gc.collect()
+    assert alive() is not None  # frozen: the collector does not look at it
+    warm_up(19)
+    assert alive() is None
+    gc.unfreeze()
