@@ -271,12 +271,22 @@ def settle_heap(cache) -> None:
     collector's reach. Each full collection otherwise walks all of it: on GPT-2 small, ~780k
     objects, a 0.5-0.9 s pause every 10-40 steps, which pipelined steps cannot hide. Frozen
     objects are still freed when their last reference goes; their cycles (a graph Dynamo
-    dropped on a recompile) wait for the next warm-up's end, whose collection covers all."""
+    dropped on a recompile) wait for a later warm-up's end that collects the whole heap, as
+    often as that keeps such collections under a tenth of the time (eager mode ends a warm-up
+    per new op)."""
     cache.unsettled = False
     with counters.timed("HeapFreezeTime"):
-        gc.unfreeze()
+        start = time.perf_counter()
+        whole = start - _LAST_WHOLE_COLLECTION[0] > 10 * _LAST_WHOLE_COLLECTION[1]
+        if whole:
+            gc.unfreeze()
         gc.collect()
         gc.freeze()
+        if whole:
+            _LAST_WHOLE_COLLECTION[:] = [start, time.perf_counter() - start]
+
+
+_LAST_WHOLE_COLLECTION = [float("-inf"), 0.0]  # when the last one began, and its seconds
 
 
 def lookup_or_compile(run) -> tuple[Executable, bool]:
