@@ -20,6 +20,7 @@ from . import counters, manual, modes, placement, rng  # noqa: F401  (modes: the
 from .engine import current
 from .graph import DATA, Node, linearize
 from .record import user_frame
+from .run import unfinished_output
 from .tensor import LazyTensor, live_pending
 from .transfer import to_torch
 
@@ -65,21 +66,10 @@ def _run(engine, owners: dict, start: int) -> None:
             for storage in holders:
                 storage.set((data, 0))
                 placement.remember(storage, array)
-    running = [group for group in engine.in_flight if _unfinished_output(group) is not None]
+    # One check per program in flight, not per live output.
+    running = [group for group in engine.in_flight if unfinished_output(group) is not None]
     running.append([weakref.ref(a) for a in arrays])
     engine.in_flight = running
-
-
-def _unfinished_output(outputs: list):
-    """An output of one program (``outputs``: weak refs to all of them) to wait on, or None when
-    the program is done. Its outputs become ready together, so the first one held and not given
-    to a later program (waiting on a donated buffer raises) answers for all: one check per
-    program in flight, not per live output."""
-    for weak in outputs:
-        output = weak()
-        if output is not None and not output.is_deleted():
-            return None if output.is_ready() else output
-    return None
 
 
 def _owners(engine) -> dict:
@@ -168,6 +158,6 @@ def rng_words() -> tuple[int, int]:
 def wait_device_ops() -> None:
     """Block until every dispatched program has finished."""
     for outputs in current().in_flight:
-        output = _unfinished_output(outputs)
+        output = unfinished_output(outputs)
         if output is not None:
             output.block_until_ready()

@@ -84,10 +84,20 @@ _LOCKSTEP_OUTPUTS: list = []
 
 
 def _after_lockstep_programs() -> None:
-    for weak in _LOCKSTEP_OUTPUTS:
+    output = unfinished_output(_LOCKSTEP_OUTPUTS)
+    if output is not None:
+        output.block_until_ready()
+
+
+def unfinished_output(outputs: list):
+    """An output of one program (``outputs``: weak refs to all of them) to wait on, or None when
+    the program is done. Its outputs become ready together, so the first one held and not given
+    to a later program (waiting on a donated buffer raises) answers for all."""
+    for weak in outputs:
         output = weak()
         if output is not None and not output.is_deleted():
-            output.block_until_ready()
+            return None if output.is_ready() else output
+    return None
 
 
 def stacked(runs: list[Run], mesh: Mesh) -> Run:

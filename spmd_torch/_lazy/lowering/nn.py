@@ -575,9 +575,15 @@ def _input_shaped(grad_output, x, *args, **kwargs):
 
 @lowers(aten.multi_margin_loss_backward.default)
 def _multi_margin_loss_backward(grad_output, x, target, p, margin, weight=None, reduction=1):
-    """The gradient of the loss above (autodiff of it: the hinge's slope is 0 where it is 0)."""
+    """The gradient of the loss above."""
     loss = partial(_multi_margin_loss, target=target, p=p, margin=margin, weight=weight)
-    value, pullback = jax.vjp(lambda v: loss(v, reduction=reduction), x)
+    return _pullback(partial(loss, reduction=reduction), grad_output, x)
+
+
+def _pullback(loss, grad_output, x):
+    """``grad_output`` taken back through ``loss`` at ``x`` by autodiff (a hinge's slope is 0
+    where it is 0, as in ATen's kernels), shaped as the loss's output was."""
+    value, pullback = jax.vjp(loss, x)
     return pullback(grad_output.astype(x.dtype).reshape(value.shape))[0]
 
 
@@ -606,10 +612,9 @@ def _multilabel_margin_loss(x, target, is_target, reduction):
 
 @lowers(aten.multilabel_margin_loss_backward.default)
 def _multilabel_margin_loss_backward(grad_output, x, target, reduction, is_target):
-    """The gradient of the loss above (autodiff of it: the hinge's slope is 0 where it is 0)."""
+    """The gradient of the loss above."""
     loss = partial(_multilabel_margin_loss, target=target, is_target=is_target)
-    value, pullback = jax.vjp(lambda v: loss(v, reduction=reduction), x)
-    return pullback(grad_output.astype(x.dtype).reshape(value.shape))[0]
+    return _pullback(partial(loss, reduction=reduction), grad_output, x)
 
 
 @lowers(aten.mse_loss.default)
