@@ -10,8 +10,8 @@ logical device of the process (as under SPMD), ``'CPU:3'``/``'CUDA:3'``/``'TPU:3
 Calls whose meaning is PyTorch/XLA's own machinery are absent rather than faked: IR and buffer
 internals (``_get_graph_hash``, buffer donation flags, ``_get_tensors_xla_device_data_node``,
 ``_run_cached_graph``, ``_replace_xla_tensor``), dynamic shapes (``_xla_mark_dynamic``),
-``xla::OpSharding`` values (``OpSharding``, ``_xla_mark_sharding``,
-``_global_tensor_from_cpu_shards``, ``_spmd_full_to_shard_shape``), custom calls and lowering
+``xla::OpSharding`` values (``OpSharding``, ``_xla_mark_sharding``: the calls that take a sharding
+take the ``NamedSharding`` that ``mesh.get_op_sharding`` gives), custom calls and lowering
 hooks (``_xla_tpu_custom_call``, ``lowering``: its ``LoweringContext`` builds an HLO module proto
 from PyTorch/XLA's IR, which does not exist here). The preemption sync manager's calls are the
 distributed checkpoint package's (JAX's preemption service across processes).
@@ -37,15 +37,17 @@ import jax.version
 import jaxlib.version
 import torch
 from jax._src import xla_bridge  # backends_are_initialized: JAX has no public query for it
+from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd_torch import config, runtime
-from spmd_torch._lazy import compile as _compile
-from spmd_torch._lazy import counters, execute, placement
+from spmd_torch._lazy import counters, execute, placement, transfer
 from spmd_torch._lazy.graph import Aval, aval_text
+from spmd_torch._lazy.layout import padded_shape
 from spmd_torch._lazy.lowering.dtypes import to_jax_dtype, to_torch_dtype
+from spmd_torch._lazy.manual import ManualShardingError
 from spmd_torch.core import xla_model as xm
 from spmd_torch.core.xla_builder import _user_computation as _xla_user_computation
-from spmd_torch.debug.graph import get_tensors_hlo, get_tensors_text, pending_program
+from spmd_torch.debug.graph import get_tensors_hlo, get_tensors_text, pending_program, program_text
 from spmd_torch.debug.metrics import clear_counters as _clear_xla_counters
 from spmd_torch.debug.metrics import clear_metrics as _clear_xla_metrics
 from spmd_torch.debug.metrics import counter_names as _xla_counter_names
@@ -83,7 +85,10 @@ __all__ = [
     "_get_xla_tensor_shape_type",
     "_get_xla_tensors_hlo",
     "_get_xla_tensors_text",
+    "_global_tensor_from_cpu_shards",
     "_short_xla_metrics_report",
+    "_spmd_full_to_shard_shape",
+    "_spmd_shard_to_full_shape",
     "_sync_point_reached",
     "_unsafe_buffer_pointer",
     "_xla_clear_sharding",
@@ -132,8 +137,9 @@ def _xla_tensor(t, api: str) -> torch.Tensor:
 
 
 def _get_xla_tensors_hlo(tensors: Sequence[torch.Tensor]) -> str:
-    """The graph computing ``tensors`` as StableHLO text; with ``XLA_DUMP_POST_OPTIMIZATIONS=1``
-    the HLO XLA compiles it to, after its passes and SPMD partitioning (collectives included).
+    """The graph computing ``tensors`` as the HLO text XLA is handed (PyTorch/XLA's print style);
+    with ``XLA_DUMP_POST_OPTIMIZATIONS=1`` the HLO XLA runs, after its passes and SPMD
+    partitioning (collectives included).
 
     Example:
         >>> print(_get_xla_tensors_hlo([t1 @ t2]))
@@ -141,8 +147,7 @@ def _get_xla_tensors_hlo(tensors: Sequence[torch.Tensor]) -> str:
     if not config.DUMP_POST_OPTIMIZATIONS.read():
         return get_tensors_hlo(tensors)
     program = pending_program([_xla_tensor(t, "_get_xla_tensors_hlo") for t in tensors])
-    arrays = [placement.resolve(node, i) for node, i in program.leaves]
-    return _compile.stablehlo_text(program, arrays, optimized=True)
+    return program_text(program, "optimized")
 
 
 # --- sharding ------------------------------------------------------------------------------------
@@ -196,6 +201,103 @@ def _xla_clear_sharding(t: torch.Tensor) -> None:
         ''
     """
     xs.clear_sharding(_xla_tensor(t, "_xla_clear_sharding"))
+
+
+def _global_tensor_from_cpu_shards(
+    shards: Sequence[torch.Tensor],
+    sharding: NamedSharding,
+    global_shape: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """The xla tensor laid out with ``sharding`` (``mesh.get_op_sharding(spec)``) whose shards
+    are ``shards``: one CPU tensor per device of this process the sharding uses, in device-id
+    order, each the shape of one shard (an uneven sharding's padding included). Each host passes
+    only its own devices' shards, so nothing crosses hosts.
+
+    Args:
+        global_shape: The tensor's shape; default: the shards tiled. It may be smaller than that
+            by an uneven sharding's padding (the shards' padding is dropped); RuntimeError if
+            the shards do not tile it.
+
+    Example:
+        >>> sharding = xs.Mesh(np.arange(8), (8,)).get_op_sharding((0,))
+        >>> _global_tensor_from_cpu_shards([torch.tensor([i]) for i in range(8)], sharding).cpu()
+        tensor([0, 1, 2, 3, 4, 5, 6, 7])
+    """
+    api = "_global_tensor_from_cpu_shards"
+    if not isinstance(sharding, NamedSharding):
+        raise TypeError(
+            f"{api}: the sharding is a {type(sharding).__name__}; build it with "
+            "mesh.get_op_sharding(partition_spec)"
+        )
+    devices = len(sharding.addressable_devices)
+    if len(shards) != devices:
+        raise RuntimeError(
+            f"{api}: {len(shards)} shards for the {devices} devices of this "
+            "process that the sharding uses"
+        )
+    kinds = {(tuple(s.shape), s.dtype) for s in shards}
+    if len(kinds) != 1:
+        raise RuntimeError(f"{api}: the shards differ in shape or dtype: {sorted(map(str, kinds))}")
+    ((shard_shape, dtype),) = kinds
+    if any(entry is not None for entry in sharding.spec[len(shard_shape) :]):
+        raise RuntimeError(
+            f"{api}: a sharding of {len(sharding.spec)} dimensions for shards of "
+            f"shape {shard_shape}"
+        )
+    sharding = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[: len(shard_shape)]))
+    ways = padded_shape((1,) * len(shard_shape), sharding)
+    tiled = tuple(n * w for n, w in zip(shard_shape, ways))
+    shape = tiled if global_shape is None else tuple(global_shape)
+    if len(shape) != len(tiled) or padded_shape(shape, sharding) != tiled:
+        raise RuntimeError(
+            f"{api}: shards of shape {shard_shape}, tiled {ways} to {tiled}, do "
+            f"not make a tensor of shape {shape}"
+        )
+    devices = sorted(sharding.addressable_devices, key=lambda d: d.id)
+    with counters.timed("TransferToDeviceTime"):
+        arrays = [jax.device_put(transfer.host_copy(s), d) for s, d in zip(shards, devices)]
+        array = jax.make_array_from_single_device_arrays(tiled, sharding, arrays)
+    counters.bump("TransferToDevice")
+    counters.record("OutboundData", sum(a.nbytes for a in arrays))
+    return placement.adopt(array, shape, dtype, sharding)
+
+
+def _spmd_full_to_shard_shape(t: torch.Tensor) -> torch.Tensor:
+    """Each device's shard of ``t`` under its sharding, to work on by hand: ops on it and on what
+    is computed from it run on each device on its own until :func:`_spmd_shard_to_full_shape`
+    (``xs.enable_manual_sharding`` without the mark).
+
+    Example:
+        >>> xs.mark_sharding(x, mesh, (0, 1))
+        >>> _spmd_full_to_shard_shape(x).shape  # [8, 8] over (1, 8) devices
+        torch.Size([8, 1])
+    """
+    t = _xla_tensor(t, "_spmd_full_to_shard_shape")
+    sharding = xs.own_sharding(t)
+    if sharding is None:
+        raise RuntimeError(
+            f"_spmd_full_to_shard_shape: the tensor of shape {tuple(t.shape)} "
+            "has no sharding; mark it with xs.mark_sharding first"
+        )
+    return xs.ToShards.apply(t, sharding)
+
+
+def _spmd_shard_to_full_shape(
+    t: torch.Tensor, sharding: NamedSharding, full_shape: Sequence[int], dtype: torch.dtype
+) -> torch.Tensor:
+    """The tensor of ``full_shape`` laid out with ``sharding`` whose shards are each device's
+    ``t``, a shard computed by hand since :func:`_spmd_full_to_shard_shape`.
+
+    Example:
+        >>> y = _spmd_shard_to_full_shape(local + 1, mesh.get_op_sharding((0, 1)), (8, 8), x.dtype)
+    """
+    t = _xla_tensor(t, "_spmd_shard_to_full_shape")
+    if t.dtype != dtype:
+        raise RuntimeError(f"_spmd_shard_to_full_shape: the shard is {t.dtype}, not {dtype}")
+    try:
+        return xs.FromShards.apply(t, sharding, tuple(full_shape))
+    except ManualShardingError as error:
+        raise RuntimeError(f"_spmd_shard_to_full_shape: {error}") from error
 
 
 # --- tensors -------------------------------------------------------------------------------------

@@ -384,13 +384,11 @@ def explain_graph_change(old: tuple, new: tuple, ops: dict) -> str:
     return "graph outputs changed (which tensors are computed, or their order)"
 
 
-def stablehlo_text(program: Program, arrays: list, optimized: bool = False) -> str:
-    """The program lowered to StableHLO, nothing run; ``optimized``: compiled, as the HLO XLA
-    runs after its passes (SPMD partitioning included)."""
+def lowered(program: Program, arrays: list) -> jax.stages.Lowered:
+    """The program lowered for ``arrays``' shapes and layouts, nothing compiled or run."""
     function = build_function(program, (False,) * len(arrays))
     abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in arrays]
-    lowered = jax.jit(function).lower([], abstract, _scalars_aval(len(program.scalars)))
-    return lowered.compile().as_text() if optimized else lowered.as_text()
+    return jax.jit(function).lower([], abstract, _scalars_aval(len(program.scalars)))
 
 
 def clear_cache() -> None:

@@ -31,10 +31,15 @@ def enter(t: LazyTensor, sharding: NamedSharding) -> LazyTensor:
     return wrap((Node(ENTER_MANUAL, (t._ref(),), (Arg(0), sharding), {}, (aval,)), 0), aval)
 
 
+def is_shard(t: LazyTensor) -> bool:
+    """Whether ``t`` is a per-device shard: computed inside a manual region."""
+    ref = t._ref()
+    return id(ref[0]) in local_nodes(linearize([ref]))
+
+
 def leave(t: LazyTensor, sharding: NamedSharding, full_shape: tuple) -> LazyTensor:
     """The full tensor of ``full_shape`` whose shards are each device's ``t``, laid out so."""
-    ref = t._ref()
-    if id(ref[0]) not in local_nodes(linearize([ref])):
+    if not is_shard(t):
         raise ManualShardingError(
             f"disable_manual_sharding on a tensor of shape {tuple(t.shape)} that is not a "
             "per-device shard: call enable_manual_sharding on it first"
@@ -46,7 +51,7 @@ def leave(t: LazyTensor, sharding: NamedSharding, full_shape: tuple) -> LazyTens
             f"{sharding.spec} is {local}, but the tensor has shape {tuple(t.shape)}"
         )
     aval = Aval(tuple(full_shape), t.dtype)
-    out = wrap((Node(EXIT_MANUAL, (ref,), (Arg(0), sharding), {}, (aval,)), 0), aval)
+    out = wrap((Node(EXIT_MANUAL, (t._ref(),), (Arg(0), sharding), {}, (aval,)), 0), aval)
     out._storage.sharding = canonical(sharding)
     return out
 

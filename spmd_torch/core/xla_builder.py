@@ -39,6 +39,7 @@ from spmd_torch._lazy.graph import Node as _GraphNode
 from spmd_torch._lazy.lowering import LOWERINGS, EngineOp, lowers
 from spmd_torch._lazy.lowering.dtypes import to_jax_dtype, to_torch_dtype
 from spmd_torch._lazy.tensor import LazyTensor, wrap
+from spmd_torch.debug.graph import hlo_text
 
 __all__ = [
     "Builder",
@@ -1702,13 +1703,13 @@ def create_computation(name: str, fn: Callable, shapes: Sequence[Shape], **kwarg
 
 
 def get_computation_hlo(computation: Computation) -> str:
-    """The computation's text, as the StableHLO module JAX lowers it to (not HLO text).
+    """The computation as HLO text, in PyTorch/XLA's print style.
 
     Example:
         >>> print(get_computation_hlo(comp))
     """
     avals = [_to_aval(s) for s in computation.param_shapes]
-    return jax.jit(computation.apply).lower(*avals).as_text()
+    return hlo_text(jax.jit(computation.apply).lower(*avals))
 
 
 # --- running computations on xla tensors -----------------------------------------------------

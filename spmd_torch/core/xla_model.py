@@ -814,7 +814,7 @@ def get_stablehlo(tensors: list[torch.Tensor] | None = None) -> str:
         >>> y = x * 2 + 1
         >>> print(xm.get_stablehlo([y]))
     """
-    return _graph.pending_hlo(list(tensors) if tensors else None)
+    return _graph.pending_stablehlo(list(tensors) if tensors else None)
 
 
 def _check_device(device, api: str) -> None:

@@ -1,4 +1,4 @@
-"""The pending graph, as text and as StableHLO, without running it: what the next sync compiles.
+"""The pending graph, as text, HLO and StableHLO, without running it: what the next sync compiles.
 
 ``get_tensors_text`` and ``get_tensors_hlo`` answer what PyTorch/XLA's
 ``torch_xla._XLAC._get_xla_tensors_text`` / ``_get_xla_tensors_hlo`` answer; ``save_pending`` is
@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import traceback
 
+import jax
 import torch
+from jaxlib import _hlo as hlo  # HLO print options: JAX prints without PyTorch/XLA's % names
 
 from spmd_torch._lazy import compile as _compile
 from spmd_torch._lazy import engine as _engine
@@ -32,7 +34,7 @@ def pending_text(tensors: list[torch.Tensor] | None = None) -> str:
 
 
 def pending_hlo(tensors: list[torch.Tensor] | None = None) -> str:
-    """The pending graph computing ``tensors`` lowered to StableHLO text; nothing runs.
+    """The pending graph computing ``tensors`` as the HLO module XLA is handed; nothing runs.
 
     Args:
         tensors: xla tensors whose graph to lower; default: every pending tensor.
@@ -40,9 +42,41 @@ def pending_hlo(tensors: list[torch.Tensor] | None = None) -> str:
     Example:
         >>> print(graph.pending_hlo([y]))
     """
-    program = pending_program(tensors)
+    return _lowered(tensors, "hlo")
+
+
+def pending_stablehlo(tensors: list[torch.Tensor] | None = None) -> str:
+    """The pending graph computing ``tensors`` lowered to StableHLO text; nothing runs.
+
+    Example:
+        >>> print(graph.pending_stablehlo([y]))
+    """
+    return _lowered(tensors, "stablehlo")
+
+
+def program_text(program: Program, form: str) -> str:
+    """``program`` lowered, nothing run: ``form`` ``'stablehlo'`` (what JAX lowers to), ``'hlo'``
+    (the HLO module XLA is handed) or ``'optimized'`` (the HLO XLA runs after its passes, SPMD
+    partitioning and collectives included)."""
     arrays = [_placement.resolve(node, i) for node, i in program.leaves]
-    return _compile.stablehlo_text(program, arrays)
+    lowered = _compile.lowered(program, arrays)
+    if form == "optimized":
+        return lowered.compile().as_text()
+    return hlo_text(lowered) if form == "hlo" else lowered.as_text()
+
+
+def hlo_text(lowered: jax.stages.Lowered) -> str:
+    """``lowered`` as HLO text in PyTorch/XLA's print style: ``%``-named values whose operands
+    carry their shapes, shardings as ``sharding={...}``, no source metadata."""
+    options = hlo.HloPrintOptions()
+    options.print_percent = True
+    options.print_operand_shape = True
+    options.print_metadata = False
+    return lowered.compiler_ir("hlo").get_hlo_module().to_string(options)
+
+
+def _lowered(tensors: list[torch.Tensor] | None, form: str) -> str:
+    return program_text(pending_program(tensors), form)
 
 
 def pending_count() -> int:
@@ -70,7 +104,7 @@ def get_tensors_text(tensors: list[torch.Tensor]) -> str:
 
 
 def get_tensors_hlo(tensors: list[torch.Tensor]) -> str:
-    """The graph computing ``tensors`` as StableHLO text (``_XLAC._get_xla_tensors_hlo``).
+    """The graph computing ``tensors`` as HLO text (``_XLAC._get_xla_tensors_hlo``).
 
     Args:
         tensors: xla tensors.

@@ -35,8 +35,9 @@ def test_post_optimization_hlo_is_partitioned_and_runs_nothing(spmd_mode, monkey
     xs.mark_sharding(t1, xs.Mesh(np.arange(8), (1, 8)), (0, 1))  # the contraction dim, split
     t3 = t1 @ t2
     monkeypatch.delenv("XLA_DUMP_POST_OPTIMIZATIONS", raising=False)
-    stablehlo = xlac._get_xla_tensors_hlo([t3])
-    assert "tensor<1x128xf32>" in stablehlo and "all_reduce" not in stablehlo
+    unpartitioned = xlac._get_xla_tensors_hlo([t3])
+    assert "sharding={devices=[1,8]<=[8]}" in unpartitioned and "all-reduce" not in unpartitioned
+    assert "f32[1,1]{1,0} dot(f32[1,128]{1,0} %" in unpartitioned
     monkeypatch.setenv("XLA_DUMP_POST_OPTIMIZATIONS", "1")
     hlo = xlac._get_xla_tensors_hlo([t3])
     assert hlo.startswith("HloModule") and "num_partitions=8" in hlo

@@ -78,14 +78,16 @@ def test_debug_level_explains_an_input_shape_change(capsys):
     assert "input shapes/dtypes/shardings changed: input 0: ((6,)" in last, last
 
 
-def test_pending_graph_as_text_and_stablehlo():
+def test_pending_graph_as_text_hlo_and_stablehlo():
     x = torch.ones(2, 3).to(dev)
     spmd_torch.sync()
     y = (x * 2).sum(dim=1)
     text = graph.get_tensors_text([y])
     assert "aten.mul.Tensor" in text and "aten.sum.dim_IntList" in text and "f32[2]" in text
     hlo = graph.get_tensors_hlo([y])
-    assert "stablehlo.multiply" in hlo and "stablehlo.reduce" in hlo
+    assert "f32[2,3]{1,0} multiply(f32[2,3]{1,0} %" in hlo and "f32[2]{0} reduce(" in hlo
+    stablehlo = graph.pending_stablehlo([y])
+    assert "stablehlo.multiply" in stablehlo and "stablehlo.reduce" in stablehlo
     assert_close(y, torch.full((2,), 6.0))
 
 

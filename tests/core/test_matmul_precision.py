@@ -43,7 +43,7 @@ def test_lowered_products_carry_the_precision(precision):
     w = torch.randn(3, 2, 3, 3).to(dev)
     out = a @ b
     conv = torch.nn.functional.conv2d(x, w)
-    hlo = graph.pending_hlo([out, conv])
+    hlo = graph.pending_stablehlo([out, conv])
     assert _precisions(hlo) == {precision.upper()}
     spmd_torch.sync()
 

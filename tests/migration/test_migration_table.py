@@ -874,8 +874,28 @@ def check_xlac_tensors_text(fn):
 
 def check_xlac_tensors_hlo(fn):
     y = _xla([1.0, 2.0]).sin()
-    assert "stablehlo.sine" in fn([y])
+    assert "f32[2]{0} sine(f32[2]{0} %" in fn([y])
     spmd_torch.sync()
+
+
+def check_xlac_from_cpu_shards(fn):
+    xr.use_spmd()
+    sharding = xs.Mesh(np.arange(8), (4, 2)).get_op_sharding((0, None))
+    from_cpu_shards = spmd_torch._XLAC._global_tensor_from_cpu_shards
+    t = from_cpu_shards([torch.tensor([[i // 2, i // 2]]) for i in range(8)], sharding)
+    assert t.cpu().tolist() == [[0, 0], [1, 1], [2, 2], [3, 3]]
+
+
+def check_xlac_manual_region(fn):
+    xr.use_spmd()
+    mesh = xs.Mesh(np.arange(8), (8,))
+    x = _xla(list(range(8)))
+    xs.mark_sharding(x, mesh, (0,))
+    local = spmd_torch._XLAC._spmd_full_to_shard_shape(x)
+    assert tuple(local.shape) == (1,)
+    sharding = mesh.get_op_sharding((0,))
+    full = spmd_torch._XLAC._spmd_shard_to_full_shape(local * local, sharding, (8,), x.dtype)
+    assert full.cpu().tolist() == [float(i * i) for i in range(8)]
 
 
 def check_profiler_trace(cls):
@@ -1227,6 +1247,8 @@ CHECKS: dict[str, Callable] = {
     "xlac.metrics_report": check_xlac_metrics_report,
     "xlac.tensors_text": check_xlac_tensors_text,
     "xlac.tensors_hlo": check_xlac_tensors_hlo,
+    "xlac.from_cpu_shards": check_xlac_from_cpu_shards,
+    "xlac.manual_region": check_xlac_manual_region,
     "xp.start_server": check_profiler_start_server,
     "xp.trace": check_profiler_capture_from_server,
     "xp.StepTrace": check_profiler_step_trace,

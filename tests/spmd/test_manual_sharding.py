@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import spmd_torch
+import spmd_torch._XLAC as xlac
 import spmd_torch.distributed.spmd as xs
 from spmd_torch._lazy.execute import global_array
 from spmd_torch._lazy.manual import ManualShardingError
@@ -107,3 +108,24 @@ def test_leak_guard_names_a_region_left_open(mesh):
     assert "= full_to_shard(%in0, {data,model})" in leaks[1]
     del local
     assert engine_leaks(spmd_expected=True) == []
+
+
+def test_xlac_full_to_shard_and_back_match_the_xs_region(mesh):
+    x = torch.randn(4, 8)
+    xd = x.to(dev)
+    with pytest.raises(RuntimeError, match=r"shape \(4, 8\) has no sharding"):
+        xlac._spmd_full_to_shard_shape(xd)
+    xs.mark_sharding(xd, mesh, ("data", "model"))
+    local = xlac._spmd_full_to_shard_shape(xd)
+    assert tuple(local.shape) == (2, 2)
+    with pytest.raises(RuntimeError, match=r"shape \(4, 8\) is not a per-device shard"):
+        xs._mark_manual_sharding(xd)
+    local = xs._mark_manual_sharding(local * 3).global_tensor
+    sharding = mesh.get_op_sharding(("data", "model"))
+    with pytest.raises(RuntimeError, match="the shard is torch.float32, not torch.int64"):
+        xlac._spmd_shard_to_full_shape(local, sharding, (4, 8), torch.int64)
+    out = xlac._spmd_shard_to_full_shape(local, sharding, (4, 8), torch.float32)
+    assert_close(out, x * 3)
+    assert xs.get_xla_sharding_spec(out) == "{devices=[2,4]0,1,2,3,4,5,6,7}"
+    with pytest.raises(RuntimeError, match=r"shape \(4, 8\) that is not a per-device shard"):
+        xlac._spmd_shard_to_full_shape(out, sharding, (4, 8), torch.float32)

@@ -16,6 +16,7 @@ from . import xla_sharding
 from .api import auto_policy, xla_distribute_module, xla_distribute_tensor
 from .visualize import visualize_sharding, visualize_tensor_sharding
 from .xla_sharding import *  # noqa: F403  (as in PyTorch/XLA, it also re-exports the mesh types)
+from .xla_sharding import _mark_manual_sharding  # noqa: F401  (private, re-exported as there)
 
 __all__ = [
     *xla_sharding.__all__,

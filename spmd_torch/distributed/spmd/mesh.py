@@ -197,6 +197,15 @@ class Mesh:
         """
         return named_sharding(self, partition_spec)
 
+    def get_op_sharding(self, partition_spec: PartitionSpecLike) -> NamedSharding:
+        """The sharding of ``partition_spec`` over this mesh, to hand to ``_XLAC``'s calls that
+        take one: PyTorch/XLA's is an ``xla::OpSharding``, here the ``NamedSharding`` itself.
+
+        Example:
+            >>> xlac._global_tensor_from_cpu_shards(shards, mesh.get_op_sharding((0,)))
+        """
+        return named_sharding(self, partition_spec)
+
 
 class HybridMesh(Mesh):
     """A mesh over devices joined by a fast network (ICI) within a host and a slow one (DCN) across.

@@ -262,7 +262,7 @@ def _shard_pair(x: Any, y: Any) -> tuple[Any, Any]:
     validate._check_xla_tensor(y, "shard_as")
     if x.shape != y.shape:
         raise ValueError(f"shard_as: leaves of shapes {tuple(x.shape)} and {tuple(y.shape)} differ")
-    sharding = _own_sharding(x) or _own_sharding(y)
+    sharding = own_sharding(x) or own_sharding(y)
     if sharding is None:
         raise NotImplementedError(
             f"shard_as: neither tensor of shape {tuple(x.shape)} has a sharding yet; shard one "
@@ -274,7 +274,7 @@ def _shard_pair(x: Any, y: Any) -> tuple[Any, Any]:
     return x, y
 
 
-def _own_sharding(tensor: torch.Tensor) -> NamedSharding | None:
+def own_sharding(tensor: torch.Tensor) -> NamedSharding | None:
     """The tensor's mesh sharding, or None when it has none of its own."""
     sharding = placement.sharding_of(tensor)
     if not isinstance(sharding, NamedSharding) or sharding == transfer.landing():
@@ -308,7 +308,26 @@ def enable_manual_sharding(
     """
     mesh = _mesh_or_global(mesh, "enable_manual_sharding")
     tensor = unwrap_sharded_tensor(mark_sharding(t, mesh, partition_spec))
-    return wrap_as_sharded_tensor(_ToShards.apply(tensor, named_sharding(mesh, partition_spec)))
+    return wrap_as_sharded_tensor(ToShards.apply(tensor, named_sharding(mesh, partition_spec)))
+
+
+def _mark_manual_sharding(t: torch.Tensor | XLAShardedTensor) -> XLAShardedTensor:
+    """``t`` wrapped, once checked to be a per-device shard (computed from
+    ``_XLAC._spmd_full_to_shard_shape`` or :func:`enable_manual_sharding`). PyTorch/XLA marks a
+    value manual here; in this runtime a value is a shard by how it was computed, so this only
+    checks (RuntimeError otherwise).
+
+    Example:
+        >>> local = xs._mark_manual_sharding(xlac._spmd_full_to_shard_shape(x) + 1).global_tensor
+    """
+    tensor = unwrap_sharded_tensor(t)
+    validate._check_xla_tensor(tensor, "_mark_manual_sharding")
+    if not manual.is_shard(tensor):
+        raise RuntimeError(
+            f"_mark_manual_sharding: the tensor of shape {tuple(tensor.shape)} is not a "
+            "per-device shard; make one with xs.enable_manual_sharding"
+        )
+    return wrap_as_sharded_tensor(tensor)
 
 
 def disable_manual_sharding(
@@ -335,10 +354,10 @@ def disable_manual_sharding(
     validate._check_spec_container(partition_spec)
     validate._check_spec_rank(tuple(full_shape), tuple(partition_spec))
     sharding = named_sharding(mesh, partition_spec)
-    return wrap_as_sharded_tensor(_FromShards.apply(tensor, sharding, tuple(full_shape)))
+    return wrap_as_sharded_tensor(FromShards.apply(tensor, sharding, tuple(full_shape)))
 
 
-class _ToShards(torch.autograd.Function):
+class ToShards(torch.autograd.Function):
     """Entering a manual region; gradients leave it the opposite way."""
 
     @staticmethod
@@ -351,7 +370,7 @@ class _ToShards(torch.autograd.Function):
         return manual.leave(grad, ctx.sharding, ctx.full_shape), None
 
 
-class _FromShards(torch.autograd.Function):
+class FromShards(torch.autograd.Function):
     """Leaving a manual region; gradients come back in as each device's shard."""
 
     @staticmethod
