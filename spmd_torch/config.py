@@ -184,6 +184,12 @@ FREEZE_HEAP = _flag(
     True,
     "Once warm-up ends (a compiled program runs again), collect and gc.freeze() the Python heap.",
 )
+ALWAYS_ALLREDUCE = _flag(
+    "XLA_ALWAYS_ALLREDUCE",
+    False,
+    "In a world of one device, emit each replica collective as an XLA collective over that "
+    "device (as with more replicas) instead of leaving it out (read at each collective).",
+)
 RATE_TRACKER_SMOOTHING = _flag(
     "RATE_TRACKER_SMOOTHING",
     0.4,

@@ -15,10 +15,12 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from spmd_torch import config
+
 from . import counters, engine, placement, transfer
 from .compile import inputs_by_aval, inputs_by_layout
 from .graph import Program, linearize
-from .lowering.collectives import REPLICA_AXIS
+from .lowering.collectives import ALONE_AXIS, REPLICA_AXIS
 from .replicas import across_hosts
 from .run import Run, execute
 
@@ -64,13 +66,14 @@ class OneDevice:
             node.keep(index, array)
 
     def collective_axis(self, api: str) -> str | None:
-        """The mesh axis replica collectives span: none in a world of one."""
+        """The mesh axis replica collectives span: none in a world of one, or one of one device
+        (``XLA_ALWAYS_ALLREDUCE``)."""
         if self.world_size > 1:
             raise NotImplementedError(
                 f"xm.{api} across {self.world_size} hosts outside launch/spawn: in the SPMD "
                 "model collectives come from sharding; mark tensors over a global mesh instead"
             )
-        return None
+        return ALONE_AXIS if config.ALWAYS_ALLREDUCE.read() else None
 
     def rendezvous(self, tag: str, payload, ordinals: list) -> list:
         """Every process's payload, in process order (each host is one, as in PyTorch/XLA)."""
@@ -116,6 +119,10 @@ class SpmdMesh(OneDevice):
 
     def __repr__(self) -> str:
         return f"SpmdMesh({self.replicated.num_devices} devices)"
+
+    def collective_axis(self, api: str) -> None:
+        """None: a program spans every device here, so a collective of one device has no place."""
+        super().collective_axis(api)
 
     def stage(self, host: np.ndarray) -> transfer.HostData:
         """Kept on the host: a ``mark_sharding`` may come next, uploading only each shard

@@ -11,6 +11,7 @@ import traceback
 
 import jax
 import torch
+from jax._src.lib import _jax  # StableHLO -> HLO, as Lowered.compiler_ir('hlo') converts it
 from jaxlib import _hlo as hlo  # HLO print options: JAX prints without PyTorch/XLA's % names
 
 from spmd_torch._lazy import compile as _compile
@@ -66,13 +67,15 @@ def program_text(program: Program, form: str) -> str:
 
 
 def hlo_text(lowered: jax.stages.Lowered) -> str:
-    """``lowered`` as HLO text in PyTorch/XLA's print style: ``%``-named values whose operands
-    carry their shapes, shardings as ``sharding={...}``, no source metadata."""
+    """``lowered`` as HLO text in PyTorch/XLA's print style: values named after their opcode
+    (``%all-reduce.3``; converted without JAX's source locations, which would name them), operands
+    with their shapes, shardings as ``sharding={...}``, no metadata."""
+    module = _jax.mlir.mlir_module_to_xla_computation(lowered.as_text(), use_tuple_args=False)
     options = hlo.HloPrintOptions()
     options.print_percent = True
     options.print_operand_shape = True
     options.print_metadata = False
-    return lowered.compiler_ir("hlo").get_hlo_module().to_string(options)
+    return module.get_hlo_module().to_string(options)
 
 
 def _lowered(tensors: list[torch.Tensor] | None, form: str) -> str:

@@ -5,6 +5,7 @@ guard; a program's identity is computed once and shared."""
 
 from __future__ import annotations
 
+import re
 import threading
 
 import numpy as np
@@ -174,6 +175,36 @@ def test_collectives_in_a_world_of_one_are_graph_nodes_with_one_replica_values()
     assert_close(kept, x)
     assert_close(dropped, torch.zeros(2, 3))
     assert xm.rendezvous("alone", b"me") == [b"me"]
+
+
+def test_always_allreduce_emits_a_world_of_ones_collectives_with_the_same_values(monkeypatch):
+    x = torch.arange(6.0).reshape(2, 3)
+    xd = x.to(dev)
+    pattern = r"%(all-reduce|all-gather|reduce-scatter|collective-permute)\.\d+ = "
+
+    def step():
+        return [
+            xm.all_reduce(xm.REDUCE_SUM, xd, scale=0.5),
+            xm.all_gather(xd, dim=1),
+            xm.reduce_scatter(xm.REDUCE_SUM, xd, 2.0, 0, 1),
+            xm.collective_permute(xd, [[0, 0]]),
+        ]
+
+    left_out = step()
+    assert re.findall(pattern, graph.get_tensors_hlo(left_out)) == []
+    monkeypatch.setenv("XLA_ALWAYS_ALLREDUCE", "1")  # read at each collective, as PyTorch/XLA does
+    emitted = step()
+    hlo = graph.get_tensors_hlo(emitted)
+    assert sorted(re.findall(pattern, hlo)) == [
+        "all-gather",
+        "all-reduce",
+        "collective-permute",
+        "reduce-scatter",
+    ]
+    assert "replica_groups={{0}}" in hlo
+    for a, b, expected in zip(left_out, emitted, [x * 0.5, x, x * 2, x]):
+        assert_close(a, expected)
+        assert_close(b, expected)
 
 
 def test_world_of_one_checks_collective_arguments():

@@ -4,7 +4,8 @@ all_to_all, collective_permute) for the multiprocessing emulation.
 The replicas' graphs run as one ``jax.shard_map`` over a 1-D mesh whose axis is ``REPLICA_AXIS``;
 these lowerings run inside its body, where each value has its per-replica shape. Each node's last
 argument is that axis, or None in a world of one (a program that is not a replica of ``launch``),
-where every collective is the value one replica alone would get. ``groups`` is
+where every collective is the value one replica alone would get; ``ALONE_AXIS`` there
+(``XLA_ALWAYS_ALLREDUCE``) still emits the collective, over a mesh of the one device. ``groups`` is
 torch_xla's: a tuple of equal-sized tuples of replica ordinals partitioning the replicas, or None
 for all replicas in ordinal order. Without groups each op is one ``jax.lax`` collective where one
 exists. With groups every replica gathers all values and picks its group's members through static
@@ -14,13 +15,18 @@ NotImplementedError under ``check_vma``).
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import AbstractMesh, PartitionSpec
 
 from .registry import EngineOp, lowers
 
 REPLICA_AXIS = "replica"
+ALONE_AXIS = "replica of one"  # a world of one whose collectives are emitted all the same
 
 # args (xs, reduce_type, scale, groups, axis): xs a tuple of arrays -> a tuple, one result per input
 ALL_REDUCE = EngineOp("all_reduce")
@@ -79,6 +85,30 @@ def _rank(groups, axis):
     return jnp.asarray(ranks)[lax.axis_index(axis)]
 
 
+def _emitted_alone(lowering):
+    """``lowering``, run on ``ALONE_AXIS`` inside a ``shard_map`` over a one-device replica axis,
+    so the world of one still gets its XLA collective."""
+
+    @functools.wraps(lowering)
+    def lower(x, *args, **kwargs):
+        if kwargs.get("axis", args[-1] if args else None) != ALONE_AXIS:
+            return lowering(x, *args, **kwargs)
+        if "axis" in kwargs:
+            kwargs = {**kwargs, "axis": REPLICA_AXIS}
+        else:
+            args = (*args[:-1], REPLICA_AXIS)
+        body = functools.partial(_with_static, lowering, args, kwargs)
+        mesh = AbstractMesh((1,), (REPLICA_AXIS,))
+        spec = PartitionSpec()
+        return jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)(x)
+
+    return lower
+
+
+def _with_static(lowering, args, kwargs, x):
+    return lowering(x, *args, **kwargs)
+
+
 def _concat(stack, dim: int):
     """The stacked values (axis 0) concatenated along dim, in stack order."""
     moved = jnp.moveaxis(stack, 0, dim)
@@ -113,12 +143,14 @@ def _reduce(op: str, x, reduce_type: str, groups, axis):
 
 
 @lowers(ALL_REDUCE)
+@_emitted_alone
 def _all_reduce(xs, reduce_type, scale, groups, axis):
     """One node reduces a whole list of tensors, as xm.all_reduce does for a list."""
     return tuple(_scaled(_reduce("all_reduce", x, reduce_type, groups, axis), scale) for x in xs)
 
 
 @lowers(ALL_GATHER)
+@_emitted_alone
 def _all_gather(x, dim, groups, axis):
     """xm.all_gather: the group's values side by side along dim."""
     if groups is None and axis is not None:
@@ -127,6 +159,7 @@ def _all_gather(x, dim, groups, axis):
 
 
 @lowers(REDUCE_SCATTER)
+@_emitted_alone
 def _reduce_scatter(x, reduce_type, scale, scatter_dim, shard_count, groups, axis):
     """xm.reduce_scatter: the reduction's chunk that belongs to this replica's rank."""
     if groups is None and axis is not None and reduce_type == "sum" and x.dtype != jnp.bool_:
@@ -137,6 +170,7 @@ def _reduce_scatter(x, reduce_type, scale, scatter_dim, shard_count, groups, axi
 
 
 @lowers(ALL_TO_ALL)
+@_emitted_alone
 def _all_to_all(x, split_dimension, concat_dimension, split_count, groups, axis):
     """xm.all_to_all: rank r receives every member's chunk r, concatenated in group order."""
     if groups is None and axis is not None:
@@ -147,6 +181,7 @@ def _all_to_all(x, split_dimension, concat_dimension, split_count, groups, axis)
 
 
 @lowers(COLLECTIVE_PERMUTE)
+@_emitted_alone
 def _collective_permute(x, pairs, axis):
     """xm.collective_permute: each source sends to its target; lax.ppermute zero-fills the rest."""
     if axis is None:
