@@ -101,8 +101,8 @@ def _check_mesh(mesh: xs.Mesh | None, extra_data_axis: str | None) -> xs.Mesh:
         )
     if extra_data_axis is not None and extra_data_axis not in names:
         raise ValueError(
-            f"SpmdFullyShardedDataParallel: extra_data_axis={extra_data_axis!r} is not an axis "
-            f"of the mesh; its axes are {{{axes}}}"
+            f"SpmdFullyShardedDataParallel: The provided {extra_data_axis} axis is not in the "
+            f"mesh. (extra_data_axis={extra_data_axis!r}; the mesh's axes are {{{axes}}})"
         )
     return mesh
 
