@@ -99,10 +99,6 @@ XFAILS: dict[tuple[str, str, str], str] = {
     ("geometric", "fwd", "bfloat16"): _SAMPLER,
     ("geometric", "fwd", "float32"): _SAMPLER,
     ("geqrf", "fwd", "float32"): _cpu("geqrf"),
-    ("grid_sampler_2d", "grad", "float32"): _cpu("grid_sampler_2d_backward"),
-    ("grid_sampler_3d", "fwd", "bfloat16"): _BF16_ROUNDING,
-    ("grid_sampler_3d", "fwd", "float32"): _cpu("grid_sampler_3d"),
-    ("grid_sampler_3d", "grad", "float32"): _cpu("grid_sampler_3d", "grid_sampler_3d_backward"),
     ("histogramdd", "fwd", "float32"): _cpu(
         "_histogramdd_bin_edges", "_histogramdd_from_bin_cts", "_histogramdd_from_bin_tensors"
     ),
@@ -167,7 +163,6 @@ XFAILS: dict[tuple[str, str, str], str] = {
     ("nn.functional.fractional_max_pool3d", "fwd", "float32"): _RANDOM_SAMPLES,
     ("nn.functional.fractional_max_pool3d", "grad", "float32"): _RANDOM_SAMPLES,
     ("nn.functional.gaussian_nll_loss", "fwd", "bfloat16"): _BF16_ROUNDING,
-    ("nn.functional.grid_sample", "grad", "float32"): _cpu("grid_sampler_2d_backward"),
     ("nn.functional.hinge_embedding_loss", "fwd", "bfloat16"): _BF16_ROUNDING,
     ("nn.functional.linear_cross_entropy.chunked", "fwd", "bfloat16"): _cpu(
         "_linear_cross_entropy_batch_chunked"

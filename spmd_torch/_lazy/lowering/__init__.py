@@ -8,6 +8,7 @@ from . import (  # noqa: F401  (each module fills LOWERINGS at import)
     elementwise,
     factories,
     fft,
+    grid_sample,
     indexing,
     linalg,
     nn,
