@@ -20,7 +20,7 @@ from . import collective, counters, placement, rng, views
 from .engine import current
 from .execute import sync, to_cpu
 from .graph import Aval, Value
-from .lowering import LOWERINGS, amp, factories, optim
+from .lowering import LOWERINGS, amp, ctc, factories, optim
 from .record import DeviceMismatchError, NoStaticShape, emit, emit_value
 from .tensor import DEVICE, LazyTensor, connect, wrap, wrap_data
 from .transfer import host_copy, to_device_array, upload
@@ -34,7 +34,7 @@ _DECOMPOSITIONS = {
     for op, fn in decomposition_table.items()
     if not getattr(fn, "__module__", "").startswith("torch._refs")
 }
-_DECOMPOSITIONS |= amp.DECOMPOSITIONS | optim.DECOMPOSITIONS
+_DECOMPOSITIONS |= amp.DECOMPOSITIONS | ctc.DECOMPOSITIONS | optim.DECOMPOSITIONS
 
 
 def issue(func, args: tuple, kwargs: dict) -> Any:

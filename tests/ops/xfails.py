@@ -145,8 +145,6 @@ XFAILS: dict[tuple[str, str, str], str] = {
     ("nn.functional.alpha_dropout", "fwd", "bfloat16"): _FEATURE_DROPOUT,
     ("nn.functional.alpha_dropout", "fwd", "float32"): _FEATURE_DROPOUT,
     ("nn.functional.cosine_similarity", "fwd", "bfloat16"): _BF16_ROUNDING,
-    ("nn.functional.ctc_loss", "fwd", "float32"): _cpu("_ctc_loss"),
-    ("nn.functional.ctc_loss", "grad", "float32"): _cpu("_ctc_loss", "_ctc_loss_backward"),
     ("nn.functional.dropout2d", "fwd", "bfloat16"): _FEATURE_DROPOUT,
     ("nn.functional.dropout2d", "fwd", "float32"): _FEATURE_DROPOUT,
     ("nn.functional.dropout3d", "fwd", "bfloat16"): _FEATURE_DROPOUT,

@@ -5,6 +5,7 @@ from . import (  # noqa: F401  (each module fills LOWERINGS at import)
     amp,
     barrier,
     collectives,
+    ctc,
     elementwise,
     factories,
     fft,
