@@ -33,8 +33,7 @@ def enter(t: LazyTensor, sharding: NamedSharding) -> LazyTensor:
 
 def is_shard(t: LazyTensor) -> bool:
     """Whether ``t`` is a per-device shard: computed inside a manual region."""
-    ref = t._ref()
-    return id(ref[0]) in local_nodes(linearize([ref]))
+    return id(t._ref()[0]) in local_nodes(linearize([t._ref()]))
 
 
 def leave(t: LazyTensor, sharding: NamedSharding, full_shape: tuple) -> LazyTensor:

@@ -31,6 +31,7 @@ class OneDevice:
     landing = None  # JAX's default device
     replicated = None  # the layout replicated over the SPMD devices: none here
     input_key = staticmethod(inputs_by_aval)  # what of an input the compile cache keys on
+    alone_axis = ALONE_AXIS  # XLA_ALWAYS_ALLREDUCE's collectives: over a mesh of the one device
 
     def __init__(self):
         self.meetings: dict = {}  # tag -> rendezvous held with the other processes so far
@@ -73,7 +74,7 @@ class OneDevice:
                 f"xm.{api} across {self.world_size} hosts outside launch/spawn: in the SPMD "
                 "model collectives come from sharding; mark tensors over a global mesh instead"
             )
-        return ALONE_AXIS if config.ALWAYS_ALLREDUCE.read() else None
+        return self.alone_axis if config.ALWAYS_ALLREDUCE.read() else None
 
     def rendezvous(self, tag: str, payload, ordinals: list) -> list:
         """Every process's payload, in process order (each host is one, as in PyTorch/XLA)."""
@@ -107,6 +108,7 @@ class SpmdMesh(OneDevice):
     (PyTorch/XLA's one-time replication when SPMD starts)."""
 
     input_key = staticmethod(inputs_by_layout)
+    alone_axis = None  # a program spans every device: a one-device collective has no place
 
     def __init__(self, devices: list):
         super().__init__()
@@ -119,10 +121,6 @@ class SpmdMesh(OneDevice):
 
     def __repr__(self) -> str:
         return f"SpmdMesh({self.replicated.num_devices} devices)"
-
-    def collective_axis(self, api: str) -> None:
-        """None: a program spans every device here, so a collective of one device has no place."""
-        super().collective_axis(api)
 
     def stage(self, host: np.ndarray) -> transfer.HostData:
         """Kept on the host: a ``mark_sharding`` may come next, uploading only each shard

@@ -249,7 +249,10 @@ def test_global_mesh_used_when_no_mesh_given(mesh):
 
 
 def test_extra_data_axis_not_in_mesh_raises(mesh):
-    with pytest.raises(ValueError, match=r"The provided data axis is not in the mesh\. \(extra_data_axis='data'; the mesh's axes are"):
+    with pytest.raises(
+        ValueError,
+        match=r"The provided data axis is not in the mesh\. \(extra_data_axis='data'; the mesh's axes are",
+    ):
         FSDPv2(TinyLM(), mesh=mesh, extra_data_axis="data")
 
 
