@@ -32,7 +32,6 @@ _FEATURE_DROPOUT = (
     "dropout2d/3d and alpha dropout call aten.bernoulli with a tensor p through PyTorch's "
     "decomposition, which reaches bernoulli.p without p"
 )
-_ADAPTIVE_MAX_POOL = "adaptive_max_pool2d has neither a lowering nor a decomposition we can run"
 _RESIZE = "resize_ changes a storage's size; xla tensors have fixed-size storages"
 _CHALF = "complex32 (chalf) has no JAX dtype"
 _TENSOR_SPLIT = (
@@ -136,12 +135,6 @@ XFAILS: dict[tuple[str, str, str], str] = {
     ("native_batch_norm", "fwd", "float32"): _BN_EVAL_STATS,
     ("native_batch_norm", "grad", "float32"): _BN_EVAL_STATS,
     ("native_layer_norm", "fwd", "bfloat16"): _STATS_DTYPE,
-    ("nn.functional.adaptive_max_pool1d", "fwd", "bfloat16"): _ADAPTIVE_MAX_POOL,
-    ("nn.functional.adaptive_max_pool1d", "fwd", "float32"): _ADAPTIVE_MAX_POOL,
-    ("nn.functional.adaptive_max_pool1d", "grad", "float32"): _ADAPTIVE_MAX_POOL,
-    ("nn.functional.adaptive_max_pool2d", "fwd", "bfloat16"): _ADAPTIVE_MAX_POOL,
-    ("nn.functional.adaptive_max_pool2d", "fwd", "float32"): _ADAPTIVE_MAX_POOL,
-    ("nn.functional.adaptive_max_pool2d", "grad", "float32"): _ADAPTIVE_MAX_POOL,
     ("nn.functional.alpha_dropout", "fwd", "bfloat16"): _FEATURE_DROPOUT,
     ("nn.functional.alpha_dropout", "fwd", "float32"): _FEATURE_DROPOUT,
     ("nn.functional.cosine_similarity", "fwd", "bfloat16"): _BF16_ROUNDING,

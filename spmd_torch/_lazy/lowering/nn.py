@@ -203,6 +203,53 @@ def _max_pool_backward(
     return _to_indices(grad_output, self, indices, nd)
 
 
+def _adaptive_bins(size: int, n_out: int) -> tuple[np.ndarray, np.ndarray]:
+    """(n_out, widest bin) input positions of PyTorch's bins [floor(i*L/n), ceil((i+1)*L/n)),
+    and which of them lie in their bin (the narrower bins repeat their last position)."""
+    starts = np.arange(n_out) * size // n_out
+    ends = -(-(np.arange(n_out) + 1) * size // n_out)
+    offsets = np.arange(int((ends - starts).max()))
+    inside = starts[:, None] + offsets < ends[:, None]
+    return np.minimum(starts[:, None] + offsets, ends[:, None] - 1), inside
+
+
+def _adaptive_max_pool(self, output_size):
+    """Each bin's max and its index into the flattened input plane; first max wins, NaN beats
+    all (as max_pool): the bins gathered whole, padded with -inf to the widest."""
+    nd, lead = len(output_size), self.ndim - len(output_size)
+    bins = [_adaptive_bins(size, n) for size, n in zip(self.shape[lead:], output_size)]
+    windows, inside = self, np.ones((), bool)
+    for i, (positions, mask) in enumerate(bins):
+        axis = lead + 2 * i  # each earlier dim now stands as (bin, offset)
+        windows = jnp.take(windows, positions.reshape(-1), axis=axis)
+        windows = windows.reshape(
+            windows.shape[:axis] + positions.shape + windows.shape[axis + 1 :]
+        )
+        inside = np.logical_and.outer(inside, mask)
+    # (..., n1, k1, n2, k2, ...) -> (..., n1, n2, ..., k1 * k2 * ...)
+    order = [lead + 2 * i for i in range(nd)] + [lead + 2 * i + 1 for i in range(nd)]
+    windows = jnp.moveaxis(windows, order, range(lead, lead + 2 * nd))
+    windows = windows.reshape(windows.shape[: lead + nd] + (-1,))
+    inside = np.moveaxis(inside, [a - lead for a in order], range(2 * nd))
+    inside = inside.reshape(tuple(output_size) + (-1,))
+    floating = jnp.issubdtype(self.dtype, jnp.floating)
+    fill = -jnp.inf if floating else jnp.iinfo(self.dtype).min
+    windows = jnp.where(inside, windows, jnp.array(fill, self.dtype))
+    best = jnp.argmax(windows, -1)
+    values = jnp.take_along_axis(windows, best[..., None], -1)[..., 0]
+    index = 0
+    for i, offset in enumerate(jnp.unravel_index(best, [p.shape[1] for p, _ in bins])):
+        which_bin = np.arange(output_size[i]).reshape((-1,) + (1,) * (nd - 1 - i))
+        position = jnp.asarray(bins[i][0])[which_bin, offset]
+        index = index * self.shape[lead + i] + position
+    return values, index.astype(jnp.int64)
+
+
+@lowers(aten.adaptive_max_pool2d.default, aten.adaptive_max_pool3d.default)
+def _adaptive_max_pool_lowering(self, output_size):
+    return _adaptive_max_pool(self, tuple(output_size))
+
+
 @lowers(aten.adaptive_max_pool2d_backward.default)
 def _adaptive_max_pool2d_backward(grad_output, self, indices):
     return _to_indices(grad_output, self, indices, 2)
