@@ -91,7 +91,7 @@ def _resolve(func) -> Callable:
         return lambda f, args, kwargs: placement.follow(handler(f, args, kwargs), args[0])
     if handler is not None:
         return handler
-    if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+    if _has_kernel(func, "CompositeImplicitAutograd"):
         return lambda f, args, kwargs: f.decompose(*args, **kwargs)
     functional = _functional_variant(func)
     if functional is not None and (functional in LOWERINGS or func not in _DECOMPOSITIONS):
@@ -101,7 +101,17 @@ def _resolve(func) -> Callable:
     decomposition = _DECOMPOSITIONS.get(func)
     if decomposition is not None:
         return lambda f, args, kwargs: decomposition(*args, **kwargs)
+    if func.namespace != "aten" and _has_kernel(func, "CompositeExplicitAutograd"):
+        # a library's op (torch.library.custom_op): its kernel's torch ops come back here
+        return lambda f, args, kwargs: f._op_dk(_COMPOSITE, *args, **kwargs)
     return _cpu_fallback
+
+
+_COMPOSITE = torch._C.DispatchKey.CompositeExplicitAutograd
+
+
+def _has_kernel(func, key: str) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), key)
 
 
 _INDEXING = {

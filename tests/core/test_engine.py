@@ -201,6 +201,26 @@ def test_cpu_fallback_is_counted_and_warned_once():
     assert_close(tuple(values), tuple(torch.geqrf(x.cpu())))
 
 
+@torch.library.custom_op("spmd_torch_test::scaled_softplus", mutates_args=())
+def _scaled_softplus(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.nn.functional.softplus(x) * scale
+
+
+@_scaled_softplus.register_fake
+def _(x, scale):
+    return torch.empty_like(x)
+
+
+def test_a_librarys_custom_op_runs_its_kernel_on_the_device_not_the_cpu():
+    x = torch.randn(4, 3)
+    before = {k: v for k, v in counters.COUNTERS.items() if k.startswith("spmd_torch_test::")}
+    y = _scaled_softplus(x.to(dev), 2.0)
+    assert "aten.softplus.default" in spmd_torch.debug.graph.get_tensors_text([y])
+    assert_close(y, torch.nn.functional.softplus(x) * 2.0)
+    after = {k: v for k, v in counters.COUNTERS.items() if k.startswith("spmd_torch_test::")}
+    assert after == before  # no CPU fallback counted under the op's name
+
+
 def test_mixing_cpu_and_device_tensors_raises_device_mismatch():
     x = torch.ones(3, device=dev)
     with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):

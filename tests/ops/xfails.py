@@ -155,22 +155,7 @@ XFAILS: dict[tuple[str, str, str], str] = {
     ("nn.functional.fractional_max_pool3d", "grad", "float32"): _RANDOM_SAMPLES,
     ("nn.functional.gaussian_nll_loss", "fwd", "bfloat16"): _BF16_ROUNDING,
     ("nn.functional.hinge_embedding_loss", "fwd", "bfloat16"): _BF16_ROUNDING,
-    ("nn.functional.linear_cross_entropy.chunked", "fwd", "bfloat16"): _cpu(
-        "_linear_cross_entropy_batch_chunked"
-    ),
-    ("nn.functional.linear_cross_entropy.chunked", "fwd", "float32"): _cpu(
-        "_linear_cross_entropy_batch_chunked"
-    ),
-    ("nn.functional.linear_cross_entropy.chunked", "grad", "float32"): _cpu(
-        "_linear_cross_entropy_batch_chunked"
-    ),
     ("nn.functional.linear_cross_entropy.chunked_none", "fwd", "bfloat16"): _BF16_ROUNDING,
-    ("nn.functional.linear_cross_entropy.chunked_none", "fwd", "float32"): _cpu(
-        "_linear_cross_entropy_batch_chunked_no_reduction"
-    ),
-    ("nn.functional.linear_cross_entropy.chunked_none", "grad", "float32"): _cpu(
-        "_linear_cross_entropy_batch_chunked_no_reduction"
-    ),
     ("nn.functional.multi_head_attention_forward", "fwd", "bfloat16"): _MHA,
     ("nn.functional.multi_head_attention_forward", "fwd", "float32"): _MHA,
     ("nn.functional.multi_head_attention_forward", "grad", "float32"): _MHA,
