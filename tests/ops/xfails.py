@@ -97,7 +97,6 @@ XFAILS: dict[tuple[str, str, str], str] = {
     ("cross", "fwd", "bfloat16"): _BF16_ROUNDING,
     ("geometric", "fwd", "bfloat16"): _SAMPLER,
     ("geometric", "fwd", "float32"): _SAMPLER,
-    ("geqrf", "fwd", "float32"): _cpu("geqrf"),
     ("histogramdd", "fwd", "float32"): _cpu(
         "_histogramdd_bin_edges", "_histogramdd_from_bin_cts", "_histogramdd_from_bin_tensors"
     ),

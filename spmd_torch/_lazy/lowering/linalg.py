@@ -20,7 +20,7 @@ from jax import lax
 
 from spmd_torch import config
 
-from .registry import lowers
+from .registry import lowers, meta_kernel
 
 aten = torch.ops.aten
 
@@ -379,6 +379,19 @@ def _linalg_qr(a, mode="reduced"):
     if mode == "r":
         return jnp.zeros((0,), a.dtype), jnp.linalg.qr(a, mode="r")
     return jnp.linalg.qr(a, mode=mode)
+
+
+@meta_kernel("geqrf")
+def _geqrf_shapes(a):
+    """geqrf's results: the reflectors and R packed in ``a``'s shape, and min(m, n) scales."""
+    return torch.empty_like(a), a.new_empty((*a.shape[:-2], min(a.shape[-2:])))
+
+
+@lowers(aten.geqrf.default)
+def _geqrf(a):
+    """LAPACK's geqrf (numpy's ``qr(mode='raw')``, which returns the packed matrix transposed)."""
+    packed, tau = jnp.linalg.qr(a, mode="raw")
+    return jnp.swapaxes(packed, -1, -2), tau
 
 
 @lowers(aten.linalg_householder_product.default)
