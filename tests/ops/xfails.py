@@ -80,10 +80,6 @@ XFAILS: dict[tuple[str, str, str], str] = {
     ("_native_batch_norm_legit", "fwd", "float32"): _BN_EVAL_STATS,
     ("_native_batch_norm_legit", "grad", "float32"): _BN_EVAL_STATS,
     ("_unsafe_masked_index_put_accumulate", "fwd", "bfloat16"): _BF16_ROUNDING,
-    ("_upsample_bilinear2d_aa", "fwd", "float32"): _cpu("_upsample_bilinear2d_aa"),
-    ("_upsample_bilinear2d_aa", "grad", "float32"): _cpu(
-        "_upsample_bilinear2d_aa", "_upsample_bilinear2d_aa_backward"
-    ),
     ("argsort", "fwd", "bfloat16"): _TIES,
     ("as_strided.partial_views", "fwd", "bfloat16"): _PARTIAL_VIEWS,
     ("as_strided.partial_views", "fwd", "float32"): _PARTIAL_VIEWS,

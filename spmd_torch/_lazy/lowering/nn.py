@@ -900,6 +900,28 @@ def _cubic_taps(in_size: int, out_size: int, align_corners: bool, scale):
     return indices, (_cubic_far(t + 1), _cubic_near(t), _cubic_near(1 - t), _cubic_far(2 - t))
 
 
+def _antialias_taps(in_size: int, out_size: int, align_corners: bool, scale):
+    """Bilinear antialiasing (PyTorch's _upsample_bilinear2d_aa): each output averages the inputs
+    under a triangle filter widened by the downscale factor, weights normalised to sum to 1; the
+    narrower windows pad with zero weights on a border index."""
+    if align_corners:
+        scale = (in_size - 1) / (out_size - 1) if out_size > 1 else 0.0
+    else:
+        scale = _source_scale(in_size, out_size, scale)
+    support = scale if scale >= 1 else 1.0  # the triangle's half-width, 1, stretched
+    width = int(math.ceil(support)) * 2 + 1
+    center = scale * (np.arange(out_size) + 0.5)
+    start = np.maximum((center - support + 0.5).astype(np.int64), 0)
+    size = np.clip(np.minimum((center + support + 0.5).astype(np.int64), in_size) - start, 0, width)
+    offsets = np.arange(width)
+    distance = (start[:, None] + offsets - center[:, None] + 0.5) / max(scale, 1.0)
+    weights = np.where(offsets < size[:, None], np.maximum(0, 1 - np.abs(distance)), 0)
+    totals = weights.sum(1, keepdims=True)
+    weights = weights / np.where(totals == 0, 1, totals)
+    indices = np.minimum(start[:, None] + offsets, in_size - 1)
+    return tuple(indices.T), tuple(weights.T)
+
+
 def _upsample_nearest(self, output_size, scales, index=_nearest_index):
     for i, (n, s) in enumerate(zip(output_size, scales)):
         axis = self.ndim - len(output_size) + i
@@ -1029,6 +1051,19 @@ def _interpolate_backward(grad_output, output_size, input_size, align_corners, s
         taps=taps,
     )
     return _upsample_grad(grad_output, input_size, up)
+
+
+@lowers(aten._upsample_bilinear2d_aa.default)
+def _upsample_bilinear2d_aa(self, output_size, align_corners, *scales):
+    scales = _scales(output_size, scales)
+    return _interpolate(self, output_size, align_corners, scales, _antialias_taps)
+
+
+@lowers(aten._upsample_bilinear2d_aa_backward.default)
+def _upsample_bilinear2d_aa_backward(grad_output, output_size, input_size, align_corners, *scales):
+    return _interpolate_backward(
+        grad_output, output_size, input_size, align_corners, scales, _antialias_taps
+    )
 
 
 @lowers(aten.upsample_bicubic2d.default)
