@@ -140,12 +140,6 @@ XFAILS: dict[tuple[str, str, str], str] = {
     ("nn.functional.feature_alpha_dropout.with_train", "fwd", "bfloat16"): _FEATURE_DROPOUT,
     ("nn.functional.feature_alpha_dropout.with_train", "fwd", "float32"): _FEATURE_DROPOUT,
     ("nn.functional.feature_alpha_dropout.with_train", "grad", "float32"): _FEATURE_DROPOUT,
-    ("nn.functional.fractional_max_pool2d", "fwd", "bfloat16"): _cpu("fractional_max_pool2d"),
-    ("nn.functional.fractional_max_pool2d", "fwd", "float32"): _cpu("fractional_max_pool2d"),
-    ("nn.functional.fractional_max_pool2d", "grad", "float32"): _cpu(
-        "fractional_max_pool2d", "fractional_max_pool2d_backward"
-    ),
-    ("nn.functional.fractional_max_pool3d", "fwd", "bfloat16"): _cpu("fractional_max_pool3d"),
     ("nn.functional.fractional_max_pool3d", "fwd", "float32"): _RANDOM_SAMPLES,
     ("nn.functional.fractional_max_pool3d", "grad", "float32"): _RANDOM_SAMPLES,
     ("nn.functional.gaussian_nll_loss", "fwd", "bfloat16"): _BF16_ROUNDING,

@@ -245,6 +245,60 @@ def _adaptive_max_pool(self, output_size):
     return values, index.astype(jnp.int64)
 
 
+def _fractional_starts(sample, size: int, kernel: int, n_out: int):
+    """ATen's generate_intervals: window starts trunc((i + u) * a) - trunc(u * a), a = (size -
+    kernel) / (n_out - 1), computed in the input's dtype; the last window ends at the edge."""
+    alpha = jnp.asarray(size - kernel, sample.dtype) / max(n_out - 1, 1)
+    i = jnp.arange(n_out - 1, dtype=sample.dtype)
+    starts = jnp.trunc((i + sample[..., None]) * alpha) - jnp.trunc(sample * alpha)[..., None]
+    last = jnp.full(sample.shape + (1,), size - kernel, jnp.int32)
+    return jnp.concatenate([starts.astype(jnp.int32), last], axis=-1)
+
+
+def _on_axis(per_plane, size: int, i: int, nd: int) -> tuple:
+    """The shape putting ``per_plane``'s last axis (of ``size``) at spatial axis ``i`` of ``nd``."""
+    return per_plane.shape[:-1] + (1,) * i + (size,) + (1,) * (nd - 1 - i)
+
+
+def _fractional_max_pool(self, kernel_size, output_size, random_samples):
+    """Max over windows placed by one random sample per plane and dimension; first max wins.
+    The samples' order is ATen's: 2-D takes (width, height), 3-D (time, height, width)."""
+    nd = len(output_size)
+    lead = self.ndim - nd
+    samples = random_samples.reshape(self.shape[:lead] + (nd,)).astype(self.dtype)
+    order = (1, 0) if nd == 2 else (0, 1, 2)
+    starts = [
+        _fractional_starts(samples[..., order[i]], self.shape[lead + i], k, n)
+        for i, (k, n) in enumerate(zip(kernel_size, output_size))
+    ]
+    windows = self
+    for i, (first, k) in enumerate(zip(starts, kernel_size)):
+        positions = (first[..., None] + jnp.arange(k)).reshape(_on_axis(first, -1, i, nd))
+        windows = jnp.take_along_axis(windows, positions, axis=lead + i)
+    shape = windows.shape[:lead] + sum(((n, k) for n, k in zip(output_size, kernel_size)), ())
+    windows = jnp.moveaxis(
+        windows.reshape(shape), [lead + 2 * i + 1 for i in range(nd)], range(-nd, 0)
+    )
+    windows = windows.reshape(windows.shape[: lead + nd] + (-1,))
+    best = jnp.argmax(windows, -1)
+    values = jnp.take_along_axis(windows, best[..., None], -1)[..., 0]
+    index = 0
+    for i, offset in enumerate(jnp.unravel_index(best, tuple(kernel_size))):
+        first = starts[i].reshape(_on_axis(starts[i], starts[i].shape[-1], i, nd))
+        index = index * self.shape[lead + i] + first + offset
+    return values, index.astype(jnp.int64)
+
+
+@lowers(aten.fractional_max_pool2d.default, aten.fractional_max_pool3d.default)
+def _fractional_max_pool_lowering(self, kernel_size, output_size, random_samples):
+    return _fractional_max_pool(self, tuple(kernel_size), tuple(output_size), random_samples)
+
+
+@lowers(aten.fractional_max_pool2d_backward.default, aten.fractional_max_pool3d_backward.default)
+def _fractional_max_pool_backward(grad_output, self, kernel_size, output_size, indices):
+    return _to_indices(grad_output, self, indices, len(output_size))
+
+
 @lowers(aten.adaptive_max_pool2d.default, aten.adaptive_max_pool3d.default)
 def _adaptive_max_pool_lowering(self, output_size):
     return _adaptive_max_pool(self, tuple(output_size))
@@ -614,9 +668,13 @@ def _multi_margin_loss(x, target, p, margin, weight, reduction):
     return _reduce(per_sample if x.ndim == 2 else per_sample.reshape(()), reduction)
 
 
-@meta_kernel("multi_margin_loss_backward", "multilabel_margin_loss_backward")
+@meta_kernel(
+    "multi_margin_loss_backward",
+    "multilabel_margin_loss_backward",
+    "fractional_max_pool3d_backward",
+)
 def _input_shaped(grad_output, x, *args, **kwargs):
-    """A loss backward's result: shaped like the loss's input."""
+    """A backward's result: shaped like the forward's input."""
     return torch.empty_like(x)
 
 
