@@ -93,9 +93,6 @@ XFAILS: dict[tuple[str, str, str], str] = {
     ("cross", "fwd", "bfloat16"): _BF16_ROUNDING,
     ("geometric", "fwd", "bfloat16"): _SAMPLER,
     ("geometric", "fwd", "float32"): _SAMPLER,
-    ("histogramdd", "fwd", "float32"): _cpu(
-        "_histogramdd_bin_edges", "_histogramdd_from_bin_cts", "_histogramdd_from_bin_tensors"
-    ),
     ("jiterator_2inputs_2outputs", "fwd", "bfloat16"): _CUDA_ONLY,
     ("jiterator_2inputs_2outputs", "fwd", "float32"): _CUDA_ONLY,
     ("jiterator_4inputs_with_extra_args", "fwd", "bfloat16"): _CUDA_ONLY,

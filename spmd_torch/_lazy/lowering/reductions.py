@@ -478,20 +478,83 @@ def _trace(x):
 
 @lowers(aten.histogram.bin_ct)
 def _histogram(x, bins=100, *, range=None, weight=None, density=False):
-    """ATen's histogram over ``bins`` equal bins: over ``range``, or the data's [min, max] (an
-    empty range widened by 0.5 each way, as numpy does; [0, 1] without data). Returns (hist,
-    bin_edges)."""
+    """ATen's histogram over ``bins`` equal bins. Returns (hist, bin_edges)."""
+    edges = _equal_bin_edges(x.reshape(-1), bins, range)
+    return _histogram_over(x, edges, weight, density), edges
+
+
+def _equal_bin_edges(values, bins: int, range=None):
+    """``bins + 1`` equally spaced edges over ``range``, or over the values' [min, max] (an empty
+    range widened by 0.5 each way, as numpy does; [0, 1] without values)."""
     if range is not None:
         lo, hi = (jnp.float64(v) for v in range)
-    elif x.size:
-        lo, hi = jnp.min(x).astype(jnp.float64), jnp.max(x).astype(jnp.float64)
+    elif values.size:
+        lo, hi = jnp.min(values).astype(jnp.float64), jnp.max(values).astype(jnp.float64)
     else:
         lo, hi = jnp.float64(0), jnp.float64(1)
     lo, hi = jnp.where(lo == hi, lo - 0.5, lo), jnp.where(lo == hi, hi + 0.5, hi)
     # ATen's linspace, as its scalar loop computes it (its vector loops round some points
     # differently, by the CPU's vector width)
-    edges = _linspace(lo, hi, bins + 1, dtype=to_torch_dtype(x.dtype))
-    return _histogram_over(x, edges, weight, density), edges
+    return _linspace(lo, hi, bins + 1, dtype=to_torch_dtype(values.dtype))
+
+
+def _histogramdd_edges(x, bins, range=None) -> tuple:
+    """Each of the last dimension's columns' equal bin edges (``range``: lo, hi per column)."""
+    columns = x.reshape(-1, x.shape[-1])
+    ranges = [None] * len(bins) if range is None else list(zip(range[::2], range[1::2]))
+    return tuple(_equal_bin_edges(columns[:, d], n, ranges[d]) for d, n in enumerate(bins))
+
+
+@lowers(aten._histogramdd_bin_edges.default)
+def _histogramdd_bin_edges(x, bins, *, range=None, weight=None, density=False):
+    return _histogramdd_edges(x, bins, range)
+
+
+@lowers(aten._histogramdd_from_bin_cts.default)
+def _histogramdd_from_bin_cts(x, bins, *, range=None, weight=None, density=False):
+    return _histogramdd_over(x, _histogramdd_edges(x, bins, range), weight, density)
+
+
+@lowers(aten._histogramdd_from_bin_tensors.default)
+def _histogramdd_from_bin_tensors(x, bins, *, weight=None, density=False):
+    return _histogramdd_over(x, tuple(bins), weight, density)
+
+
+@meta_kernel("_histogramdd_bin_edges")
+def _histogramdd_edges_meta(x, bins, *, range=None, weight=None, density=False):
+    return [x.new_empty(n + 1) for n in bins]
+
+
+@meta_kernel("_histogramdd_from_bin_cts", "_histogramdd_from_bin_tensors")
+def _histogramdd_meta(x, bins, *, range=None, weight=None, density=False):
+    return x.new_empty([b.shape[0] - 1 if isinstance(b, torch.Tensor) else b for b in bins])
+
+
+def _histogramdd_over(x, edges: tuple, weight, density):
+    """Counts (or summed weights) of the points (rows of the last dimension) in each cell: the
+    bins whose edges hold each coordinate, the last bin of a dimension closed; points outside
+    and NaN left out. ``density`` divides by the total, then by each dimension's bin widths."""
+    points = x.reshape(-1, x.shape[-1])
+    sizes = tuple(e.shape[0] - 1 for e in edges)
+    inside = jnp.ones(points.shape[0], bool)
+    cell = 0
+    for d, (e, n) in enumerate(zip(edges, sizes)):
+        position = jnp.searchsorted(e, points[:, d], side="right") - 1
+        cell = cell * n + jnp.where(position == n, n - 1, position)
+        inside &= (points[:, d] >= e[0]) & (points[:, d] <= e[-1])
+    values = jnp.ones(points.shape[0], x.dtype) if weight is None else weight.reshape(-1)
+    total = math.prod(sizes)
+    hist = (
+        jnp.zeros(total, x.dtype)
+        .at[jnp.where(inside, cell, total)]
+        .add(values.astype(x.dtype), mode="drop")
+    )
+    hist = hist.reshape(sizes)
+    if density:
+        hist = hist / hist.sum()
+        for d, e in enumerate(edges):
+            hist = hist / jnp.diff(e).reshape((1,) * d + (-1,) + (1,) * (len(edges) - 1 - d))
+    return hist
 
 
 @meta_kernel("histogram.bin_ct", "histogram.bins_tensor")
