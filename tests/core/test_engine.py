@@ -187,19 +187,20 @@ def test_inputs_still_held_are_not_donated():
 
 
 def test_cpu_fallback_is_counted_and_warned_once():
-    x = torch.tensor([[3.0, 0.0], [2.0, 5.0]], device=dev)
-    b = torch.tensor([[1.0], [4.0]], device=dev)
-    name = "aten::linalg_lstsq"  # no lowering, and no meta kernel in PyTorch to give its shapes
+    x = torch.tensor([[3.0, 1.0], [1.0, 5.0]], device=dev)
+    name = "aten::linalg_ldl_factor_ex"  # no lowering (LAPACK's Bunch-Kaufman pivoting)
     counters.COUNTERS.pop(name, None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        solution = torch.linalg.lstsq(x, b).solution
-    assert any("lstsq" in str(w.message) and "no xla lowering" in str(w.message) for w in caught)
+        factors = torch.linalg.ldl_factor(x)
+    assert any(
+        "ldl_factor" in str(w.message) and "no xla lowering" in str(w.message) for w in caught
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the second call is counted but not warned about again
-        torch.linalg.lstsq(x, b)
+        torch.linalg.ldl_factor(x)
     assert counters.COUNTERS[name] == 2
-    assert_close(solution, torch.linalg.lstsq(x.cpu(), b.cpu()).solution)
+    assert_close(tuple(factors), tuple(torch.linalg.ldl_factor(x.cpu())))
 
 
 @torch.library.custom_op("spmd_torch_test::scaled_softplus", mutates_args=())

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from spmd_torch._lazy.lowering import LOWERINGS
+from tests.helpers import assert_close
 from tests.unit._lowering_harness import Traced, assert_same, case, check, lowered, named, tight
 
 aten = torch.ops.aten
@@ -180,3 +181,42 @@ def test_linalg_svd_without_uv_returns_empty_factors():
     got = lowered(aten._linalg_svd.default, A, compute_uv=False)
     assert [t.shape for t in got] == [U.shape, S.shape, Vh.shape] == [(0,), (2, 3), (0,)]
     assert_same(got[1], S, tight)
+
+
+_LSTSQ_SHAPES = [((5, 3), (5, 2)), ((3, 5), (3, 2)), ((2, 6, 4), (2, 6, 3)), ((5, 3), (5,))]
+
+
+@pytest.mark.parametrize(
+    ("driver", "a_shape", "b_shape"),
+    [(driver, a, b) for driver in (None, "gelsy") for a, b in _LSTSQ_SHAPES]
+    # gels needs at least as many rows as columns (LAPACK raises on CPU otherwise)
+    + [("gels", a, b) for a, b in _LSTSQ_SHAPES if a[-2] >= a[-1]],
+)
+def test_lstsq_is_lowered_and_matches_cpu(driver, a_shape, b_shape):
+    """lstsq (no meta kernel in PyTorch) runs on the device for the drivers whose result shapes
+    data cannot change: solution, gels's residuals and gelsy's rank as CPU's LAPACK gives them."""
+    import spmd_torch.debug.metrics as met
+
+    g = torch.Generator().manual_seed(len(a_shape) + len(b_shape))
+    a = torch.randn(a_shape, generator=g, dtype=torch.float64)
+    b = torch.randn(b_shape, generator=g, dtype=torch.float64)
+    expected = torch.linalg.lstsq(a, b, driver=driver)
+    met.clear_all()
+    got = torch.linalg.lstsq(a.float().to("xla"), b.float().to("xla"), driver=driver)
+    assert met.executed_fallback_ops() == []
+    assert_close(got.solution.cpu(), expected.solution.float(), rtol=1e-5, atol=1e-5)
+    assert_close(got.residuals.cpu(), expected.residuals.float(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.rank.cpu(), expected.rank)
+    assert got.singular_values.shape == expected.singular_values.shape
+
+
+def test_lstsq_of_a_rank_deficient_matrix_is_the_minimum_norm_solution():
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(6, 2, generator=g, dtype=torch.float64) @ torch.randn(
+        2, 4, generator=g, dtype=torch.float64
+    )
+    b = torch.randn(6, 2, generator=g, dtype=torch.float64)
+    expected = torch.linalg.lstsq(a, b)
+    got = torch.linalg.lstsq(a.float().to("xla"), b.float().to("xla"))
+    assert got.rank.item() == expected.rank.item() == 2
+    assert_close(got.solution.cpu(), expected.solution.float(), rtol=1e-4, atol=1e-4)

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import math
 import string
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
 from jax import lax
+from torch._subclasses.fake_tensor import DynamicOutputShapeException
 
 from spmd_torch import config
 
@@ -440,6 +442,44 @@ def _linalg_pinv(a, *, atol=None, rtol=None, hermitian=False):
     )
     inverse = jnp.where(s > cutoff, 1 / jnp.where(s > cutoff, s, 1), 0).astype(a.dtype)
     return _mH(vh) @ (inverse[..., :, None] * _mH(u))
+
+
+@meta_kernel("linalg_lstsq")
+def _lstsq_shapes(a, b, rcond=None, *, driver=None):
+    """lstsq's results for the drivers whose shapes data cannot change: gelsy (CPU's default) and
+    gels; gelsd and gelss give residuals only for a full-rank ``a``, so they run on the CPU."""
+    driver = driver or "gelsy"
+    if driver not in ("gelsy", "gels"):
+        raise DynamicOutputShapeException(aten.linalg_lstsq.default)
+    (m, n), vector = a.shape[-2:], b.dim() == a.dim() - 1
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[: -1 if vector else -2])
+    columns = () if vector else (b.shape[-1],)
+    solution = a.new_empty(batch + (n,) + columns)
+    residuals = a.new_empty(batch + (columns or (1,)) if driver == "gels" and m > n else (0,))
+    rank = a.new_empty(batch if driver == "gelsy" else (0,), dtype=torch.int64)
+    return solution, residuals, rank, a.new_empty((0,))
+
+
+@lowers(aten.linalg_lstsq.default)
+def _linalg_lstsq(a, b, rcond=None, *, driver=None):
+    """The minimum-norm least-squares solution through the SVD, singular values at most
+    rcond * largest (default eps * max(m, n)) counted as zero, as gelsy's rank decides; gels
+    (full rank assumed) adds the squared residuals when there are more rows than columns."""
+    driver = driver or "gelsy"
+    (m, n), vector = a.shape[-2:], b.ndim == a.ndim - 1
+    b = b[..., None] if vector else b
+    u, s, vh = jnp.linalg.svd(a, full_matrices=False)
+    rcond = jnp.finfo(s.dtype).eps * max(m, n) if rcond is None or rcond < 0 else rcond
+    kept = s > rcond * s[..., :1]
+    inverse = jnp.where(kept, 1 / jnp.where(kept, s, 1), 0).astype(a.dtype)
+    product = partial(jnp.matmul, precision=PRECISION)
+    solution = product(_mH(vh), inverse[..., :, None] * product(_mH(u), b))
+    residuals = jnp.zeros((0,), a.dtype)
+    if driver == "gels" and m > n:
+        residuals = jnp.sum(jnp.abs(product(a, solution) - b) ** 2, axis=-2).astype(a.dtype)
+    rank = kept.sum(-1) if driver == "gelsy" else jnp.zeros((0,), jnp.int64)
+    solution = solution[..., 0] if vector else solution
+    return solution, residuals, rank.astype(jnp.int64), jnp.zeros((0,), s.dtype)
 
 
 @lowers(aten.linalg_cross.default)
