@@ -3,15 +3,17 @@
 ``torch.utils.checkpoint`` frees a block's activations after the forward pass and recomputes them
 in the backward pass. Traced into one program, the recomputation is the same expression on the
 same inputs as the forward pass, so XLA's common-subexpression elimination merges the two and the
-activations stay alive: no memory is saved. Here, as in PyTorch/XLA, the block's inputs and
-outputs go through an optimization barrier at the end of its forward pass, and the backward pass
-recomputes from the barrier's outputs, which XLA cannot prove equal to the forward's inputs.
+activations stay alive: no memory is saved. Here, as in PyTorch/XLA, the backward pass first puts
+the block's saved inputs, the gradients it received and, for a module's forward, the module's
+parameters and buffers through one optimization barrier, and recomputes from the barrier's outputs:
+XLA can neither prove them equal to the forward's values nor start the recomputation before the
+gradients arrive.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -84,14 +86,6 @@ class CheckpointFunction(torch.autograd.Function):
         tensor_inputs = [args[i] for i in ctx.tensor_indices]
         with torch.no_grad():
             outputs = run_function(*args)
-        if torch.is_tensor(outputs):
-            tensor_outputs = [outputs]
-        elif isinstance(outputs, Iterable):
-            tensor_outputs = [o for o in outputs if torch.is_tensor(o)]
-        else:
-            tensor_outputs = []
-        on_device = [t for t in tensor_inputs + tensor_outputs if t.device.type == _DEVICE.type]
-        optimization_barrier_(on_device)
         ctx.save_for_backward(*tensor_inputs)
         return outputs
 
@@ -105,6 +99,12 @@ class CheckpointFunction(torch.autograd.Function):
         inputs = list(ctx.inputs)
         for index, saved in zip(ctx.tensor_indices, ctx.saved_tensors):
             inputs[index] = saved
+        module = getattr(ctx.run_function, "__self__", None)
+        state = (
+            [*module.parameters(), *module.buffers()] if isinstance(module, torch.nn.Module) else []
+        )
+        separated = [*ctx.saved_tensors, *grad_outputs, *state]
+        optimization_barrier_([t for t in separated if _on_device(t)])
         with (
             torch.random.fork_rng(devices=[], enabled=ctx.preserve_rng_state),
             _forward_device_key(ctx),
@@ -131,6 +131,10 @@ class CheckpointFunction(torch.autograd.Function):
         torch.autograd.backward([o for o, _ in with_grad], [g for _, g in with_grad])
         grads = tuple(t.grad if isinstance(t, torch.Tensor) else None for t in detached)
         return (None, None) + grads
+
+
+def _on_device(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type == _DEVICE.type
 
 
 @contextlib.contextmanager

@@ -84,6 +84,42 @@ def test_recomputation_survives_cse():
     assert ours.count("opt-barrier(") == 1
 
 
+class _LinearWithBuffer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 12)
+        self.register_buffer("scale", torch.full((3, 5), 2.0))
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x))
+
+
+def test_a_modules_recomputation_waits_behind_its_state_and_the_gradient():
+    """As in PyTorch/XLA, the backward pass puts the saved input, the incoming gradient and the
+    module's parameters and buffers through one barrier before it recomputes: the recomputation
+    cannot start before the gradient arrives nor share work with the forward pass."""
+    from spmd_torch.distributed.fsdp import checkpoint_module
+
+    torch.manual_seed(0)
+    reference = _LinearWithBuffer()
+    model = checkpoint_module(_LinearWithBuffer().to(dev))
+    model.load_state_dict(reference.state_dict())
+    x = torch.randn(8, 16)
+    (reference(x) ** 2).sum().backward()
+    (model(x.to(dev).requires_grad_()) ** 2).sum().backward()
+    barrier = next(
+        line
+        for line in graph.get_tensors_hlo([model.linear.weight.grad]).splitlines()
+        if " opt-barrier(" in line
+    )
+    operands = barrier.split(" opt-barrier(")[1]
+    # input (8,16), gradient (8,12), weight (12,16), bias (12), buffer (3,5)
+    for shape in ("f32[8,16]", "f32[8,12]", "f32[12,16]", "f32[12]", "f32[3,5]"):
+        assert operands.count(shape + "{") == 1, (shape, operands)
+    assert_close(model.linear.weight.grad, reference.linear.weight.grad)
+    assert_close(model.linear.bias.grad, reference.linear.bias.grad)
+
+
 def test_optimization_barrier_in_place_keeps_values():
     a = torch.arange(6.0).reshape(2, 3).to(dev) * 2
     b = torch.ones(4, device=dev)

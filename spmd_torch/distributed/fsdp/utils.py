@@ -53,11 +53,12 @@ def checkpoint_module(module: torch.nn.Module) -> torch.nn.Module:
             return original(*args, **kwargs)
         names = tuple(kwargs)
 
-        def run(*packed: Any) -> Any:  # checkpoint passes arguments by position only
+        def run(_module: torch.nn.Module, *packed: Any) -> Any:  # checkpoint passes by position
             positional = packed[: len(packed) - len(names)]
             return original(*positional, **dict(zip(names, packed[len(positional) :])))
 
-        return checkpoint(run, *inputs)
+        # bound to the module: the recomputation's barrier takes its parameters and buffers too
+        return checkpoint(MethodType(run, self), *inputs)
 
     module.forward = MethodType(forward_with_checkpoint, module)
     return module
