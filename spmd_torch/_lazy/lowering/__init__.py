@@ -11,6 +11,7 @@ from . import (  # noqa: F401  (each module fills LOWERINGS at import)
     fft,
     grid_sample,
     indexing,
+    ldl,
     linalg,
     nn,
     random,
