@@ -175,7 +175,7 @@ def _record(func, args: tuple, kwargs: dict) -> Any:
     try:
         node, structure = emit(func, args, kwargs)
     except NoStaticShape:  # data-dependent shape (x[mask]): compute it on the CPU, counted
-        return _cpu_fallback(func, args, kwargs)
+        return _cpu_fallback(func, args, kwargs, why="has an output shape that depends on its data")
     return _wrap_outputs(node, structure)
 
 
@@ -482,16 +482,16 @@ def _allclose(func, args: tuple, kwargs: dict) -> bool:
 _WARNED: set = set()
 
 
-def _cpu_fallback(func, args: tuple, kwargs: dict, count: bool = True) -> Any:
-    """Run an op with no lowering eagerly on CPU: inputs materialised, result uploaded."""
+def _cpu_fallback(func, args: tuple, kwargs: dict, count: bool = True, why: str = "") -> Any:
+    """Run an op on the CPU (no lowering, or a data-dependent shape); the result uploaded."""
     name = func._schema.name.split("::")[1]
     if count:
         counters.bump(f"aten::{name}")
         if func not in _WARNED:
             _WARNED.add(func)
+            why = why or "has no xla lowering"
             warnings.warn(
-                f"{func} has no xla lowering; it runs on the CPU (slow: a device round trip)",
-                stacklevel=3,
+                f"{func} {why}; it runs on the CPU (slow: a device round trip)", stacklevel=3
             )
 
     def to_host(x):

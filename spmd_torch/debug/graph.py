@@ -11,8 +11,6 @@ import traceback
 
 import jax
 import torch
-from jax._src.lib import _jax  # StableHLO -> HLO, as Lowered.compiler_ir('hlo') converts it
-from jaxlib import _hlo as hlo  # HLO print options: JAX prints without PyTorch/XLA's % names
 
 from spmd_torch._lazy import compile as _compile
 from spmd_torch._lazy import engine as _engine
@@ -70,7 +68,13 @@ def hlo_text(lowered: jax.stages.Lowered) -> str:
     """``lowered`` as HLO text in PyTorch/XLA's print style: values named after their opcode
     (``%all-reduce.3``; converted without JAX's source locations, which would name them), operands
     with their shapes, shardings as ``sharding={...}``, no metadata."""
-    module = _jax.mlir.mlir_module_to_xla_computation(lowered.as_text(), use_tuple_args=False)
+    try:  # jaxlib's private modules: the StableHLO -> HLO conversion and HLO print options
+        from jax._src.lib import _jax
+        from jaxlib import _hlo as hlo
+
+        module = _jax.mlir.mlir_module_to_xla_computation(lowered.as_text(), use_tuple_args=False)
+    except (ImportError, AttributeError):  # another jaxlib's layout: JAX's own HLO text
+        return lowered.as_text(dialect="hlo")
     options = hlo.HloPrintOptions()
     options.print_percent = True
     options.print_operand_shape = True

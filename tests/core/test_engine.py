@@ -186,21 +186,46 @@ def test_inputs_still_held_are_not_donated():
     assert_close(y, x.cpu() * 2)
 
 
+@torch.library.custom_op("spmd_torch_test::cpu_cumulative_max", mutates_args=(), device_types="cpu")
+def _cpu_cumulative_max(x: torch.Tensor) -> torch.Tensor:
+    return torch.cummax(x, 0).values  # a kernel for the CPU only, like torchvision's nms
+
+
+@_cpu_cumulative_max.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
 def test_cpu_fallback_is_counted_and_warned_once():
-    x = torch.tensor([[3.0, 1.0], [1.0, 5.0]], device=dev)
-    name = "aten::linalg_ldl_factor_ex"  # no lowering (LAPACK's Bunch-Kaufman pivoting)
+    x = torch.tensor([3.0, 1.0, 4.0, 1.0, 5.0], device=dev)
+    name = "aten::cpu_cumulative_max"  # no lowering and no device-independent kernel
     counters.COUNTERS.pop(name, None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        factors = torch.linalg.ldl_factor(x)
+        values = _cpu_cumulative_max(x)
     assert any(
-        "ldl_factor" in str(w.message) and "no xla lowering" in str(w.message) for w in caught
+        "cpu_cumulative_max" in str(w.message) and "no xla lowering" in str(w.message)
+        for w in caught
     )
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the second call is counted but not warned about again
-        torch.linalg.ldl_factor(x)
+        _cpu_cumulative_max(x)
     assert counters.COUNTERS[name] == 2
-    assert_close(tuple(factors), tuple(torch.linalg.ldl_factor(x.cpu())))
+    assert_close(values, torch.tensor([3.0, 3.0, 4.0, 4.0, 5.0]))
+
+
+def test_a_lowered_op_whose_shape_depends_on_data_runs_on_the_cpu_and_says_why():
+    a = torch.tensor([[3.0, 0.0], [2.0, 5.0], [1.0, 1.0]], device=dev)
+    b = torch.tensor([[1.0], [4.0], [2.0]], device=dev)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = torch.linalg.lstsq(a, b, driver="gelsd")  # residuals only for a full-rank a
+    assert any(
+        "lstsq" in str(w.message) and "depends on its data" in str(w.message) for w in caught
+    )
+    expected = torch.linalg.lstsq(a.cpu(), b.cpu(), driver="gelsd")
+    assert_close(got.solution, expected.solution)
+    assert got.residuals.shape == expected.residuals.shape == (1,)
 
 
 @torch.library.custom_op("spmd_torch_test::scaled_softplus", mutates_args=())
