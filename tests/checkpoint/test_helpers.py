@@ -43,8 +43,8 @@ def _assembled(cpu: _CpuShards) -> torch.Tensor:
     for shard in cpu.shards:
         index = tuple(shard.indices) if shard.indices is not Ellipsis else ...
         if not torch.isnan(full[index]).all():
-            assert_close(full[index], shard.data)
-        full[index] = shard.data
+            assert_close(full[index], shard.unpadded_data)
+        full[index] = shard.unpadded_data
     return full
 
 
@@ -81,12 +81,14 @@ def test_partially_replicated_shards_carry_their_replica_ids(spmd_mode):
     assert_close(_assembled(cpu), torch.arange(32.0).reshape(8, 4))
 
 
-def test_uneven_shards_come_without_padding(spmd_mode):
+def test_uneven_shards_come_padded_as_the_devices_hold_them(spmd_mode):
     t = torch.arange(10.0).to(dev)
     xs.mark_sharding(t, xs.get_1d_mesh(), (0,))
     (cpu,) = _cpu_shards_from_tensors([xs.wrap_as_sharded_tensor(t)])
     assert cpu.global_shape == torch.Size([10])
-    assert [tuple(s.data.shape) for s in cpu.shards] == [(2,)] * 5 + [(0,)] * 3
+    assert [tuple(s.data.shape) for s in cpu.shards] == [(2,)] * 8  # PyTorch/XLA's padded data
+    assert [tuple(s.unpadded_data.shape) for s in cpu.shards] == [(2,)] * 5 + [(0,)] * 3
+    assert all(s.data.abs().sum() == 0 for s in cpu.shards[5:])  # zero padding
     assert_close(_assembled(cpu), torch.arange(10.0))
 
 

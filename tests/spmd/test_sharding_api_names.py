@@ -4,6 +4,7 @@ against eager values and the shardings the tensors end up with."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
@@ -78,7 +79,8 @@ def test_shard_indices_are_lists_of_unit_step_slices():
     assert shards[1].indices == [slice(2, 4, 1), slice(0, 4, 1)]
     assert shards[7].indices == [slice(10, 10, 1), slice(0, 4, 1)]
     for s in shards:
-        assert torch.equal(s.data, cpu[tuple(s.indices)])
+        assert torch.equal(s.unpadded_data, cpu[tuple(s.indices)])
+    assert torch.equal(shards[7].data, torch.zeros(2, 4))  # only padding: zeros, as PyTorch/XLA
 
 
 def test_replicated_shard_indices_are_ellipsis():
@@ -110,8 +112,21 @@ def test_load_local_shards_needs_every_device_in_its_shape():
     with pytest.raises(RuntimeError, match="one shard per device"):
         xt.load_local_shards_(shards[:-1])
     shards[3].data = torch.zeros(2, 4)
-    with pytest.raises(RuntimeError, match=r"CPU:3 has shape \(2, 4\), .* of shape \(1, 4\)"):
+    with pytest.raises(RuntimeError, match=r"CPU:3 has shape \(2, 4\), .*: \(1, 4\) with padding"):
         xt.load_local_shards_(shards)
+
+
+def test_load_local_shards_takes_uneven_shards_with_or_without_their_padding():
+    cpu = torch.arange(40.0).reshape(10, 4)
+    xt = xs.mark_sharding(cpu.to(dev), _mesh(), (0, None))
+    padded = xt.local_shards
+    for s in padded:
+        s.data.neg_()  # the padding too: it is not read back
+    xt.load_local_shards_(padded)
+    assert_close(xt.global_tensor, -cpu)
+    unpadded = [dataclasses.replace(s, data=s.unpadded_data * 2) for s in xt.local_shards]
+    xt.load_local_shards_(unpadded)
+    assert_close(xt.global_tensor, cpu * -2)
 
 
 def test_load_local_shards_refuses_a_replicated_tensor():

@@ -50,9 +50,10 @@ class XLAShard:
     """One device's shard of a sharded tensor, copied to the host.
 
     Attributes:
-        data: The shard's values as a CPU tensor, without padding (an uneven sharding pads the
-            last shards on device; here they are cut back to the logical shape, so a device
-            holding only padding has an empty shard).
+        data: The shard's values as a CPU tensor, as the device holds them: an uneven sharding
+            pads the last shards with zeros to the shape every shard has (PyTorch/XLA's
+            ``data``); ``unpadded_data`` is the part inside the tensor (empty on a device holding
+            only padding).
         indices: Where the shard lies in the global tensor: a list of slices (step 1), one per
             dimension, or ``Ellipsis`` when the tensor is replicated, as PyTorch/XLA gives them
             (index a tensor with ``t[tuple(shard.indices)]``: PyTorch deprecates indexing with a
@@ -75,12 +76,14 @@ class XLAShard:
 
     @property
     def unpadded_data(self) -> torch.Tensor:
-        """``data``: already without padding (PyTorch/XLA's ``data`` keeps the padding)."""
-        return self.data
+        """``data`` without its padding: the values ``indices`` name in the global tensor."""
+        if self.indices is Ellipsis:
+            return self.data
+        return self.data[tuple(slice(0, s.stop - s.start) for s in self.indices)]
 
     @unpadded_data.setter
     def unpadded_data(self, values: torch.Tensor) -> None:
-        self.data.copy_(values)
+        self.unpadded_data.copy_(values)
 
 
 def _unwrap(x):
@@ -441,15 +444,12 @@ del _name
 
 
 def _local_shards(tensor: torch.Tensor) -> list[XLAShard]:
-    """The shards of ``tensor``'s device array, cut back to its logical (unpadded) shape."""
+    """The shards of ``tensor``'s device array as the devices hold them (padding included)."""
     kind = runtime.device_type()
     shards = []
     for device, jax_shard, indices, replica_id in _shard_layout(tensor, "local_shards"):
-        if indices is Ellipsis:
-            data = to_torch(jax_shard.data, tensor.dtype, tuple(tensor.shape))
-        else:
-            logical = tuple(s.stop - s.start for s in indices)  # the shard without padding
-            data = to_torch(jax_shard.data, tensor.dtype, logical)
+        shape = tuple(tensor.shape) if indices is Ellipsis else None
+        data = to_torch(jax_shard.data, tensor.dtype, shape)
         shards.append(XLAShard(data.contiguous(), indices, f"{kind}:{device}", replica_id))
     return shards
 
@@ -498,16 +498,17 @@ def _load_shards(tensor: torch.Tensor, shards: list[XLAShard]) -> None:
             f"load_local_shards_ needs one shard per device {sorted(expected)}, got {given}"
         )
     full = torch.empty(tuple(tensor.shape), dtype=tensor.dtype)
+    padded = tuple(layout[0][1].data.shape)  # every device's shard, padding included
     for shard in shards:
         indices = expected[shard.shard_device]
         shape = tuple(s.stop - s.start for s in indices)
-        if tuple(shard.data.shape) != shape:
+        if tuple(shard.data.shape) not in (padded, shape):  # with its padding or without
             raise RuntimeError(
                 f"load_local_shards_: the shard for {shard.shard_device} has shape "
                 f"{tuple(shard.data.shape)}, but that device holds {indices} of a tensor of shape "
-                f"{tuple(tensor.shape)}, of shape {shape}"
+                f"{tuple(tensor.shape)}: {padded} with padding, {shape} without"
             )
-        full[tuple(indices)] = shard.data
+        full[tuple(indices)] = shard.data[tuple(slice(0, n) for n in shape)]
     with torch.no_grad():
         tensor.copy_(full)
 

@@ -63,9 +63,10 @@ class _CpuShards:
     """A sharded tensor copied to the host as its per-device shards, not assembled.
 
     Attributes:
-        shards: One ``XLAShard`` per device, in device order (``data`` a CPU tensor without
-            padding, ``indices`` its place in the global tensor, ``replica_id`` 0 for one copy
-            of each distinct shard).
+        shards: One ``XLAShard`` per device, in device order (``data`` a CPU tensor as the
+            device holds it, ``unpadded_data`` without an uneven sharding's padding, ``indices``
+            its place in the global tensor, ``replica_id`` 0 for one copy of each distinct
+            shard).
         global_shape: The shape of the whole tensor.
 
     Example:

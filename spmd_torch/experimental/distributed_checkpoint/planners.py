@@ -169,7 +169,7 @@ class SPMDSavePlanner(SavePlanner):
             return transfer.to_torch(data, t.dtype, tuple(shard.chunk.sizes))
         cpu_shards = self.sharded_state_dict.get(key)
         if isinstance(cpu_shards, _CpuShards):
-            return cpu_shards.shards[write_item.index.index].data
+            return cpu_shards.shards[write_item.index.index].unpadded_data
         value = find_state_dict_object(self._default, write_item.index)
         if write_item.type == WriteItemType.BYTE_IO:
             buffer = io.BytesIO()
@@ -362,7 +362,7 @@ def _cpu_shards_write_items(key: str, cpu: _CpuShards) -> list[WriteItem]:
             type=WriteItemType.SHARD,
             tensor_data=TensorWriteData(
                 chunk=chunk,
-                properties=TensorProperties.create_from_tensor(cpu.shards[k].data),
+                properties=TensorProperties.create_from_tensor(cpu.shards[k].unpadded_data),
                 size=shape,
             ),
         )
