@@ -16,13 +16,13 @@ import jax.numpy as jnp
 import torch
 
 from .linalg import accumulation_dtype
+from .nn import cubic_weights
 from .registry import lowers
 
 aten = torch.ops.aten
 
 _BILINEAR, _NEAREST, _BICUBIC = 0, 1, 2
 _ZEROS, _BORDER, _REFLECTION = 0, 1, 2
-_CUBIC_A = -0.75  # ATen's bicubic convolution constant
 
 
 def _unnormalize(coord, size: int, align_corners: bool):
@@ -69,19 +69,6 @@ def _gather(channels_last, indices: list):
     return jnp.where(inside[..., None], values, 0)
 
 
-def _cubic_weights(t):
-    """The four bicubic tap weights for a fraction ``t``, taps at -1, 0, 1, 2."""
-    a = _CUBIC_A
-
-    def near(x):
-        return ((a + 2) * x - (a + 3)) * x * x + 1
-
-    def far(x):
-        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
-
-    return [far(t + 1), near(t), near(1 - t), far(2 - t)]
-
-
 def grid_sample(x, grid, interpolation_mode: int, padding_mode: int, align_corners: bool):
     """ATen's grid_sampler_2d/3d: ``x`` (N, C, *in) sampled at ``grid`` (N, *out, dims)."""
     dtype = x.dtype
@@ -124,7 +111,7 @@ def _bicubic(channels_last, coords, padding_mode: int, align_corners: bool):
     sizes = channels_last.shape[1:-1]
     (row, col), (height, width) = coords, sizes
     row_low, col_low = jnp.floor(row), jnp.floor(col)
-    row_weights, col_weights = _cubic_weights(row - row_low), _cubic_weights(col - col_low)
+    row_weights, col_weights = cubic_weights(row - row_low), cubic_weights(col - col_low)
     out = 0
     for i, j in itertools.product(range(4), repeat=2):
         tap_row = _pad(row_low - 1 + i, height, padding_mode, align_corners)

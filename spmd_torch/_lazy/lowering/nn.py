@@ -938,14 +938,19 @@ def _linear_taps(in_size: int, out_size: int, align_corners: bool, scale):
     return (i0, np.minimum(i0 + 1, in_size - 1)), (1 - t, t)
 
 
-def _cubic_near(x: np.ndarray, a: float = -0.75) -> np.ndarray:
+def _cubic_near(x, a: float = -0.75):
     """Keys' cubic convolution weight for a tap at distance x <= 1 (PyTorch's A = -0.75)."""
     return ((a + 2) * x - (a + 3)) * x * x + 1
 
 
-def _cubic_far(x: np.ndarray, a: float = -0.75) -> np.ndarray:
+def _cubic_far(x, a: float = -0.75):
     """Keys' cubic convolution weight for a tap at distance 1 < x < 2."""
     return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+
+
+def cubic_weights(t) -> tuple:
+    """The four bicubic tap weights (taps at -1, 0, 1, 2) for fractions ``t``: NumPy or JAX."""
+    return (_cubic_far(t + 1), _cubic_near(t), _cubic_near(1 - t), _cubic_far(2 - t))
 
 
 def _cubic_taps(in_size: int, out_size: int, align_corners: bool, scale):
@@ -955,7 +960,7 @@ def _cubic_taps(in_size: int, out_size: int, align_corners: bool, scale):
     i = np.minimum(np.floor(src).astype(np.int64), in_size - 1)
     t = np.clip(src - i, 0, 1)
     indices = tuple(np.clip(i + k, 0, in_size - 1) for k in (-1, 0, 1, 2))
-    return indices, (_cubic_far(t + 1), _cubic_near(t), _cubic_near(1 - t), _cubic_far(2 - t))
+    return indices, cubic_weights(t)
 
 
 def _antialias_taps(in_size: int, out_size: int, align_corners: bool, scale):

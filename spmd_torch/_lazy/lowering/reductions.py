@@ -571,19 +571,8 @@ def _histogram_edges(x, bins, *, weight=None, density=False):
 
 
 def _histogram_over(x, edges, weight, density):
-    """Counts (or summed weights) of the elements in each bin: the bin whose edges hold it, the
-    last bin closed; elements outside the edges and NaN are left out. ``density`` divides by the
-    total, then by each bin's width, in that order (ATen's)."""
-    x = x.reshape(-1)
-    bins = edges.shape[0] - 1
-    position = jnp.searchsorted(edges, x, side="right") - 1
-    position = jnp.where(position == bins, bins - 1, position)
-    inside = (x >= edges[0]) & (x <= edges[-1])
-    values = jnp.ones_like(x) if weight is None else weight.reshape(-1).astype(x.dtype)
-    hist = jnp.zeros(bins, x.dtype).at[jnp.where(inside, position, bins)].add(values, mode="drop")
-    if density:
-        hist = hist / hist.sum() / jnp.diff(edges)
-    return hist
+    """histogram's counts: histogramdd's of the flattened values as points of one coordinate."""
+    return _histogramdd_over(x.reshape(-1, 1), (edges,), weight, density)
 
 
 @lowers(aten.histc.default)
