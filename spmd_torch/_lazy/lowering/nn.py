@@ -203,46 +203,47 @@ def _max_pool_backward(
     return _to_indices(grad_output, self, indices, nd)
 
 
-def _adaptive_bins(size: int, n_out: int) -> tuple[np.ndarray, np.ndarray]:
-    """(n_out, widest bin) input positions of PyTorch's bins [floor(i*L/n), ceil((i+1)*L/n)),
-    and which of them lie in their bin (the narrower bins repeat their last position)."""
-    starts = np.arange(n_out) * size // n_out
-    ends = -(-(np.arange(n_out) + 1) * size // n_out)
-    offsets = np.arange(int((ends - starts).max()))
-    inside = starts[:, None] + offsets < ends[:, None]
-    return np.minimum(starts[:, None] + offsets, ends[:, None] - 1), inside
-
-
-def _adaptive_max_pool(self, output_size):
-    """Each bin's max and its index into the flattened input plane; first max wins, NaN beats
-    all (as max_pool): the bins gathered whole, padded with -inf to the widest."""
-    nd, lead = len(output_size), self.ndim - len(output_size)
-    bins = [_adaptive_bins(size, n) for size, n in zip(self.shape[lead:], output_size)]
-    windows, inside = self, np.ones((), bool)
-    for i, (positions, mask) in enumerate(bins):
-        axis = lead + 2 * i  # each earlier dim now stands as (bin, offset)
-        windows = jnp.take(windows, positions.reshape(-1), axis=axis)
-        windows = windows.reshape(
-            windows.shape[:axis] + positions.shape + windows.shape[axis + 1 :]
-        )
-        inside = np.logical_and.outer(inside, mask)
-    # (..., n1, k1, n2, k2, ...) -> (..., n1, n2, ..., k1 * k2 * ...)
-    order = [lead + 2 * i for i in range(nd)] + [lead + 2 * i + 1 for i in range(nd)]
-    windows = jnp.moveaxis(windows, order, range(lead, lead + 2 * nd))
+def _window_max(x, positions: list):
+    """The max of each window and its index into the flattened input plane, first max winning
+    and NaN beating all (as max_pool's): ``positions[i]``, of shape (planes or 1s..., n_i, k_i),
+    lists the input positions along spatial axis i of the n_i windows, k_i each."""
+    nd, lead = len(positions), x.ndim - len(positions)
+    positions = [jnp.asarray(p).reshape((1,) * (lead + 2 - p.ndim) + p.shape) for p in positions]
+    windows = x
+    for i, p in enumerate(positions):
+        flat = p.reshape(p.shape[:lead] + (1,) * i + (-1,) + (1,) * (nd - 1 - i))
+        windows = jnp.take_along_axis(windows, flat, axis=lead + i)
+    # (..., n1 * k1, n2 * k2, ...) -> (..., n1, n2, ..., k1 * k2 * ...)
+    windows = windows.reshape(windows.shape[:lead] + sum((p.shape[-2:] for p in positions), ()))
+    windows = jnp.moveaxis(windows, [lead + 2 * i + 1 for i in range(nd)], range(-nd, 0))
     windows = windows.reshape(windows.shape[: lead + nd] + (-1,))
-    inside = np.moveaxis(inside, [a - lead for a in order], range(2 * nd))
-    inside = inside.reshape(tuple(output_size) + (-1,))
-    floating = jnp.issubdtype(self.dtype, jnp.floating)
-    fill = -jnp.inf if floating else jnp.iinfo(self.dtype).min
-    windows = jnp.where(inside, windows, jnp.array(fill, self.dtype))
     best = jnp.argmax(windows, -1)
     values = jnp.take_along_axis(windows, best[..., None], -1)[..., 0]
     index = 0
-    for i, offset in enumerate(jnp.unravel_index(best, [p.shape[1] for p, _ in bins])):
-        which_bin = np.arange(output_size[i]).reshape((-1,) + (1,) * (nd - 1 - i))
-        position = jnp.asarray(bins[i][0])[which_bin, offset]
-        index = index * self.shape[lead + i] + position
+    for i, offset in enumerate(jnp.unravel_index(best, [p.shape[-1] for p in positions])):
+        p = positions[i]  # (..., n_i, k_i) -> (..., 1s, n_i, 1s, k_i): indexed by the offset
+        table = p.reshape(
+            p.shape[:lead] + (1,) * i + p.shape[-2:-1] + (1,) * (nd - 1 - i) + p.shape[-1:]
+        )
+        position = jnp.take_along_axis(table, offset[..., None], -1)[..., 0]
+        index = index * x.shape[lead + i] + position
     return values, index.astype(jnp.int64)
+
+
+def _adaptive_bins(size: int, n_out: int) -> np.ndarray:
+    """(n_out, widest bin) input positions of PyTorch's bins [floor(i*L/n), ceil((i+1)*L/n));
+    a narrower bin repeats its last position, which changes neither its max nor the first one."""
+    starts = np.arange(n_out) * size // n_out
+    ends = -(-(np.arange(n_out) + 1) * size // n_out)
+    offsets = np.arange(int((ends - starts).max()))
+    return np.minimum(starts[:, None] + offsets, ends[:, None] - 1)
+
+
+def _adaptive_max_pool(self, output_size):
+    """Each of PyTorch's bins' max and its index into the flattened input plane."""
+    lead = self.ndim - len(output_size)
+    sizes = zip(self.shape[lead:], output_size)
+    return _window_max(self, [_adaptive_bins(size, n) for size, n in sizes])
 
 
 def _fractional_starts(sample, size: int, kernel: int, n_out: int):
@@ -255,11 +256,6 @@ def _fractional_starts(sample, size: int, kernel: int, n_out: int):
     return jnp.concatenate([starts.astype(jnp.int32), last], axis=-1)
 
 
-def _on_axis(per_plane, size: int, i: int, nd: int) -> tuple:
-    """The shape putting ``per_plane``'s last axis (of ``size``) at spatial axis ``i`` of ``nd``."""
-    return per_plane.shape[:-1] + (1,) * i + (size,) + (1,) * (nd - 1 - i)
-
-
 def _fractional_max_pool(self, kernel_size, output_size, random_samples):
     """Max over windows placed by one random sample per plane and dimension; first max wins.
     The samples' order is ATen's: 2-D takes (width, height), 3-D (time, height, width)."""
@@ -267,26 +263,12 @@ def _fractional_max_pool(self, kernel_size, output_size, random_samples):
     lead = self.ndim - nd
     samples = random_samples.reshape(self.shape[:lead] + (nd,)).astype(self.dtype)
     order = (1, 0) if nd == 2 else (0, 1, 2)
-    starts = [
-        _fractional_starts(samples[..., order[i]], self.shape[lead + i], k, n)
+    positions = [
+        _fractional_starts(samples[..., order[i]], self.shape[lead + i], k, n)[..., None]
+        + jnp.arange(k)
         for i, (k, n) in enumerate(zip(kernel_size, output_size))
     ]
-    windows = self
-    for i, (first, k) in enumerate(zip(starts, kernel_size)):
-        positions = (first[..., None] + jnp.arange(k)).reshape(_on_axis(first, -1, i, nd))
-        windows = jnp.take_along_axis(windows, positions, axis=lead + i)
-    shape = windows.shape[:lead] + sum(((n, k) for n, k in zip(output_size, kernel_size)), ())
-    windows = jnp.moveaxis(
-        windows.reshape(shape), [lead + 2 * i + 1 for i in range(nd)], range(-nd, 0)
-    )
-    windows = windows.reshape(windows.shape[: lead + nd] + (-1,))
-    best = jnp.argmax(windows, -1)
-    values = jnp.take_along_axis(windows, best[..., None], -1)[..., 0]
-    index = 0
-    for i, offset in enumerate(jnp.unravel_index(best, tuple(kernel_size))):
-        first = starts[i].reshape(_on_axis(starts[i], starts[i].shape[-1], i, nd))
-        index = index * self.shape[lead + i] + first + offset
-    return values, index.astype(jnp.int64)
+    return _window_max(self, positions)
 
 
 @lowers(aten.fractional_max_pool2d.default, aten.fractional_max_pool3d.default)
