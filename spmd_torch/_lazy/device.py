@@ -143,6 +143,16 @@ def _factory_kernel(op):
     return kernel
 
 
+def _einsum_above_autograd(equation, operands, path=None):
+    """einsum reaches the lowering whole (one dot_general, no reshapes) unless autograd must
+    record it: then ATen's decomposition, whose ops autograd knows. PyTorch/XLA's patched linear
+    calls it with gradients off, in its forward and its backward alike."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in operands):
+        return aten.einsum.default.decompose(equation, operands, path=path)
+    with torch._C._AutoDispatchBelowAutograd():
+        return aten.einsum.default(equation, operands, path=path)
+
+
 _registered: list = []
 
 
@@ -160,6 +170,7 @@ def register() -> None:
     library = torch.library.Library("aten", "IMPL")
     for op in _BACKEND_OPS:
         library.impl(op, _factory_kernel(op), "PrivateUse1")
+    library.impl(aten.einsum.default, _einsum_above_autograd, "AutogradPrivateUse1")
     # Autocast: PyTorch/XLA's cast policy above autograd; every other op passes through.
     for op, policy in AUTOCAST_POLICY.items():
         library.impl(op, autocast_kernel(op, policy), AUTOCAST_KEY)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import spmd_torch
+import spmd_torch._XLAC as _XLAC
 import spmd_torch.distributed.spmd as xs
 import spmd_torch.distributed.spmd.api as spmd_api
 from spmd_torch.debug import graph
@@ -257,16 +258,22 @@ def test_annotate_custom_sharding_constrains_a_pending_value():
 # ---- einsum linear ---------------------------------------------------------------------------
 
 
-def test_xla_patched_linear_matches_linear_forward_and_backward():
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_xla_patched_linear_matches_linear_forward_and_backward(with_bias):
     torch.manual_seed(0)
     x, w, b = torch.randn(2, 3, 6), torch.randn(5, 6), torch.randn(5)
-    cpu = [t.clone().requires_grad_() for t in (x, w, b)]
-    ours = [t.to(dev).requires_grad_() for t in (x, w, b)]
+    leaves = (x, w, b) if with_bias else (x, w)
+    cpu = [t.clone().requires_grad_() for t in leaves]
+    ours = [t.to(dev).requires_grad_() for t in leaves]
     expected = F.linear(*cpu)
     actual = xs.XLAPatchedLinear.apply(*ours)
+    if not with_bias:  # (a bias add ranks the bias up with a reshape)
+        assert "reshape" not in _XLAC._get_xla_tensors_hlo([actual])  # what it exists for
     cotangent = torch.randn(2, 3, 5)
     expected.backward(cotangent)
     actual.backward(cotangent.to(dev))
+    if not with_bias:
+        assert "reshape" not in _XLAC._get_xla_tensors_hlo([t.grad for t in ours])
     assert_close(actual, expected)
     for got, want in zip(ours, cpu):
         assert_close(got.grad, want.grad)

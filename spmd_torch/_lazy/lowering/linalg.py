@@ -95,6 +95,20 @@ def _trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
     return out.astype(i1.dtype)
 
 
+@lowers(aten.einsum.default)
+def _einsum(equation, operands, path=None):
+    """One dot_general per contraction, every operand's dimensions kept: ATen's decomposition
+    flattens them into a bmm, and the reshapes hide sharded batch dimensions from the
+    partitioner (the reason PyTorch/XLA's patched linear is written with einsum)."""
+    out = jnp.einsum(
+        equation,
+        *operands,
+        precision=precision(),
+        preferred_element_type=accumulation_dtype(operands[0].dtype),
+    )
+    return out.astype(operands[0].dtype)
+
+
 @lowers(aten.vdot.default)
 def _vdot(a, b):
     """Conjugates the first operand (a no-op for real dtypes)."""

@@ -584,9 +584,8 @@ class XLAPatchedLinear(torch.autograd.Function):
     """``torch.nn.functional.linear`` written with ``einsum``, forward and backward.
 
     PyTorch/XLA uses it so that matmuls keep the sharded batch dimensions instead of flattening
-    them away. Here ``einsum`` and ``linear`` reach the partitioner alike (both keep every
-    dimension), so it computes exactly what ``linear`` does; it is kept so scripts that patch
-    their models run unchanged. Inputs are cast as autocast('xla') says.
+    them away: each ``einsum`` here lowers to one dot_general over the tensors as they are, with
+    no reshape, in the forward and the backward alike. Inputs are cast as autocast('xla') says.
 
     Example:
         >>> y = xs.XLAPatchedLinear.apply(x, layer.weight, layer.bias)
@@ -603,12 +602,12 @@ class XLAPatchedLinear(torch.autograd.Function):
     @torch.amp.custom_bwd(device_type="xla")
     def backward(ctx, grad_output: torch.Tensor) -> tuple:
         input, weight, bias = ctx.saved_tensors
-        needs_input, needs_weight, needs_bias = ctx.needs_input_grad
+        needs_input, needs_weight, *needs_bias = ctx.needs_input_grad  # bias may be left out
         grad_input = torch.einsum("...m,mn->...n", grad_output, weight) if needs_input else None
         grad_weight = torch.einsum("...m,...n->mn", grad_output, input) if needs_weight else None
-        grad_bias = None
-        if bias is not None and needs_bias:
-            grad_bias = torch.einsum("...m->m", grad_output)
+        if not needs_bias:
+            return grad_input, grad_weight
+        grad_bias = torch.einsum("...m->m", grad_output) if needs_bias[0] else None
         return grad_input, grad_weight, grad_bias
 
 
