@@ -19,7 +19,7 @@ from torch._decomp import decomposition_table
 from . import collective, counters, placement, rng, views
 from .engine import current
 from .execute import sync, to_cpu
-from .graph import Aval, Value
+from .graph import Aval, Node, Value
 from .lowering import LOWERINGS, amp, ctc, factories, optim
 from .record import DeviceMismatchError, NoStaticShape, emit, emit_value
 from .tensor import DEVICE, LazyTensor, connect, wrap, wrap_data
@@ -357,7 +357,7 @@ def _copy_(func, args: tuple, kwargs: dict) -> LazyTensor:
         if dst._view is None:
             placement.remember(dst._storage, array)
             dst._storage.from_host = sharding is None  # lands replicated: a layout, not a spec
-        value = Value(wrap_data(array, Aval(tuple(dst.shape), dst.dtype))._ref())
+        value = Value((Node.data(array, Aval(tuple(dst.shape), dst.dtype)), 0))
     dst._write(value.ref)
     return dst
 
