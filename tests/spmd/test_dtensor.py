@@ -207,8 +207,10 @@ def test_device_mesh_of_an_unnamed_mesh_has_no_dim_names():
 
 
 def test_placements_need_a_sharding():
-    with pytest.raises(ValueError, match=r"placements: the tensor of shape \(3,\) has no sharding"):
+    # PyTorch/XLA's sentence, and the reason naming the tensor as its cause.
+    with pytest.raises(ValueError, match=r"^Placements not available: XLAShardedTensor") as caught:
         xs.XLAShardedTensor(torch.ones(3).to(dev)).placements
+    assert "placements: the tensor of shape (3,) has no sharding" in str(caught.value.__cause__)
 
 
 def test_placements_refuse_a_dimension_split_against_mesh_order():

@@ -352,7 +352,14 @@ class XLAShardedTensor:
             >>> xt.placements
             (Shard(dim=1), Replicate())
         """
-        return self._dtensor_spec("placements").placements
+        try:
+            return self._dtensor_spec("placements").placements
+        except Unsharded as error:  # PyTorch/XLA's words; ours, naming the tensor, as the cause
+            raise ValueError(
+                "Placements not available: XLAShardedTensor requires mesh_shape and "
+                "partition_spec to be set. Use mark_sharding() to properly initialize sharding "
+                "information."
+            ) from error
 
     def redistribute(
         self,
@@ -613,12 +620,19 @@ def _spec_of(sharding: NamedSharding, ndim: int, named: bool) -> tuple:
     return tuple(spec)
 
 
+class Unsharded(ValueError):
+    """The tensor has no sharding to describe: it is not on the xla device, or not sharded."""
+
+
 def _own_sharding(tensor: torch.Tensor, api: str) -> NamedSharding:
     """The mesh sharding ``tensor`` was given (marked, distributed, or propagated onto it)."""
-    validate._check_xla_tensor(tensor, api)
+    try:
+        validate._check_xla_tensor(tensor, api)
+    except ValueError as error:
+        raise Unsharded(str(error)) from None
     sharding = placement.sharding_of(tensor)
     if sharding is None or sharding == transfer.landing():
-        raise ValueError(
+        raise Unsharded(
             f"{api}: the tensor of shape {tuple(tensor.shape)} has no sharding of its own; "
             "shard it first (xs.mark_sharding or torch.distributed.tensor.distribute_tensor)"
         )
