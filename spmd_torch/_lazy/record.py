@@ -17,6 +17,7 @@ from spmd_torch import config
 
 from . import counters
 from .graph import SCALAR, SCALAR_AVAL, Arg, Aval, Node, Ref, Value
+from .lowering.checks import AFTER_META, BEFORE_META, IndexCheckError
 from .lowering.dtypes import to_jax_dtype
 from .tensor import DEVICE, LazyTensor, wrap_data
 from .transfer import to_device_array
@@ -33,11 +34,6 @@ _META_CACHE: dict[tuple, tuple] = {}
 
 class DeviceMismatchError(RuntimeError):
     pass
-
-
-class IndexCheckError(IndexError, RuntimeError):
-    """A dimension or size check failed: an IndexError, as CPU PyTorch raises, and a RuntimeError,
-    as PyTorch/XLA's C++ checks raise, so code written for either catches it."""
 
 
 class NoStaticShape(Exception):
@@ -133,6 +129,9 @@ def _upload_scalar_tensor(t: torch.Tensor) -> LazyTensor:
 def _infer(func, args: tuple, kwargs: dict) -> tuple:
     """Output avals and structure from PyTorch's meta kernel; validates dtypes once per signature."""
     counters.bump("MetaInference")
+    check = BEFORE_META.get(func)
+    if check is not None:
+        check(args)
     try:
         out = func(*_to_meta(args), **_to_meta(kwargs))
     except (
@@ -143,7 +142,9 @@ def _infer(func, args: tuple, kwargs: dict) -> tuple:
         raise NoStaticShape(f"{func}: {error}") from None
     except IndexError as error:
         raise IndexCheckError(f"{func}: {error}") from None
-    _check_identity(func, args)
+    check = AFTER_META.get(func)
+    if check is not None:
+        check(args)
     if isinstance(out, torch.Tensor):
         structure, tensors = None, [out]
     elif isinstance(out, (tuple, list)):
@@ -155,24 +156,6 @@ def _infer(func, args: tuple, kwargs: dict) -> tuple:
     for aval in avals:
         to_jax_dtype(aval.dtype, func)
     return avals, structure
-
-
-_NO_IDENTITY = {torch.ops.aten.max, torch.ops.aten.min}  # meta kernels take empty inputs
-
-
-def _check_identity(func, args: tuple) -> None:
-    """``max``/``min`` of nothing: CPU PyTorch's errors, at the call, not at the barrier."""
-    if func.overloadpacket not in _NO_IDENTITY or args[0].numel():
-        return
-    name, overload = func.overloadpacket.__name__, func._overloadname
-    if overload == "default":
-        raise RuntimeError(
-            f"{name}(): Expected reduction dim to be specified for input.numel() == 0. "
-            "Specify the reduction dim with the 'dim' argument."
-        )
-    if overload == "dim" and args[0].shape[args[1]] == 0:
-        dim = args[1] % args[0].dim()
-        raise IndexCheckError(f"{name}(): Expected reduction dim {dim} to have non-zero size.")
 
 
 def _to_meta(x: Any) -> Any:

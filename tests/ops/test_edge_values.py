@@ -3,7 +3,8 @@ isneginf/isposinf in half precision, searchsorted over rows and with a sorter, f
 polygamma and zeta at poles and negative arguments, histc's ranges, bucketize, logspace,
 index_reduce and put over repeated indices, renorm, the Bessel functions, erfcx and airy_ai across
 their ranges, adaptive max pools' backward, pdist at zero distances, hash_tensor's bits per dtype,
-ormqr on batches of rectangular factors, segment_reduce with empty segments, ties and zeros."""
+ormqr on batches of rectangular factors, segment_reduce with empty segments, ties and zeros,
+arange's non-finite bounds."""
 
 from __future__ import annotations
 
@@ -93,6 +94,17 @@ def test_dimension_checks_raise_at_the_call_as_cpu_does(op):
         op(x.to("xla"))
     assert str(on_cpu.value) in str(on_xla.value)
     assert isinstance(on_xla.value, RuntimeError)
+
+
+@pytest.mark.parametrize(
+    "bounds", [(-5, float("nan")), (float("nan"), 5), (0, float("inf")), (float("nan"),)]
+)
+def test_arange_of_a_non_finite_bound_raises_cpus_error(bounds):
+    with pytest.raises(RuntimeError) as on_cpu:
+        torch.arange(*bounds)
+    with pytest.raises(RuntimeError) as on_xla:
+        torch.arange(*bounds, device="xla")
+    assert str(on_xla.value) == str(on_cpu.value)  # "unsupported range: -5 -> nan"
 
 
 def test_digamma_polygamma_zeta_at_poles_and_negative_arguments():
