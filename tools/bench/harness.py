@@ -65,6 +65,9 @@ class Trainer:
     # spmd_torch only: host seconds of each step's barrier (time in sync()), one entry per step.
     # Set, run_trainer also probes its blocked steps (read_probe) to split their host time.
     barrier_times: list[float] | None = None
+    # The same barriers in the main thread's CPU time (time.thread_time): on a CPU host the wall
+    # time also holds the waits for a core that XLA's threads, running the program, hold.
+    barrier_cpu_times: list[float] | None = None
 
 
 def blocked_steps(
@@ -74,16 +77,18 @@ def blocked_steps(
     wait, so device work (on CPU, on the same cores) stays out of the host time; with `probe`,
     reads the engine's public numbers before and after, for host_breakdown."""
     before = read_probe() if probe else None
-    host, waited = [], []
+    host, host_cpu, waited = [], [], []
     for _ in range(n):
-        t0 = now()
+        c0, t0 = time.thread_time(), now()
         losses.append(step())
-        t1 = now()
+        t1, c1 = now(), time.thread_time()
         wait()
         host.append(t1 - t0)
+        host_cpu.append(c1 - c0)
         waited.append(now() - t1)
     return {
         "host_s": host,
+        "host_cpu_s": host_cpu,
         "wait_s": waited,
         "before": before,
         "after": read_probe() if probe else None,
@@ -114,6 +119,7 @@ def run_trainer(tr: Trainer, warmup: int, steps: int, check: bool) -> dict[str, 
     window = blocked_steps(tr.step, tr.wait, steps, losses, probe=spmd)
     times = [h + w for h, w in zip(window["host_s"], window["wait_s"])]
     barriers = (tr.barrier_times or [])[warmup : warmup + steps]
+    barriers_cpu = (tr.barrier_cpu_times or [])[warmup : warmup + steps]
 
     t0 = now()
     for _ in range(steps):
@@ -140,6 +146,7 @@ def run_trainer(tr: Trainer, warmup: int, steps: int, check: bool) -> dict[str, 
         "param_bytes_total": total,
         "program_bytes_per_device": tr.program_bytes(),
         "barrier_ms": statistics.median(barriers) * 1e3 if barriers else None,
+        "barrier_cpu_ms": statistics.median(barriers_cpu) * 1e3 if barriers_cpu else None,
         "host_ms": host_breakdown(window, sum(window["host_s"]) - sum(barriers)) if spmd else None,
         "loss_first": tr.loss_value(losses[0]),
         "loss_last": tr.loss_value(losses[-1]),
@@ -220,14 +227,15 @@ def read_probe() -> dict[str, Any]:
 
 
 def host_breakdown(window: dict[str, Any], trace_s: float) -> dict[str, Any]:
-    """ms per step of a probed window: host (in step()), device wait, tracing (`trace_s` over the
-    window) and the rest, the barrier, split into its phases, compiles and what no phase covers
+    """ms per step of a probed window: host (in step(); also as the main thread's CPU time), device
+    wait, tracing (`trace_s` over the window) and the rest, the barrier, split into its phases, compiles and what no phase covers
     (phases None: n/a). The phases are all serial host work inside the barrier."""
     n = len(window["host_s"])
     host = sum(window["host_s"]) * 1e3 / n
     trace = trace_s * 1e3 / n
     out: dict[str, Any] = {
         "host": host,
+        "host_cpu": sum(window["host_cpu_s"]) * 1e3 / n if "host_cpu_s" in window else None,
         "device_wait": sum(window["wait_s"]) * 1e3 / n,
         "trace": trace,
         "barrier": host - trace,

@@ -102,8 +102,9 @@ def _host_line(label: str, h: dict[str, Any]) -> str:
             calls = h["phase_calls"][phase]
             parts.append(f"{phase} {ms:.2f}" + ("" if calls == 1 else f" ({calls:g}/step)"))
         split = f"{', '.join(parts)}; compile {h['compile']:.2f}; rest {h['barrier_rest']:.2f}"
+    cpu = "" if h.get("host_cpu") is None else f" (CPU {h['host_cpu']:.1f})"
     return (
-        f"  {label} host ms/step {h['host']:.1f} (then device wait {h['device_wait']:.1f}): "
+        f"  {label} host ms/step {h['host']:.1f}{cpu} (then device wait {h['device_wait']:.1f}): "
         f"{trace}; barrier {h['barrier']:.1f} ({split})"
     )
 
@@ -209,7 +210,11 @@ def report_training(workload: str, results: Results, gpu: bool) -> dict[str, Any
         if transfers is not None:
             print(f"  {label} device-to-host transfers per step: {transfers:g}")
         if r.get("barrier_ms") is not None:
-            print(f"  {label} barrier host time (median time in sync()): {r['barrier_ms']:.2f} ms")
+            cpu = r.get("barrier_cpu_ms")
+            cpu = "" if cpu is None else f" ({cpu:.2f} ms of the main thread's CPU)"
+            print(
+                f"  {label} barrier host time (median time in sync()): {r['barrier_ms']:.2f} ms{cpu}"
+            )
     _print_host_lines(_ok(results))
     return ratios
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -252,7 +253,8 @@ def spmd_trainer(
     the forward pass runs under ``spmd_torch.amp.autocast``. With `compile_backend` the step
     (forward, backward, optimizer step) runs under ``torch.compile`` with that backend, as
     PyTorch/XLA's dynamo guide writes it; sync() stays outside. Each step's time in sync() is
-    kept: the barrier's host time, and with it the tracing time (the rest of the step)."""
+    kept, in wall and in CPU time: the barrier's host time, and with it the tracing time (the rest
+    of the step)."""
     import spmd_torch
     import spmd_torch.amp as amp
     import spmd_torch.core.xla_model as xm
@@ -266,6 +268,7 @@ def spmd_trainer(
     spmd_torch.sync()
     xm.wait_device_ops()
     barrier_times: list[float] = []
+    barrier_cpu_times: list[float] = []
     region = contextlib.nullcontext
     if autocast_dtype is not None:
         region = lambda: amp.autocast(dev, dtype=autocast_dtype)  # noqa: E731
@@ -283,9 +286,10 @@ def spmd_trainer(
 
     def step() -> torch.Tensor:
         loss = train_step()
-        t0 = harness.now()
+        c0, t0 = time.thread_time(), harness.now()
         spmd_torch.sync()
         barrier_times.append(harness.now() - t0)
+        barrier_cpu_times.append(time.thread_time() - c0)
         return loss
 
     return Trainer(
@@ -296,6 +300,7 @@ def spmd_trainer(
         cached_compiles=harness.spmd_cached_compiles,
         peak_bytes=harness.jax_peak,
         barrier_times=barrier_times,
+        barrier_cpu_times=barrier_cpu_times,
     )
 
 
