@@ -561,34 +561,38 @@ def _xla_get_default_device_ordinal() -> int:
 
 
 def _xla_get_devices() -> list[str]:
-    """The real device behind each xla device of this process: one, ``['CPU:0']``, as under
-    PyTorch/XLA's SPMD.
+    """The real device behind each xla device of this process: one per device outside SPMD,
+    ``['CPU:0']`` under SPMD.
 
     Example:
-        >>> _xla_get_devices()
-        ['CPU:0']
+        >>> _xla_get_devices()  # 4 CPU devices
+        ['CPU:0', 'CPU:1', 'CPU:2', 'CPU:3']
     """
     return runtime.xla_real_devices()
 
 
 def _xla_get_all_devices() -> list[str]:
-    """The real device behind each logical xla device of the job, in ordinal order: each
-    process's first device (each replica's own inside ``launch``); as many as
-    ``xr.global_device_count()``.
+    """The real device behind each xla device of the job, in ordinal order: every device of
+    each process outside SPMD, its first under SPMD (each replica's own inside ``launch``); as
+    many as ``xr.global_device_count()``.
 
     Example:
-        >>> _xla_get_all_devices()  # one process
-        ['CPU:0']
+        >>> _xla_get_all_devices()  # one process, 4 CPU devices
+        ['CPU:0', 'CPU:1', 'CPU:2', 'CPU:3']
     """
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     if runtime.local_process_count() > 1:  # replicas of launch, one device each
         backing = devices[: runtime.global_device_count()]
-    else:
-        firsts: dict[int, jax.Device] = {}
-        for device in devices:
-            firsts.setdefault(device.process_index, device)
-        backing = list(firsts.values())
+    else:  # each process's own xla devices: all of its devices, or its first under SPMD
+        per_process = runtime.addressable_device_count()
+        backing = [d for d in devices if _local_position(d, devices) < per_process]
     return [_runtime_name(d) for d in backing]
+
+
+def _local_position(device: jax.Device, devices: list) -> int:
+    """Where ``device`` stands among its process's devices (``devices``: sorted)."""
+    same = [d for d in devices if d.process_index == device.process_index]
+    return same.index(device)
 
 
 def _xla_get_runtime_devices() -> list[str]:
@@ -617,11 +621,11 @@ def _runtime_name(device: jax.Device) -> str:
 
 
 def _xla_num_devices() -> int:
-    """The number of xla devices of this process: 1 (``xr.addressable_device_count()``).
+    """The number of xla devices of this process (``xr.addressable_device_count()``).
 
     Example:
-        >>> _xla_num_devices()
-        1
+        >>> _xla_num_devices()  # 4 CPU devices, no SPMD
+        4
     """
     return runtime.addressable_device_count()
 

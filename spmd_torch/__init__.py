@@ -15,6 +15,7 @@ from . import (
 from . import config as _config
 from . import runtime as _runtime
 from ._lazy import device as _device
+from ._lazy import engine as _engine
 from ._lazy import rng as _rng
 from ._lazy.tensor import DEVICE as _DEVICE
 from ._regions import compile, step  # noqa: F401  (public: spmd_torch.compile, .step)
@@ -32,33 +33,29 @@ __version__ = "0.1.0"
 
 
 def device(index: int | None = None) -> torch.device:
-    """The xla device (``torch.device('xla:0')``); tensors moved there are traced lazily.
+    """An xla device (default ``xla:0``); tensors moved there are traced lazily.
+
+    Outside SPMD, ``xla:N`` is the process's N-th device, as in PyTorch/XLA; under SPMD (and in
+    a replica of ``launch``) the process has one logical device, ``xla:0``, spanning them all.
 
     Raises:
-        IndexError: ``index`` is not 0: the process has one logical device, spanning every
-            accelerator (shard tensors over them with a mesh).
+        IndexError: no such device (under SPMD: any but 0; shard tensors with a mesh instead).
 
     Example:
         >>> dev = spmd_torch.device()
         >>> x = torch.ones(2, 2, device=dev) * 3
     """
-    if index not in (None, 0):
-        raise IndexError(
-            f"device({index}): this process has one logical device, xla:0, spanning its "
-            f"{_runtime.addressable_runtime_device_count()} accelerators; shard tensors over "
-            "them with a mesh"
-        )
-    return torch.device(_DEVICE.type, 0)
+    return _engine.current().mode.use_device(index or 0)
 
 
 def devices() -> list[torch.device]:
-    """The devices a program addresses: one logical device per process in the SPMD model.
+    """The xla devices of this process: one per local device outside SPMD, else ``xla:0``.
 
     Example:
-        >>> spmd_torch.devices()
-        [device(type='xla', index=0)]
+        >>> spmd_torch.devices()  # 8 CPU devices, no SPMD
+        [device(type='xla', index=0), ..., device(type='xla', index=7)]
     """
-    return [device()]
+    return [torch.device(_DEVICE.type, i) for i in range(device_count())]
 
 
 def real_devices() -> list[str]:
@@ -66,19 +63,19 @@ def real_devices() -> list[str]:
 
     Example:
         >>> spmd_torch.real_devices()
-        ['CPU:0']
+        ['CPU:0', 'CPU:1', 'CPU:2', 'CPU:3']
     """
     return _runtime.xla_real_devices()
 
 
 def device_count() -> int:
-    """The number of xla devices this process addresses: one (the SPMD model's logical device).
+    """The number of xla devices this process addresses (see :func:`devices`).
 
     Example:
         >>> spmd_torch.device_count()
-        1
+        4
     """
-    return 1
+    return _runtime.addressable_device_count()
 
 
 def sync(wait: bool = False, reset_scope: bool = True) -> None:

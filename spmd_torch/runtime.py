@@ -251,34 +251,38 @@ def local_process_count() -> int:
 
 
 def addressable_device_count() -> int:
-    """The number of logical xla devices this process addresses: 1 (``xla:0``), as under SPMD.
+    """The number of xla devices this process addresses: outside SPMD one per local device
+    (``xla:0``, ``xla:1``...), as in PyTorch/XLA; under SPMD, and in a replica of ``launch``,
+    one (``xla:0``).
 
     For the number of real accelerators this process drives, see
     :func:`addressable_runtime_device_count`.
 
     Example:
+        >>> xr.use_spmd()
         >>> xr.addressable_device_count()
         1
     """
-    return 1
+    return engine.current().mode.device_count()
 
 
 def local_device_count() -> int:
-    """The number of logical xla devices on this host (processes on the host times 1).
+    """The number of xla devices on this host (processes on the host times each one's).
 
     Example:
-        >>> xr.local_device_count()
-        1
+        >>> xr.local_device_count()  # 8 CPU devices, no SPMD
+        8
     """
     return local_process_count() * addressable_device_count()
 
 
 def global_device_count() -> int:
-    """The number of logical xla devices in the job: one per process.
+    """The number of xla devices in the job: each process's (one under SPMD).
 
     For the number of real accelerators, see :func:`global_runtime_device_count`.
 
     Example:
+        >>> xr.use_spmd()
         >>> xr.global_device_count()
         1
     """
@@ -414,7 +418,7 @@ def xla_real_devices(devices: list | None = None) -> list[str]:
         ['CPU:0']
     """
     if not devices:
-        devices = ["xla:0"]
+        devices = [f"xla:{i}" for i in range(addressable_device_count())]
     return [_real_device(d) for d in devices]
 
 
@@ -433,8 +437,11 @@ def xla_device_hw(device: str | torch.device) -> str:
 
 def _real_device(device: str | torch.device) -> str:
     match = _XLA_DEVICE.match(str(device))
-    if match is None or int(match.group(1) or 0) != 0:
+    count = addressable_device_count()
+    index = int(match.group(1) or 0) if match else count
+    if index >= count:
         raise RuntimeError(
-            f"Invalid xla device {str(device)!r}: the SPMD program has one logical device, xla:0"
+            f"Invalid xla device {str(device)!r}: this process has {count} xla devices, "
+            f"xla:0 to xla:{count - 1}"
         )
-    return f"{device_type()}:0"
+    return f"{device_type()}:{index}"

@@ -15,6 +15,7 @@ import torch
 
 from . import rng
 from .dispatch import issue
+from .engine import current
 from .execute import rng_words, wait_device_ops
 from .lowering.amp import AUTOCAST_KEY, AUTOCAST_POLICY, autocast_kernel
 from .tensor import DEVICE, _rebuild_on_device
@@ -37,7 +38,7 @@ _STREAM = _Stream()
 
 
 class _BackendModule:
-    """What ``torch.xla`` answers: one logical device and stream; seeding reaches the device PRNG."""
+    """What ``torch.xla`` answers: the mode's devices, one stream; seeding reaches the device PRNG."""
 
     @staticmethod
     def current_stream(device=None) -> _Stream:
@@ -63,7 +64,7 @@ class _BackendModule:
 
     @staticmethod
     def device_count() -> int:
-        return 1
+        return current().mode.device_count()
 
     @staticmethod
     def _is_in_bad_fork() -> bool:
@@ -138,6 +139,9 @@ _BACKEND_OPS = [
 
 def _factory_kernel(op):
     def kernel(*args, **kwargs):
+        device = kwargs.get("device")
+        if device is not None and device.index:  # xla:1...: checked, and ops look for devices
+            current().mode.use_device(device.index)
         return issue(op, args, kwargs)
 
     return kernel

@@ -22,7 +22,7 @@ from .execute import sync, to_cpu
 from .graph import Aval, Node, Value
 from .lowering import LOWERINGS, amp, ctc, factories, optim
 from .record import DeviceMismatchError, NoStaticShape, emit, emit_value
-from .tensor import DEVICE, LazyTensor, connect, wrap, wrap_data
+from .tensor import DEVICE, SEVERAL_DEVICES, LazyTensor, connect, wrap, wrap_data
 from .transfer import host_copy, to_device_array, upload
 
 aten = torch.ops.aten
@@ -194,7 +194,7 @@ def _with_device_indices(handler: Callable) -> Callable:
 
     def upload(func, args: tuple, kwargs: dict) -> Any:
         indices = [
-            _upload(i) if isinstance(i, torch.Tensor) and not isinstance(i, LazyTensor) else i
+            _upload(i, None) if isinstance(i, torch.Tensor) and not isinstance(i, LazyTensor) else i
             for i in args[1]
         ]
         return handler(func, (args[0], indices, *args[2:]), kwargs)
@@ -348,16 +348,19 @@ def _copy_(func, args: tuple, kwargs: dict) -> LazyTensor:
         return dst.copy_(to_cpu(src))
     if isinstance(src, LazyTensor) and src.dtype == dst.dtype and src.shape == dst.shape:
         value = Value(src._ref())  # values are immutable: the copy is src's value itself
+        if SEVERAL_DEVICES and value.ref[0].device != dst._ref()[0].device:
+            value = emit_value(aten.copy.default, dst, src)  # onto dst's device
     elif isinstance(src, LazyTensor):
         value = emit_value(aten.copy.default, dst, src)
     else:
         host = host_copy(src.detach().to(dst.dtype).expand(dst.shape).contiguous())
         sharding = dst._storage.sharding if dst._view is None else None  # keep a marked layout
-        array = current().mode.stage(host) if sharding is None else upload(host, sharding)
+        device = dst._ref()[0].device
+        array = current().mode.stage(host, device) if sharding is None else upload(host, sharding)
         if dst._view is None:
             placement.remember(dst._storage, array)
             dst._storage.from_host = sharding is None  # lands replicated: a layout, not a spec
-        value = Value((Node.data(array, Aval(tuple(dst.shape), dst.dtype)), 0))
+        value = Value((Node.data(array, Aval(tuple(dst.shape), dst.dtype), device), 0))
     dst._write(value.ref)
     return dst
 
@@ -446,6 +449,8 @@ def _to_copy(func, args: tuple, kwargs: dict) -> Any:
         out = to_cpu(args[0])
         dtype = kwargs.get("dtype")
         return out.to(dtype) if dtype is not None else out
+    if device is not None:  # to another xla device: the program on that one reads it
+        current().mode.use_device(torch.device(device).index or 0)
     node, structure = emit(func, args, kwargs)
     return _wrap_outputs(node, structure)
 
@@ -506,6 +511,7 @@ def _cpu_fallback(func, args: tuple, kwargs: dict, count: bool = True, why: str 
     host_args = to_host(args)
     host_kwargs = {k: to_host(v) for k, v in kwargs.items()}
     out = func(*host_args, **host_kwargs)
+    device = next((a._ref()[0].device for a in args if isinstance(a, LazyTensor)), 0)
     names = [a.name for a in func._schema.arguments]
     for argument in func._schema.arguments:  # CPU-side mutations go back to the device tensors
         if argument.alias_info is None or not argument.alias_info.is_write:
@@ -521,15 +527,17 @@ def _cpu_fallback(func, args: tuple, kwargs: dict, count: bool = True, why: str 
             _copy_(aten.copy_.default, (target, source), {})
             if out is source:
                 return target
-    return _upload(out)
+    return _upload(out, device or 0)
 
 
-def _upload(out: Any) -> Any:
+def _upload(out: Any, device: int = 0) -> Any:
+    """A CPU result as device data on xla:``device`` (None: read by any device's program)."""
     if isinstance(out, torch.Tensor):
         out = out.contiguous()
-        return wrap_data(to_device_array(out), Aval(tuple(out.shape), out.dtype))
+        array = current().mode.stage(host_copy(out), device) if device else to_device_array(out)
+        return wrap_data(array, Aval(tuple(out.shape), out.dtype), device)
     if isinstance(out, (list, tuple)):
-        return type(out)(_upload(o) for o in out)
+        return type(out)(_upload(o, device) for o in out)
     return out
 
 

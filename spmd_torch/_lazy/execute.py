@@ -33,36 +33,38 @@ def sync(wait: bool = False) -> None:
     start = time.perf_counter_ns()
     owners = _owners(engine)
     if owners:
-        _run(engine, owners, start)
+        groups = modes.by_device(list(owners.values()), lambda entry: entry[0])
+        for device, group in groups:  # one program per device used (xla:0's, unless others are)
+            _run(engine, group, device, len(groups) == 1, start)
     if wait:
         wait_device_ops()
 
 
-def _run(engine, owners: dict, start: int) -> None:
-    """One program computing ``owners``' values ((id(node), index) -> (ref, [storages])), bound
-    to their storages."""
-    program = linearize([ref for ref, _ in owners.values()])
+def _run(engine, owners: list, device: int, donate: bool, start: int) -> None:
+    """One program on xla:``device`` computing ``owners``' values ([(ref, [storages])]), bound to
+    their storages; ``donate``: it may give up inputs no live tensor holds (not when another
+    program of this barrier may read them)."""
+    program = linearize([ref for ref, _ in owners], device)
     counters.record("LinearizeTime", time.perf_counter_ns() - start)
     _check_may_run(engine)
     local = manual.local_nodes(program)
     if local:  # per-device shards stay pending until disable_manual_sharding
-        owners = {key: entry for key, entry in owners.items() if id(entry[0][0]) not in local}
+        owners = [entry for entry in owners if id(entry[0][0]) not in local]
         if not owners:
             return
-        program = linearize([ref for ref, _ in owners.values()])
+        program = linearize([ref for ref, _ in owners], device)
     with counters.timed("ProgramKeyTime"):
         program.identity  # noqa: B018  (computed once here; every later use reads it)
     # Each output keeps the layout its storage had (see placement.py).
     layouts = tuple(
-        placement.output_sharding(holders[0], ref[0].avals[ref[1]])
-        for ref, holders in owners.values()
+        placement.output_sharding(holders[0], ref[0].avals[ref[1]]) for ref, holders in owners
     )
-    arrays = engine.mode.run(program, donate=True, out_shardings=layouts)
+    arrays = engine.mode.run(program, donate=donate, out_shardings=layouts)
     with counters.timed("BindTime"):
-        for (ref, holders), array in zip(owners.values(), arrays):
+        for (ref, holders), array in zip(owners, arrays):
             node, index = ref
             node.keep(index, array)  # references read before the barrier find it there
-            data = Node.data(array, node.avals[index])
+            data = Node.data(array, node.avals[index], node.device)
             for storage in holders:
                 storage.set((data, 0))
                 placement.remember(storage, array)
@@ -83,7 +85,7 @@ def _owners(engine) -> dict:
         if node.is_leaf(index):
             if node.op != DATA:  # computed by an earlier partial run: drop its history
                 array = node.arrays[index]
-                storage.set((Node.data(array, node.avals[index]), 0))
+                storage.set((Node.data(array, node.avals[index], node.device), 0))
                 placement.remember(storage, array)
             continue
         owners.setdefault((id(node), index), (storage.ref, []))[1].append(storage)

@@ -53,6 +53,7 @@ class Node:
         "holders",
         "where",
         "scope",
+        "device",
         "__weakref__",
     )
 
@@ -66,11 +67,13 @@ class Node:
         self.holders = 0  # live storages whose value is this node (donation bookkeeping)
         self.where: str | None = None  # user file:line, captured only when debugging
         self.scope = current().scope  # the profiler Trace names open on the engine
+        self.device = 0  # which xla:N its value is on (None: any, as a lifted scalar's)
 
     @classmethod
-    def data(cls, array: Any, aval: Aval) -> Node:
+    def data(cls, array: Any, aval: Aval, device: int | None = 0) -> Node:
         node = cls(DATA, (), (), {}, (aval,))
         node.arrays = [array]
+        node.device = device
         return node
 
     def is_leaf(self, index: int) -> bool:
@@ -113,6 +116,7 @@ class Program:
     index: dict  # id(node) -> position among nodes; leaves: (id(node), i) -> input position
     rows: list  # per node: (id(op), args, kwargs, wiring, scope), built by the walk itself
     _identity: int | None = None
+    device: int = 0  # the xla:N it runs on (outside SPMD a process may use each of its devices)
 
     @property
     def identity(self) -> int:
@@ -150,8 +154,9 @@ _IDENTITIES: dict[tuple, int] = {}  # structure -> its number
 STRUCTURES: list[tuple] = []  # number -> structure (what a recompilation's reason diffs)
 
 
-def linearize(outputs: list[Ref]) -> Program:
-    """Topologically sort everything ``outputs`` need, stopping at leaves; iterative DFS.
+def linearize(outputs: list[Ref], device: int = 0) -> Program:
+    """Topologically sort everything ``outputs`` need, stopping at leaves; iterative DFS. The
+    program runs on xla:``device``.
 
     Only computed nodes go on the stack (this runs over every node at every barrier). A node's row
     of the structure is written when it is placed, its sources already placed; leaves and lifted
@@ -201,7 +206,7 @@ def linearize(outputs: list[Ref]) -> Program:
                 if (arrays is None or arrays[i] is None) and source.op != SCALAR:
                     if id(source) not in index:
                         stack.append((source, False))
-    return Program(nodes, leaves, scalars, list(outputs), index, rows)
+    return Program(nodes, leaves, scalars, list(outputs), index, rows, device=device)
 
 
 _DTYPE_NAMES = {torch.bool: "pred", torch.bfloat16: "bf16"}  # the rest: f32, i64, u8, c64...

@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+import torch
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from spmd_torch import config
 
@@ -23,10 +24,13 @@ from .graph import Program, linearize
 from .lowering.collectives import ALONE_AXIS, REPLICA_AXIS
 from .replicas import across_hosts
 from .run import Run, execute
+from .tensor import SEVERAL_DEVICES, XLA_DEVICES
 
 
 class OneDevice:
-    """Programs run on JAX's default device, where uploads land: one program per process."""
+    """Programs run on one device: JAX's default one, where uploads land, unless the tensors are
+    on another of the process's devices (``xla:N`` is JAX's N-th local device, as in PyTorch/XLA
+    outside SPMD): a barrier runs one program per device used."""
 
     landing = None  # JAX's default device
     replicated = None  # the layout replicated over the SPMD devices: none here
@@ -42,13 +46,36 @@ class OneDevice:
     world_size = property(lambda self: jax.process_count())  # the job's processes, one per host
     ordinal = property(lambda self: jax.process_index())
 
-    def stage(self, host: np.ndarray):
-        """A host value copied to the device, uploaded where new data lands."""
+    spans = ""  # what xla:0 stands for, where it is the only xla device
+
+    def device_count(self) -> int:
+        """How many xla devices the process has: one per device it drives."""
+        return len(self.local_devices())
+
+    def use_device(self, index: int) -> torch.device:
+        """``xla:index``, checked to exist; tracing finds each op's device from then on."""
+        count = self.device_count()
+        if not 0 <= index < count:
+            names = "xla:0" if count == 1 else f"xla:0 to xla:{count - 1}"
+            raise IndexError(f"xla:{index}: this process's xla devices are {names}{self.spans}")
+        if index and not SEVERAL_DEVICES:
+            SEVERAL_DEVICES.append(index)
+        return XLA_DEVICES[index]
+
+    def stage(self, host: np.ndarray, device: int = 0):
+        """A host value copied to xla:``device``, uploaded where new data lands there."""
+        if device:
+            return transfer.upload(host, SingleDeviceSharding(jax.local_devices()[device]))
         return transfer.upload(host, self.landing)
 
     def gather(self, program: Program) -> list:
-        """The program's inputs on its devices (data still on the host uploaded)."""
-        return [placement.resolve(node, i) for node, i in program.leaves]
+        """The program's inputs on its devices (data still on the host uploaded; data on
+        another xla device copied over, as ``.to('xla:1')`` asked)."""
+        arrays = [placement.resolve(node, i) for node, i in program.leaves]
+        if SEVERAL_DEVICES:
+            target = jax.local_devices()[program.device]
+            arrays = [a if a.devices() == {target} else jax.device_put(a, target) for a in arrays]
+        return arrays
 
     def execute(self, run: Run) -> list:
         return execute(run)
@@ -57,14 +84,19 @@ class OneDevice:
         """Compute a linearised graph (``run.Run.of`` says what ``donate`` gives up)."""
         with counters.timed("GatherTime"):
             arrays = self.gather(program)
+        if program.device:  # outputs on xla:N even when no input says so (factories)
+            here = SingleDeviceSharding(jax.local_devices()[program.device])
+            out_shardings = tuple(s or here for s in out_shardings or [None] * len(program.outputs))
         return self.execute(Run.of(program, arrays, donate, out_shardings))
 
     def read(self, refs: list, layouts: dict | None, sync: Callable) -> None:
         """Compute the pending ``refs`` (each once), leaving each value on its node; ``layouts``
         maps (id(node), index) to an output's layout; ``sync`` runs everything pending."""
-        shardings = None if not layouts else tuple(layouts.get((id(n), i)) for n, i in refs)
-        for (node, index), array in zip(refs, self.run(linearize(refs), False, shardings)):
-            node.keep(index, array)
+        for device, group in by_device(refs, lambda ref: ref):
+            shardings = None if not layouts else tuple(layouts.get((id(n), i)) for n, i in group)
+            program = linearize(group, device)
+            for (node, index), array in zip(group, self.run(program, False, shardings)):
+                node.keep(index, array)
 
     def collective_axis(self, api: str) -> str | None:
         """The mesh axis replica collectives span: none in a world of one, or one of one device
@@ -122,7 +154,12 @@ class SpmdMesh(OneDevice):
     def __repr__(self) -> str:
         return f"SpmdMesh({self.replicated.num_devices} devices)"
 
-    def stage(self, host: np.ndarray) -> transfer.HostData:
+    spans = " (in SPMD mode xla:0 spans every device: shard tensors over them with a mesh)"
+
+    def device_count(self) -> int:
+        return 1
+
+    def stage(self, host: np.ndarray, device: int = 0) -> transfer.HostData:
         """Kept on the host: a ``mark_sharding`` may come next, uploading only each shard
         (PyTorch/XLA's virtual device, whose use it counts)."""
         counters.bump("VirtualDeviceUsage")
@@ -178,6 +215,8 @@ class Replica(OneDevice):
     def away(self) -> contextlib.AbstractContextManager:
         return self.world.stepped_away(self)  # the other replicas run meanwhile
 
+    spans = " (a replica of launch/spawn owns one device)"
+
     def local_devices(self) -> list:
         return [self.landing.device]
 
@@ -187,6 +226,17 @@ class Replica(OneDevice):
 
     def with_spmd(self, devices: list) -> SpmdMesh:
         self.refuse_per_replica("SPMD mode (use_spmd, mark_sharding)")
+
+
+def by_device(items: list, ref_of: Callable) -> list:
+    """``items`` grouped by the xla device of their value (``ref_of(item)``), in first-use
+    order: [(device, items)]; one group while every tensor is on xla:0."""
+    if not SEVERAL_DEVICES:
+        return [(0, items)]
+    groups: dict = {}
+    for item in items:
+        groups.setdefault(ref_of(item)[0].device or 0, []).append(item)
+    return list(groups.items())
 
 
 def use_spmd(devices: list) -> None:

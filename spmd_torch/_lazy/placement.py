@@ -221,7 +221,7 @@ def assign(t: LazyTensor, array: jax.Array) -> None:
         shape = padded_shape(aval.shape, target)
         fits = shape == tuple(array.shape)
         array = jax.device_put(array, target) if fits else _resize(shape, target)(array)
-    t._write((Node.data(array, aval), 0))
+    t._write((Node.data(array, aval, node.device), 0))
 
 
 @functools.lru_cache(maxsize=256)

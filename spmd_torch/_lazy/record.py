@@ -19,7 +19,7 @@ from . import counters
 from .graph import SCALAR, SCALAR_AVAL, Arg, Aval, Node, Ref, Value
 from .lowering.checks import AFTER_META, BEFORE_META, IndexCheckError
 from .lowering.dtypes import to_jax_dtype
-from .tensor import DEVICE, LazyTensor, wrap_data
+from .tensor import DEVICE, SEVERAL_DEVICES, XLA_DEVICES, LazyTensor, wrap_data
 from .transfer import to_device_array
 
 _META_DEVICE = torch.device("meta")
@@ -75,9 +75,31 @@ def emit(
     if key is not None:
         static_args = (Arg(0),) + static_args
     node = Node(func, tuple(src), static_args, static_kwargs, avals)
+    if SEVERAL_DEVICES:
+        node.device = _device_of(func, src[0 if key is None else 1 :], kwargs)
     if config.DEBUG_LEVEL.value >= 2:  # frame walking costs host time: only when debugging
         node.where = user_frame()
     return node, structure
+
+
+def _device_of(func, sources: list, kwargs: dict) -> int:
+    """The xla:N an op runs on: the one it is given (a factory, ``.to('xla:1')``), else its
+    tensors' (a copy's: its destination's), which must agree, as on CUDA."""
+    device = kwargs.get("device")
+    if type(device) is torch.device and device.type == DEVICE.type:
+        return device.index or 0
+    # Lifted scalars and 0-dim CPU tensors go with any device.
+    found = [n.device for n, _ in sources if n.device is not None and n.op != SCALAR]
+    other = next((d for d in found if d != found[0]), None) if func is not _COPY else None
+    if other is not None:
+        raise DeviceMismatchError(
+            f"{func}: Expected all tensors to be on the same device, but found at least two "
+            f"devices, {XLA_DEVICES[found[0]]} and {XLA_DEVICES[other]}!"
+        )
+    return found[0] if found else 0
+
+
+_COPY = torch.ops.aten.copy.default
 
 
 def user_frame() -> str:
@@ -123,7 +145,7 @@ def _upload_scalar_tensor(t: torch.Tensor) -> LazyTensor:
             "Expected all tensors to be on the same device, but found at least two devices, "
             f"{DEVICE} and {t.device}! (a {tuple(t.shape)} {t.dtype} tensor on {t.device})"
         )
-    return wrap_data(to_device_array(t), Aval((), t.dtype))
+    return wrap_data(to_device_array(t), Aval((), t.dtype), device=None)
 
 
 def _infer(func, args: tuple, kwargs: dict) -> tuple:

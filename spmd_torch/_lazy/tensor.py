@@ -21,6 +21,20 @@ from .graph import Aval, Node, Ref
 DEVICE = torch.device("xla", 0)
 
 
+class _Devices(dict):
+    """``torch.device('xla', n)`` by n, made once each (None: a value any device may read)."""
+
+    def __missing__(self, index: int) -> torch.device:
+        self[index] = device = torch.device("xla", index)
+        return device
+
+
+XLA_DEVICES = _Devices({None: DEVICE})
+# Non-empty once a tensor was put on a device other than xla:0: until then every op is on xla:0
+# and tracing skips finding an op's device (a list: its truth test is the cheapest check).
+SEVERAL_DEVICES: list = []
+
+
 class Storage:
     """The value shared by a tensor and all its aliases, with a version bumped on every write."""
 
@@ -71,7 +85,8 @@ class LazyTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, storage: Storage, aval: Aval, view: tuple | None = None) -> LazyTensor:
-        t = torch.Tensor._make_wrapper_subclass(cls, aval.shape, dtype=aval.dtype, device=DEVICE)
+        device = XLA_DEVICES[storage.ref[0].device] if SEVERAL_DEVICES else DEVICE
+        t = torch.Tensor._make_wrapper_subclass(cls, aval.shape, dtype=aval.dtype, device=device)
         t._storage = storage
         t._view = view
         t._cache = None
@@ -138,7 +153,7 @@ class LazyTensor(torch.Tensor):
 
     def __repr__(self, *, tensor_contents=None) -> str:
         text = repr(self.detach().cpu())
-        suffix = f", device='{DEVICE}'"
+        suffix = f", device='{self.device}'"
         if text.endswith(")"):
             return text[:-1] + suffix + ")"
         return text
@@ -199,7 +214,7 @@ class TensorHandle(torch.Tensor):
     @staticmethod
     def __new__(cls, tensor: LazyTensor) -> TensorHandle:
         handle = torch.Tensor._make_wrapper_subclass(
-            cls, tensor.shape, dtype=tensor.dtype, device=DEVICE, strides=tensor.stride()
+            cls, tensor.shape, dtype=tensor.dtype, device=tensor.device, strides=tensor.stride()
         )
         handle.tensor = tensor
         return handle
@@ -252,5 +267,5 @@ def wrap(ref: Ref, aval: Aval) -> LazyTensor:
     return LazyTensor(Storage(ref), aval)
 
 
-def wrap_data(array, aval: Aval) -> LazyTensor:
-    return wrap((Node.data(array, aval), 0), aval)
+def wrap_data(array, aval: Aval, device: int | None = 0) -> LazyTensor:
+    return wrap((Node.data(array, aval, device), 0), aval)

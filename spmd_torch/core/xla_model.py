@@ -56,37 +56,33 @@ def is_xla_tensor(tensor: torch.Tensor) -> bool:
 
 
 def xla_device(n: int | None = None, devkind: str | None = None) -> torch.device:
-    """The xla device, ``torch.device('xla:0')``: the one logical device of the SPMD program.
+    """An xla device: ``xla:n`` (default ``xla:0``), as :func:`spmd_torch.device` gives.
 
     Args:
-        n: Device ordinal; only ``None`` or ``0`` exist (the logical device spans all
-            accelerators; shard tensors across them with a mesh).
+        n: Device ordinal. Outside SPMD each of the process's devices has one; under SPMD and
+            in a replica of ``launch`` only 0 exists (shard tensors over a mesh instead).
         devkind: Deprecated in PyTorch/XLA; if given it must equal
             :func:`spmd_torch.runtime.device_type`.
 
     Raises:
-        IndexError: ``n`` is another ordinal (as PyTorch/XLA for an ordinal out of range).
+        IndexError: no device has ordinal ``n`` (as PyTorch/XLA for an ordinal out of range).
 
     Example:
         >>> dev = xm.xla_device()
         >>> x = torch.zeros(4, device=dev)
     """
-    if n not in (None, 0):
-        raise IndexError(
-            f"xla_device(n={n}): the SPMD program has one logical device, xla:0; shard tensors "
-            f"over the {runtime.global_runtime_device_count()} accelerators with a mesh instead"
-        )
     if devkind is not None and devkind.upper() != runtime.device_type():
         raise RuntimeError(
             f"xla_device(devkind={devkind!r}): this program runs on {runtime.device_type()}"
         )
-    return _DEVICE
+    return _engine.current().mode.use_device(n or 0)
 
 
 def get_xla_supported_devices(
     devkind: str | None = None, max_devices: int | None = None
 ) -> list[str] | None:
-    """The xla devices of this process as strings: ``['xla:0']``.
+    """The xla devices of this process as strings: ``['xla:0', 'xla:1', ...]``, one per local
+    device outside SPMD, ``['xla:0']`` under SPMD and in a replica of ``launch``.
 
     Args:
         devkind: Deprecated; a hardware kind such as ``'CPU'``. If it is not this program's
@@ -94,12 +90,12 @@ def get_xla_supported_devices(
         max_devices: The most devices to return (``None`` or 0: all).
 
     Example:
-        >>> xm.get_xla_supported_devices()
-        ['xla:0']
+        >>> xm.get_xla_supported_devices()  # 4 CPU devices, no SPMD
+        ['xla:0', 'xla:1', 'xla:2', 'xla:3']
     """
     if devkind is not None and devkind.upper() != runtime.device_type():
         return None
-    devices = [str(_DEVICE)]
+    devices = [f"{_DEVICE.type}:{i}" for i in range(runtime.addressable_device_count())]
     return devices[:max_devices] if max_devices else devices
 
 

@@ -124,8 +124,9 @@ def test_device_names():
     assert xm.parse_xla_device("xla:0") is None
     assert xm.xla_device_kind() == "cpu"
     assert xm.xla_replication_devices([DEV]) == [f"CPU:{i}" for i in range(8)]
-    with pytest.raises(RuntimeError, match="'xla:3'"):
-        xm.xla_replication_devices(["xla:3"])
+    assert xm.xla_replication_devices(["xla:3"]) == [f"CPU:{i}" for i in range(8)]
+    with pytest.raises(RuntimeError, match="'xla:8'.* 8 xla devices"):
+        xm.xla_replication_devices(["xla:8"])
 
 
 def test_get_memory_info_refuses_a_runtime_without_statistics():

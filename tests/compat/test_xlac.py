@@ -211,15 +211,16 @@ def test_default_device_and_device_lists():
     assert xlac._xla_get_default_device() == "xla:0"
     assert torch.device(xlac._xla_get_default_device()) == dev
     assert xlac._xla_get_default_device_ordinal() == 0
-    assert xlac._xla_get_devices() == ["CPU:0"]
-    assert xlac._xla_get_all_devices() == ["CPU:0"]
-    assert len(xlac._xla_get_all_devices()) == xr.global_device_count()
-    assert xlac._xla_num_devices() == 1
     runtime_devices = [f"CPU:{k}" for k in range(8)]
+    assert xlac._xla_get_devices() == runtime_devices  # one xla device per device outside SPMD
+    assert xlac._xla_get_all_devices() == runtime_devices
+    assert len(xlac._xla_get_all_devices()) == xr.global_device_count()
+    assert xlac._xla_num_devices() == 8
     assert xlac._xla_get_runtime_devices() == runtime_devices
     assert xlac._xla_get_all_runtime_devices() == runtime_devices
     assert xlac._xla_num_runtime_devices() == 8 == xr.addressable_runtime_device_count()
-    assert xlac._xla_real_devices() == xlac._xla_real_devices(["xla:0"]) == ["CPU:0"]
+    assert xlac._xla_real_devices() == runtime_devices
+    assert xlac._xla_real_devices(["xla:0"]) == ["CPU:0"]
 
 
 def test_runtime_devices_name_the_devices_shards_live_on(spmd_mode):

@@ -165,7 +165,7 @@ def test_sync_runs_step_closures_after_the_barrier():
 
 
 def test_real_devices_and_device_count_agree():
-    assert spmd_torch.real_devices() == ["CPU:0"]
+    assert spmd_torch.real_devices() == [f"CPU:{k}" for k in range(8)]
     assert spmd_torch.device_count() == len(spmd_torch.real_devices())
 
 

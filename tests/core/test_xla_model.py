@@ -30,10 +30,13 @@ def test_runtime_counts_on_the_8_device_cpu_mesh():
     assert xr.device_type() == "CPU"
     assert xr.global_runtime_device_count() == 8
     assert xr.addressable_runtime_device_count() == 8
-    # one logical device per process, as in PyTorch/XLA's SPMD mode
-    assert xr.addressable_device_count() == 1
-    assert xr.global_device_count() == 1
+    # outside SPMD one xla device per device, as in PyTorch/XLA
+    assert xr.addressable_device_count() == xr.global_device_count() == 8
+    assert xr.local_device_count() == 8
+    xr.use_spmd()  # one logical device per process
+    assert xr.addressable_device_count() == xr.global_device_count() == 1
     assert xr.local_device_count() == 1
+    xr.reset()
 
 
 def test_runtime_ordinals_single_process():
@@ -47,15 +50,20 @@ def test_runtime_ordinals_single_process():
 
 
 def test_xla_real_devices_and_hw_name_the_platform():
-    assert xr.xla_real_devices() == ["CPU:0"]
-    assert xm.xla_real_devices([DEV]) == ["CPU:0"]
+    assert xr.xla_real_devices() == [f"CPU:{k}" for k in range(8)]
+    assert xm.xla_real_devices([DEV, "xla:5"]) == ["CPU:0", "CPU:5"]
     assert xm.xla_device_hw(DEV) == "CPU"
     assert xm.xla_device_hw("xla:0") == "CPU"
 
 
-def test_xla_device_hw_rejects_a_second_device():
-    with pytest.raises(RuntimeError, match="'xla:1'"):
+def test_xla_device_hw_rejects_a_device_the_process_lacks():
+    assert xm.xla_device_hw("xla:7") == "CPU"
+    with pytest.raises(RuntimeError, match="'xla:8': this process has 8 xla devices"):
+        xm.xla_device_hw("xla:8")
+    xr.use_spmd()
+    with pytest.raises(RuntimeError, match="'xla:1': this process has 1 xla devices"):
         xm.xla_device_hw("xla:1")
+    xr.reset()
     with pytest.raises(RuntimeError, match="'cpu'"):
         xm.xla_device_hw(torch.device("cpu"))
 
@@ -128,18 +136,24 @@ def test_xla_device_is_the_one_logical_device():
 
 
 def test_xla_device_rejects_other_ordinals_and_kinds():
-    with pytest.raises(IndexError, match="n=1"):
-        xm.xla_device(1)
-    with pytest.raises(IndexError, match=r"device\(10\): this process has one logical device"):
+    assert xm.xla_device(7) == spmd_torch.device(7) == torch.device("xla:7")
+    with pytest.raises(IndexError, match="xla:10: this process's xla devices are xla:0 to xla:7"):
         spmd_torch.device(10)
+    xr.use_spmd()
+    with pytest.raises(
+        IndexError, match=r"xla:1: this process's xla devices are xla:0 \(in SPMD mode"
+    ):
+        xm.xla_device(1)
+    xr.reset()
     with pytest.raises(RuntimeError, match="'TPU'"):
         xm.xla_device(devkind="TPU")
 
 
 def test_get_xla_supported_devices():
-    assert xm.get_xla_supported_devices() == ["xla:0"]
+    every = [f"xla:{k}" for k in range(8)]
+    assert xm.get_xla_supported_devices() == every
     assert xm.get_xla_supported_devices(max_devices=1) == ["xla:0"]
-    assert xm.get_xla_supported_devices(devkind="CPU") == ["xla:0"]
+    assert xm.get_xla_supported_devices(devkind="CPU") == every
     assert xm.get_xla_supported_devices(devkind="TPU") is None
 
 
