@@ -21,6 +21,7 @@ from spmd_torch import config
 from . import compile as compiler
 from . import counters
 from .collective import COLLECTIVES
+from .engine import current
 from .graph import DATA, Program
 from .transfer import ReplicaShard
 
@@ -69,12 +70,15 @@ def execute(run: Run) -> list:
     outputs = executable(run.arrays, run.donated, run.scalars)
     if executable.lockstep:
         _LOCKSTEP_OUTPUTS[:] = [weakref.ref(out) for out in outputs]
-    # PyTorch/XLA's names: a program over several devices is a replicated execution.
-    name = "ExecuteReplicatedTime" if executable.devices > 1 else "ExecuteTime"
+    # PyTorch/XLA's names: a program over several devices is a replicated execution; an eager
+    # op's on one device has its own name.
+    name = "ExecuteReplicatedTime" if executable.devices > 1 else _EXECUTE[current().eager]
     counters.record(name, time.perf_counter_ns() - start)
     counters.record("TensorsGraphSize", len(run.program.nodes))
     return outputs
 
+
+_EXECUTE = {False: "ExecuteTime", True: "EagerOpExecuteTime"}
 
 # The outputs of the last program run in lockstep. Process-wide on purpose: XLA's CPU thread pool
 # is the process's. Two such programs in flight can each hold some of its threads with

@@ -9,6 +9,7 @@ import spmd_torch
 import spmd_torch.experimental as exp
 from spmd_torch._lazy import counters
 from spmd_torch.debug import graph
+from spmd_torch.debug import metrics as met
 from tests.helpers import assert_close, assert_compiles
 
 dev = spmd_torch.device()
@@ -23,7 +24,19 @@ def eager():
 
 
 def _programs_run() -> int:
-    return len(counters.METRICS["ExecuteTime"])
+    """Programs run: eager ops' (PyTorch/XLA's name for them) and compile regions'."""
+    return len(counters.METRICS["EagerOpExecuteTime"]) + len(counters.METRICS["ExecuteTime"])
+
+
+def test_eager_ops_are_timed_under_their_own_names(eager):
+    x = torch.ones(3).to(dev)
+    met.clear_all()
+    with assert_compiles(1):
+        (x + 100.5).cpu()
+    assert met.metric_data("EagerOpCompileTime")[0] == 1
+    assert met.metric_data("EagerOpExecuteTime")[0] == 1
+    spmd_torch.sync()  # nothing pending: runs nothing
+    assert "CompileTime" not in met.metric_names() and "ExecuteTime" not in met.metric_names()
 
 
 def test_each_op_is_computed_when_issued(eager):

@@ -809,6 +809,15 @@ def check_spmd_metric(fn, name):
     check_metric(fn, name)
 
 
+def check_eager_metric(fn, name):
+    met.clear_all()
+    with spmd_torch.experimental.eager_mode_context(True):
+        (_xla([1.0]) + 2.5).cpu()
+    data = met.metric_data(name)
+    assert data is not None and data[0] >= 1, f"metric {name} not recorded: {data}"
+    assert name.replace("EagerOp", "") not in met.metric_names()
+
+
 def check_counter(fn, name):
     _metric_after_a_step(name)
     (_xla([1.0]) * 5).cpu()  # the second run of one program structure hits the cache
@@ -1310,6 +1319,7 @@ PARAMETRIC: dict[str, Callable] = {
     "met.metric": check_metric,
     "met.counter": check_counter,
     "met.spmd_metric": check_spmd_metric,
+    "met.eager_metric": check_eager_metric,
     "syncfree": check_syncfree,
 }
 
