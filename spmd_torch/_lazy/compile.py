@@ -51,6 +51,9 @@ def stacked(replicas: Mesh) -> NamedSharding:
     return NamedSharding(replicas, PartitionSpec(REPLICA_AXIS))
 
 
+# PyTorch/XLA's name for the time a compile takes, by whether it is an eager op's.
+COMPILE_TIME = {False: "CompileTime", True: "EagerOpCompileTime"}
+
 # A collective in an optimized program (the partitioner adds its own).
 _COLLECTIVE = re.compile(r"all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute")
 
@@ -321,7 +324,7 @@ def lookup_or_compile(run) -> tuple[Executable, bool]:
         warnings.filterwarnings("ignore", "Some donated buffers were not usable")
         scalars = _scalars_aval(len(program.scalars), run.replicas)
         compiled = jitted.lower(given, kept, scalars).compile()
-    counters.record(compile_metric(), time.perf_counter_ns() - start)
+    counters.record(COMPILE_TIME[current().eager], time.perf_counter_ns() - start)
     counters.record("InputOutputAliasCount", sum(donated))  # buffers given to outputs, per compile
     shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
     devices = {d for s in shardings for d in s.device_set}
@@ -332,11 +335,6 @@ def lookup_or_compile(run) -> tuple[Executable, bool]:
     cache.history.append(key)
     del cache.history[:-16]
     return executable, False
-
-
-def compile_metric() -> str:
-    """PyTorch/XLA's name for a compile: an eager op's has its own."""
-    return "EagerOpCompileTime" if current().eager else "CompileTime"
 
 
 def _named(rows: tuple, ops: dict) -> list:
@@ -405,7 +403,7 @@ def debug_line(program: Program, executable: Executable, hit: bool) -> None:
     status = "hit" if hit else "MISS"
     line = f"compile key={executable.key} {status} {len(program.nodes)} nodes at {user_frame()}"
     if not hit:
-        compile_ns = counters.METRICS[compile_metric()].recent[-1]
+        compile_ns = counters.METRICS[COMPILE_TIME[current().eager]].recent[-1]
         line += f" {compile_ns / 1e9:.2f}s; reason: " + explain_last_miss()
     print(f"[spmd_torch] {line}", file=sys.stderr)
     if config.DEBUG_LEVEL.value >= 2:
