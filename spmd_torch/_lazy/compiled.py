@@ -30,7 +30,7 @@ from .engine import current
 from .graph import SCALAR, SCALAR_AVAL, Arg, Aval, Node, linearize
 from .lowering import EngineOp, lowers
 from .lowering.dtypes import to_jax_dtype
-from .tensor import LazyTensor, Storage, TensorHandle, wrap, wrap_data
+from .tensor import SEVERAL_DEVICES, LazyTensor, Storage, TensorHandle, wrap, wrap_data
 from .transfer import to_device_array
 
 GRAPH = EngineOp("compiled_graph")
@@ -93,6 +93,8 @@ class Template:
         key = rng.state() if self.uses_key else None
         src = tuple(self._source(s, args, cpu, key) for s in self.sources)
         node = Node(self.op, src, (tuple(Arg(k) for k in range(len(src))), self), {}, self.avals)
+        if SEVERAL_DEVICES:  # on its tensors' xla device
+            node.device = next((r[0].device for r, s in zip(src, self.sources) if s[0] == "arg"), 0)
         outputs = []
         for kind, k in self.results:
             if kind == "out":

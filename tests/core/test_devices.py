@@ -141,3 +141,20 @@ def test_a_replica_of_launch_owns_one_device():
             error
             == "xla:1: this process's xla devices are xla:0 (a replica of launch/spawn owns one device)"
         )
+
+
+def test_a_compiled_module_runs_on_its_tensors_device():
+    torch.manual_seed(0)
+    eager = torch.nn.Linear(4, 2)
+    model = torch.nn.Linear(4, 2)
+    model.load_state_dict(eager.state_dict())
+    compiled = torch.compile(model.to("xla:1"), backend="spmd_torch")
+    x = torch.randn(3, 4)
+    out = compiled(x.to("xla:1"))
+    out.sum().backward()
+    spmd_torch.sync()
+    eager(x).sum().backward()
+    assert out.device == model.weight.grad.device == torch.device("xla:1")
+    assert _on(out) == _on(model.weight.grad) == {jax.local_devices()[1]}
+    torch.testing.assert_close(out.cpu(), eager(x).detach())
+    torch.testing.assert_close(model.weight.grad.cpu(), eager.weight.grad)
