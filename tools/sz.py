@@ -10,7 +10,7 @@ import pathlib
 import sys
 
 ENGINE = pathlib.Path(__file__).resolve().parents[1] / "spmd_torch" / "_lazy"
-BUDGET = 3405  # +100 SPMD stages (placement, manual), +500 replicas (issue 8), +100 issue 10:
+BUDGET = 3407  # +100 SPMD stages (placement, manual), +500 replicas (issue 8), +100 issue 10:
 # autocast, eager mode, compile regions, profiler scopes, metrics (window, LazyTracing, data);
 # issue 16's modes left it at 2791; +50 issue 17, hosts: rendezvous across hosts through the job's
 # key-value store, each host's part of a global batch, reading values that span hosts; +15
@@ -47,8 +47,8 @@ BUDGET = 3405  # +100 SPMD stages (placement, manual), +500 replicas (issue 8), 
 # lowering/checks.py; +86 issue 18: outside SPMD each local device is an xla device (xla:N), as in
 # PyTorch/XLA: a node knows its device, an op its tensors' (mismatches raise), uploads and CPU
 # fallbacks land there, a barrier or a read runs one program per device in use, a compiled
-# graph's call runs on its tensors' device; +3 eager ops'
-# programs timed under PyTorch/XLA's EagerOpCompileTime/EagerOpExecuteTime
+# graph's call runs on its tensors' device, loaders and restores upload to their device; +3
+# eager ops' programs timed under PyTorch/XLA's EagerOpCompileTime/EagerOpExecuteTime
 
 
 def engine_lines() -> dict[str, int]:

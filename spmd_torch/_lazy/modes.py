@@ -62,11 +62,13 @@ class OneDevice:
             SEVERAL_DEVICES.append(index)
         return XLA_DEVICES[index]
 
+    def landing_on(self, device: int):
+        """Where new data on xla:``device`` lands."""
+        return SingleDeviceSharding(jax.local_devices()[device]) if device else self.landing
+
     def stage(self, host: np.ndarray, device: int = 0):
         """A host value copied to xla:``device``, uploaded where new data lands there."""
-        if device:
-            return transfer.upload(host, SingleDeviceSharding(jax.local_devices()[device]))
-        return transfer.upload(host, self.landing)
+        return transfer.upload(host, self.landing_on(device))
 
     def gather(self, program: Program) -> list:
         """The program's inputs on its devices (data still on the host uploaded; data on

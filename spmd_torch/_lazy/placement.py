@@ -155,10 +155,11 @@ def sharding_of(t: LazyTensor):
     return node.arrays[index].sharding if node.is_leaf(index) else None
 
 
-def adopt(array: jax.Array, shape: tuple, dtype, sharding=None) -> LazyTensor:
-    """A tensor of logical ``shape`` holding an array ``transfer.to_device_array`` uploaded (a
-    loader's prefetch thread may upload; this part touches engine state: main thread only)."""
-    t = wrap_data(array, Aval(tuple(shape), dtype))
+def adopt(array: jax.Array, shape: tuple, dtype, sharding=None, device: int = 0) -> LazyTensor:
+    """A tensor on xla:``device`` of logical ``shape`` holding an array
+    ``transfer.to_device_array`` uploaded (a loader's prefetch thread may upload; this part
+    touches engine state: main thread only)."""
+    t = wrap_data(array, Aval(tuple(shape), dtype), device)
     if sharding is None:
         remember(t._storage, array)
     else:
@@ -216,7 +217,7 @@ def assign(t: LazyTensor, array: jax.Array) -> None:
     now (padded if that layout is uneven), as an in-place write through any alias."""
     node, index = t._ref()
     aval = node.avals[index]
-    target = layout_of(t) or transfer.landing()
+    target = layout_of(t) or transfer.landing(node.device or 0)
     if target is not None and array.sharding != target:
         shape = padded_shape(aval.shape, target)
         fits = shape == tuple(array.shape)

@@ -65,10 +65,10 @@ def upload(host: np.ndarray, sharding=None) -> jax.Array:
     return array
 
 
-def landing():
-    """Where the calling thread's engine puts new data (its mode says): a replica's device,
-    replicated over the SPMD devices, or (None) JAX's default device."""
-    return current().mode.landing
+def landing(device: int = 0):
+    """Where the calling thread's engine puts new data on xla:``device`` (its mode says): a
+    replica's device, replicated over the SPMD devices, or (None) JAX's default device."""
+    return current().mode.landing_on(device)
 
 
 class OnReplica(NamedTuple):

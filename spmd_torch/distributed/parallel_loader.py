@@ -31,7 +31,6 @@ from jax.sharding import NamedSharding
 
 from spmd_torch import _barrier, runtime
 from spmd_torch._lazy import engine, layout, placement, transfer
-from spmd_torch._lazy.tensor import DEVICE
 from spmd_torch.debug import profiler as xp
 from spmd_torch.distributed.spmd import ShardingSpec, validate
 
@@ -157,7 +156,7 @@ class ParallelLoader:
         self._batchdim = batchdim
         self._batches_per_execution = batches_per_execution
         self._input_sharding = input_sharding
-        plan = _plan(input_sharding)
+        plan = _plan(input_sharding, self._devices[0])
         if input_sharding is not None and not runtime.is_spmd():
             runtime.use_spmd()  # sharded inputs need SPMD mode, as mark_sharding turns it on
         self._pipeline = _Pipeline(
@@ -378,6 +377,7 @@ class _Plan:
     # Where tensors without a spec land, as the constructing thread's engine says (the upload
     # threads have no engine of their own): a replica's device, or the default placement.
     landing: Any = None
+    device: int = 0  # the xla:N the batches are on
 
     def sharding_for(self, path: tuple, leaf: torch.Tensor) -> tuple:
         """The leaf's sharding (None: where uploads land), and its ShardingSpec if the leaf is
@@ -455,11 +455,12 @@ class _Staged:
 
     treedef: pytree.TreeSpec
     leaves: list
+    device: int  # its xla:N
 
     def adopt(self) -> Any:
         """The batch with xla tensors in it; touches engine state, so main thread only."""
         leaves = [
-            placement.adopt(leaf.array, leaf.shape, leaf.dtype, leaf.sharding)
+            placement.adopt(leaf.array, leaf.shape, leaf.dtype, leaf.sharding, self.device)
             if isinstance(leaf, _Upload)
             else leaf
             for leaf in self.leaves
@@ -551,7 +552,7 @@ def _stage(batch: Any, plan: _Plan, seq: int) -> _Staged:
                 shape = tuple(leaf.shape)
             leaf = _Upload(array, shape, leaf.dtype, sharding)
         leaves.append(leaf)
-    return _Staged(treedef, leaves)
+    return _Staged(treedef, leaves, plan.device)
 
 
 def _note(error: BaseException, text: str) -> None:
@@ -562,11 +563,11 @@ def _note(error: BaseException, text: str) -> None:
 # ---- argument checks (main thread) -----------------------------------------------------------
 
 
-def _plan(input_sharding: Any) -> _Plan:
+def _plan(input_sharding: Any, device: torch.device) -> _Plan:
     """Check ``input_sharding`` and resolve each spec to the sharding the engine stores."""
-    landing = transfer.landing()
+    landing = transfer.landing(device.index)
     if input_sharding is None:
-        return _Plan(landing=landing)
+        return _Plan(landing=landing, device=device.index)
     if isinstance(input_sharding, ShardingSpec):
         spec, sharding = input_sharding.partition_spec, input_sharding.sharding
         minibatch = input_sharding if input_sharding.minibatch else None
@@ -601,7 +602,7 @@ def _batches(loader: Iterable) -> Iterator:
 
 
 def _check_device(device: Any, api: str) -> torch.device:
-    """The xla device (``xla`` and ``xla:0`` alike), or an error naming what was passed."""
+    """The xla device named (``xla`` is ``xla:0``), or an error naming what was passed."""
     try:
         parsed = torch.device(device)
     except (RuntimeError, TypeError) as error:
@@ -613,13 +614,10 @@ def _check_device(device: Any, api: str) -> torch.device:
             f"{api}: device {str(parsed)!r} is not the xla device; batches are uploaded to "
             "spmd_torch.device() (xla:0)"
         )
-    if parsed.index not in (None, 0):
-        raise ValueError(
-            f"{api}: unknown device {str(parsed)!r}; the SPMD program has one logical device, "
-            f"xla:0, spanning the {runtime.global_runtime_device_count()} accelerators (spread "
-            "batches over them with input_sharding)"
-        )
-    return DEVICE
+    try:
+        return engine.current().mode.use_device(parsed.index or 0)
+    except IndexError as error:
+        raise ValueError(f"{api}: no device {str(parsed)!r}: {error}") from None
 
 
 def _check_devices(devices: Iterable) -> list[torch.device]:
@@ -632,7 +630,6 @@ def _check_devices(devices: Iterable) -> list[torch.device]:
     checked = [_check_device(device, "ParallelLoader") for device in devices]
     if len(checked) != 1:
         raise ValueError(
-            f"ParallelLoader: devices must list the one xla device, xla:0, once; got "
-            f"{[str(d) for d in devices]}"
+            f"ParallelLoader: devices must list one xla device; got {[str(d) for d in devices]}"
         )
     return checked

@@ -10,6 +10,7 @@ import torch
 import spmd_torch
 import spmd_torch.core.xla_model as xm
 import spmd_torch.debug.metrics as met
+import spmd_torch.distributed.parallel_loader as pl
 import spmd_torch.runtime as xr
 from spmd_torch._lazy.execute import global_array
 from spmd_torch._lazy.record import DeviceMismatchError
@@ -158,3 +159,18 @@ def test_a_compiled_module_runs_on_its_tensors_device():
     assert _on(out) == _on(model.weight.grad) == {jax.local_devices()[1]}
     torch.testing.assert_close(out.cpu(), eager(x).detach())
     torch.testing.assert_close(model.weight.grad.cpu(), eager.weight.grad)
+
+
+def test_a_loader_uploads_to_its_device():
+    batches = [(torch.full((2, 3), float(k)), torch.tensor([k, k])) for k in range(3)]
+    loader = pl.MpDeviceLoader(batches, xm.xla_device(3))
+    seen = []
+    for x, y in loader:
+        assert x.device == y.device == torch.device("xla:3")
+        assert _on(x) == _on(y * 2) == {jax.local_devices()[3]}
+        seen.append((x.sum().item(), y.tolist()))
+    assert seen == [(6.0 * k, [k, k]) for k in range(3)]
+    with pytest.raises(
+        ValueError, match="MpDeviceLoader: no device 'xla:9': xla:9: this process's xla devices are"
+    ):
+        pl.MpDeviceLoader(batches, "xla:9")

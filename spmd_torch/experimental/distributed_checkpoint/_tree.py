@@ -190,7 +190,7 @@ class Restore:
             return
         layout = None
         if isinstance(tensor, LazyTensor):
-            layout = placement.layout_of(tensor) or transfer.landing()
+            layout = placement.layout_of(tensor) or transfer.landing(tensor.device.index or 0)
             self._twins.setdefault(_layout_key(saved), layout)
         elif tensor.device.type != "cpu":
             self._problem(path, f"a tensor on {tensor.device}; restore into xla or CPU tensors")
