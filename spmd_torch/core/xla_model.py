@@ -638,15 +638,20 @@ def rendezvous(tag: str, payload: Any = b"", replicas: list | None = None) -> li
 
     Args:
         tag: The rendezvous' name: every participant must use the same.
-        payload: What this replica shares (bytes in PyTorch/XLA; any object here).
+        payload: The bytes this replica shares.
         replicas: The ordinals taking part; None or [] for all.
 
     Returns:
         The participants' payloads, in ordinal order.
 
+    Raises:
+        TypeError: ``payload`` is not bytes (as in PyTorch/XLA; ``mesh_reduce`` shares objects).
+
     Example:
         >>> xm.rendezvous('epoch_end')
     """
+    if not isinstance(payload, bytes):
+        raise TypeError(f"rendezvous {tag!r}: payload must be bytes, not {type(payload).__name__}")
     return _engine.current().mode.rendezvous(tag, payload, list(replicas or []))
 
 
@@ -663,7 +668,7 @@ def mesh_reduce(tag: str, data: Any, reduce_fn: Callable[[list], Any]) -> Any:
         >>> accuracy = xm.mesh_reduce('accuracy', correct / total, np.mean)
     """
     host = rewrite_instances(data, _is_xla_value, lambda t, i: to_cpu_tensor(t))
-    return reduce_fn(copy.deepcopy(rendezvous(tag, host)))
+    return reduce_fn(copy.deepcopy(_engine.current().mode.rendezvous(tag, host, [])))
 
 
 def _each(value, output, collective: Callable):
@@ -1023,8 +1028,6 @@ def xla_rendezvous(
             f"xla_rendezvous: only a global rendezvous is supported; got ordinals {ordinals} "
             f"in a world of {runtime.world_size()}"
         )
-    if not isinstance(payload, bytes):
-        raise TypeError(f"xla_rendezvous: payload must be bytes, not {type(payload).__name__}")
     return rendezvous(tag or "spmd_torch.core.xla_model.xla_rendezvous", payload)
 
 

@@ -125,10 +125,16 @@ def test_identical_replica_steps_compile_once_for_all_replicas():
 
 
 def _rendezvous(index):
-    everyone = xm.rendezvous("hello", payload=f"from {index}")
+    everyone = xm.rendezvous("hello", payload=f"from {index}".encode())
     pair = xm.rendezvous(
-        "pairs", payload=index, replicas=[index - index % 2, index - index % 2 + 1]
+        "pairs", payload=bytes([index]), replicas=[index - index % 2, index - index % 2 + 1]
     )
+    try:
+        xm.rendezvous("text", payload="from")
+    except TypeError as error:  # payloads are bytes, as in PyTorch/XLA
+        assert "rendezvous 'text': payload must be bytes, not str" in str(error)
+    else:
+        raise AssertionError("a str payload was taken")
     mean = xm.mesh_reduce("mean", torch.tensor([float(index)]), lambda xs: torch.cat(xs).mean())
     device_mean = xm.mesh_reduce(
         "device", torch.tensor([index * 2.0], device=xm.xla_device()), lambda xs: sum(xs)
@@ -139,8 +145,8 @@ def _rendezvous(index):
 def test_rendezvous_and_mesh_reduce_exchange_host_values():
     results = spmd_torch.launch(_rendezvous)
     for k, (everyone, pair, mean, device_sum) in results.items():
-        assert everyone == [f"from {j}" for j in range(WORLD)]
-        assert pair == [k - k % 2, k - k % 2 + 1]
+        assert everyone == [f"from {j}".encode() for j in range(WORLD)]
+        assert pair == [bytes([k - k % 2]), bytes([k - k % 2 + 1])]
         # sums of small integers and their mean: exact in float32 (the kit compares floats exactly)
         assert_close((mean, device_sum), (sum(range(WORLD)) / WORLD, 2.0 * sum(range(WORLD))))
 
