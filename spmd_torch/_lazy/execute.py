@@ -33,7 +33,7 @@ def sync(wait: bool = False) -> None:
     start = time.perf_counter_ns()
     owners = _owners(engine)
     if owners:
-        groups = modes.by_device(list(owners.values()), lambda entry: entry[0])
+        groups = engine.mode.by_device(list(owners.values()), lambda entry: entry[0])
         for device, group in groups:  # one program per device used (xla:0's, unless others are)
             _run(engine, group, device, len(groups) == 1, start)
     if wait:

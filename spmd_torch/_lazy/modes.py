@@ -52,6 +52,16 @@ class OneDevice:
         """How many xla devices the process has: one per device it drives."""
         return len(self.local_devices())
 
+    def by_device(self, items: list, ref_of: Callable) -> list:
+        """``items`` grouped by the xla device of their value (``ref_of(item)``), in first-use
+        order: [(device, items)]; one group while every tensor is on xla:0."""
+        if not SEVERAL_DEVICES:
+            return [(0, items)]
+        groups: dict = {}
+        for item in items:
+            groups.setdefault(ref_of(item)[0].device or 0, []).append(item)
+        return list(groups.items())
+
     def use_device(self, index: int) -> torch.device:
         """``xla:index``, checked to exist; tracing finds each op's device from then on."""
         count = self.device_count()
@@ -94,7 +104,7 @@ class OneDevice:
     def read(self, refs: list, layouts: dict | None, sync: Callable) -> None:
         """Compute the pending ``refs`` (each once), leaving each value on its node; ``layouts``
         maps (id(node), index) to an output's layout; ``sync`` runs everything pending."""
-        for device, group in by_device(refs, lambda ref: ref):
+        for device, group in self.by_device(refs, lambda ref: ref):
             shardings = None if not layouts else tuple(layouts.get((id(n), i)) for n, i in group)
             program = linearize(group, device)
             for (node, index), array in zip(group, self.run(program, False, shardings)):
@@ -157,6 +167,7 @@ class SpmdMesh(OneDevice):
         return f"SpmdMesh({self.replicated.num_devices} devices)"
 
     spans = " (in SPMD mode xla:0 spans every device: shard tensors over them with a mesh)"
+    by_device = staticmethod(lambda items, ref_of: [(0, items)])  # one program, every device
 
     def device_count(self) -> int:
         return 1
@@ -218,6 +229,7 @@ class Replica(OneDevice):
         return self.world.stepped_away(self)  # the other replicas run meanwhile
 
     spans = " (a replica of launch/spawn owns one device)"
+    by_device = SpmdMesh.__dict__["by_device"]  # its own device's program
 
     def local_devices(self) -> list:
         return [self.landing.device]
@@ -228,17 +240,6 @@ class Replica(OneDevice):
 
     def with_spmd(self, devices: list) -> SpmdMesh:
         self.refuse_per_replica("SPMD mode (use_spmd, mark_sharding)")
-
-
-def by_device(items: list, ref_of: Callable) -> list:
-    """``items`` grouped by the xla device of their value (``ref_of(item)``), in first-use
-    order: [(device, items)]; one group while every tensor is on xla:0."""
-    if not SEVERAL_DEVICES:
-        return [(0, items)]
-    groups: dict = {}
-    for item in items:
-        groups.setdefault(ref_of(item)[0].device or 0, []).append(item)
-    return list(groups.items())
 
 
 def use_spmd(devices: list) -> None:
