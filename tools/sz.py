@@ -10,7 +10,7 @@ import pathlib
 import sys
 
 ENGINE = pathlib.Path(__file__).resolve().parents[1] / "spmd_torch" / "_lazy"
-BUDGET = 3409  # +100 SPMD stages (placement, manual), +500 replicas (issue 8), +100 issue 10:
+BUDGET = 3411  # +100 SPMD stages (placement, manual), +500 replicas (issue 8), +100 issue 10:
 # autocast, eager mode, compile regions, profiler scopes, metrics (window, LazyTracing, data);
 # issue 16's modes left it at 2791; +50 issue 17, hosts: rendezvous across hosts through the job's
 # key-value store, each host's part of a global batch, reading values that span hosts; +15
@@ -44,11 +44,12 @@ BUDGET = 3409  # +100 SPMD stages (placement, manual), +500 replicas (issue 8), 
 # kernel on the device instead of a CPU fallback; +9 issue 18: einsum kept whole above autograd
 # where autograd does not record it (PyTorch/XLA's reshape-free patched linear); -11 CPU's
 # argument checks that meta kernels lack (max/min of nothing, arange's bounds) are a table in
-# lowering/checks.py; +92 issue 18: outside SPMD each local device is an xla device (xla:N), as in
+# lowering/checks.py; +94 issue 18: outside SPMD each local device is an xla device (xla:N), as in
 # PyTorch/XLA: a node knows its device, an op its tensors' (mismatches raise), uploads and CPU
 # fallbacks land there, a barrier or a read runs one program per device in use (the mode groups
 # them), a compiled graph's call runs on its tensors' device, loaders and restores upload to
-# their device; +3 eager ops' programs timed as PyTorch/XLA's EagerOpCompileTime/ExecuteTime
+# their device, a pickled tensor comes back on its device; +3 eager ops' programs timed as
+# PyTorch/XLA's EagerOpCompileTime/ExecuteTime
 
 
 def engine_lines() -> dict[str, int]:

@@ -201,7 +201,8 @@ class LazyTensor(torch.Tensor):
         return self.detach().cpu().tolist()
 
     def __reduce_ex__(self, protocol):
-        return (_rebuild_on_device, (self.detach().cpu(), self.requires_grad))
+        args = (self.detach().cpu(), self.requires_grad)  # xla:0's as before: older loaders read it
+        return (_rebuild_on_device, args + ((self.device.index,) if self.device.index else ()))
 
 
 _NO_KWARGS: dict = {}
@@ -241,8 +242,9 @@ def connect(dispatcher: Callable) -> None:
     _dispatch = dispatcher
 
 
-def _rebuild_on_device(cpu: torch.Tensor, requires_grad: bool) -> torch.Tensor:
-    return cpu.to(DEVICE).requires_grad_(requires_grad)
+def _rebuild_on_device(cpu: torch.Tensor, requires_grad: bool, index: int = 0) -> torch.Tensor:
+    """An unpickled xla tensor, back on its xla device (``xla:0`` pickles as before)."""
+    return cpu.to(XLA_DEVICES[index]).requires_grad_(requires_grad)
 
 
 def live_pending() -> list[Storage]:

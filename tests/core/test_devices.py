@@ -174,3 +174,14 @@ def test_a_loader_uploads_to_its_device():
         ValueError, match="MpDeviceLoader: no device 'xla:9': xla:9: this process's xla devices are"
     ):
         pl.MpDeviceLoader(batches, "xla:9")
+
+
+def test_a_pickled_tensor_comes_back_on_its_device(tmp_path):
+    state = {"w": torch.arange(4.0, device="xla:2") * 2, "b": torch.ones(2, device="xla:0")}
+    torch.save(state, tmp_path / "state.pt")
+    loaded = torch.load(tmp_path / "state.pt", weights_only=True)
+    assert loaded["w"].device == torch.device("xla:2") and loaded["b"].device == torch.device(
+        "xla:0"
+    )
+    assert _on(loaded["w"] + 0) == {jax.local_devices()[2]}
+    assert loaded["w"].cpu().tolist() == [0.0, 2.0, 4.0, 6.0]
