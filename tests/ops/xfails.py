@@ -176,7 +176,6 @@ CPU_FALLBACKS: dict[tuple[str, str], tuple[str, ...]] = {
     ("masked_select", "fwd"): ("aten::masked_select",),
     ("masked_select", "grad"): ("aten::masked_select",),
     ("nonzero", "fwd"): ("aten::nonzero",),
-    ("nonzero_static", "fwd"): ("aten::nonzero_static",),
     ("unique", "fwd"): ("aten::_unique2",),
     ("unique_consecutive", "fwd"): ("aten::unique_consecutive",),
 }

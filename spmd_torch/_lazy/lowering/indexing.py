@@ -527,3 +527,12 @@ def _block_diag(tensors):
     dtype = jnp.result_type(*tensors)
     blocks = [t.reshape(1, -1) if t.ndim < 2 else t for t in tensors]
     return jax.scipy.linalg.block_diag(*[b.astype(dtype) for b in blocks])
+
+
+@lowers(aten.nonzero_static.default)
+def _nonzero_static(x, *, size, fill_value=-1):
+    """The first ``size`` nonzero positions, one row each, the rest ``fill_value``: a shape that
+    does not depend on the data, unlike ``nonzero``'s."""
+    if x.ndim == 0:
+        return jnp.zeros((size, 0), jnp.int64)
+    return jnp.stack(jnp.nonzero(x, size=size, fill_value=fill_value), axis=1).astype(jnp.int64)
