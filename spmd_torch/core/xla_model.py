@@ -147,14 +147,13 @@ def xla_device_kind(device: str | torch.device | None = None) -> str:
     ``device_kind`` (``'cpu'``, ``'NVIDIA H100 80GB HBM3'``, ``'TPU v5 lite'``...).
 
     Args:
-        device: The xla device (default ``xla:0``, the only one).
+        device: The xla device (default ``xla:0``).
 
     Example:
         >>> xm.xla_device_kind()
         'cpu'
     """
-    _check_device(device, "xla_device_kind")
-    return _backing_devices()[0].device_kind
+    return _backing_devices(_check_device(device, "xla_device_kind"))[0].device_kind
 
 
 def xla_replication_devices(local_devices: list | None = None) -> list[str]:
@@ -752,7 +751,7 @@ def get_rng_state(device: str | torch.device | None = None) -> int:
     ``manual_seed(s)``.
 
     Args:
-        device: The xla device (default: ``xla:0``, the only one).
+        device: An xla device (default: ``xla:0``); the process's devices share one state.
 
     Returns:
         The RNG state as a non-negative integer below ``2**64``.
@@ -773,7 +772,7 @@ def set_rng_state(seed: int, device: str | torch.device | None = None) -> None:
 
     Args:
         seed: The state; taken modulo ``2**64`` (negative seeds wrap, as in PyTorch).
-        device: The xla device (default: ``xla:0``, the only one).
+        device: An xla device (default: ``xla:0``); the process's devices share one state.
 
     Example:
         >>> xm.set_rng_state(1234)
@@ -818,9 +817,19 @@ def get_stablehlo(tensors: list[torch.Tensor] | None = None) -> str:
     return _graph.pending_stablehlo(list(tensors) if tensors else None)
 
 
-def _check_device(device, api: str) -> None:
-    if device is not None and str(device) not in ("xla", "xla:0"):
-        raise ValueError(f"{api}(device={str(device)!r}): the only xla device is xla:0")
+def _check_device(device, api: str) -> int:
+    """The index of the xla device ``device`` names (None: ``xla:0``); a ValueError if the
+    process has no such device."""
+    if device is None:
+        return 0
+    parsed = torch.device(device)
+    count = runtime.addressable_device_count()
+    if parsed.type != "xla" or not (parsed.index or 0) < count:
+        raise ValueError(
+            f"{api}(device={str(device)!r}): the xla devices of this process are xla:0"
+            + (f" to xla:{count - 1}" if count > 1 else "")
+        )
+    return parsed.index or 0
 
 
 def _compute_xla_tensors(data: Any) -> list[torch.Tensor]:
@@ -1120,10 +1129,11 @@ class MemoryInfo(TypedDict):
 
 def get_memory_info(device: str | torch.device | None = None) -> MemoryInfo:
     """The device memory in use, its limit and the peak use, summed over the accelerators
-    behind the xla device (all of them, or inside ``launch`` the replica's own).
+    behind the xla device (outside SPMD the one it names; under SPMD all of them; inside
+    ``launch`` the replica's own).
 
     Args:
-        device: The xla device (default ``xla:0``, the only one).
+        device: The xla device (default ``xla:0``).
 
     Raises:
         RuntimeError: The runtime keeps no memory statistics (JAX's CPU backend).
@@ -1133,8 +1143,7 @@ def get_memory_info(device: str | torch.device | None = None) -> MemoryInfo:
         >>> info['bytes_used'] / info['bytes_limit']
         0.12
     """
-    _check_device(device, "get_memory_info")
-    backing = _backing_devices()
+    backing = _backing_devices(_check_device(device, "get_memory_info"))
     stats = [d.memory_stats() for d in backing]
     if any(s is None for s in stats):
         raise RuntimeError(
@@ -1148,7 +1157,9 @@ def get_memory_info(device: str | torch.device | None = None) -> MemoryInfo:
     )
 
 
-def _backing_devices() -> list:
-    """The accelerators the xla device stands for: this replica's own inside ``launch``, else
-    every device of this process."""
-    return _engine.current().mode.local_devices()
+def _backing_devices(index: int = 0) -> list:
+    """The accelerators behind ``xla:index``: outside SPMD the one it names; under SPMD every
+    device of this process; inside ``launch`` the replica's own."""
+    mode = _engine.current().mode
+    devices = mode.local_devices()
+    return [devices[index]] if mode.device_count() > 1 else devices

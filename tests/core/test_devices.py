@@ -185,3 +185,13 @@ def test_a_pickled_tensor_comes_back_on_its_device(tmp_path):
     )
     assert _on(loaded["w"] + 0) == {jax.local_devices()[2]}
     assert loaded["w"].cpu().tolist() == [0.0, 2.0, 4.0, 6.0]
+
+
+def test_device_queries_take_any_device_of_the_process():
+    assert xm.xla_device_kind("xla:5") == jax.local_devices()[5].device_kind
+    with pytest.raises(RuntimeError, match=r"keeps no memory statistics \(device cpu:3\)"):
+        xm.get_memory_info("xla:3")  # JAX's CPU backend; names the device asked for
+    xm.set_rng_state(7, device="xla:6")
+    assert xm.get_rng_state("xla:6") == xm.get_rng_state() == 7
+    with pytest.raises(ValueError, match=r"get_memory_info\(device='xla:8'\): .* xla:0 to xla:7"):
+        xm.get_memory_info("xla:8")
