@@ -8,6 +8,7 @@ In eager mode (per engine) each op issued by user code then runs at once.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable
@@ -228,13 +229,26 @@ def _view(func, args: tuple, kwargs: dict) -> LazyTensor:
 def _inplace_view(func, args: tuple, kwargs: dict) -> LazyTensor:
     """``x.unsqueeze_(0)``, ``x.t_()``: ``x`` becomes a view of its own former self."""
     target = args[0]
-    packet = getattr(aten, func._schema.name.split("::")[1][:-1])
-    reshaped = views.make_view(target, getattr(packet, func._overloadname), args[1:])
+    reshaped = views.make_view(target, _out_of_place_view(func), args[1:])
     with torch._C._DisableTorchDispatch():
         func(target, *args[1:], **kwargs)  # the wrapper's own sizes and strides
     target._view = reshaped._view
     target._remember(reshaped._cache)
     return target
+
+
+@functools.cache
+def _out_of_place_view(func):
+    """The view op an in-place one applies: the overload of the same name, or the one taking the
+    same arguments (``transpose_.default`` is ``transpose.int``)."""
+    packet = getattr(aten, func._schema.name.split("::")[1][:-1])
+    if func._overloadname in packet.overloads():
+        return getattr(packet, func._overloadname)
+    wanted = [str(a.type) for a in func._schema.arguments[1:]]
+    for name in packet.overloads():
+        if [str(a.type) for a in getattr(packet, name)._schema.arguments[1:]] == wanted:
+            return getattr(packet, name)
+    raise NotImplementedError(f"{func}: no view overload of {packet} takes its arguments")
 
 
 # --- mutation ------------------------------------------------------------------------------------

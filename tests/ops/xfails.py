@@ -38,7 +38,6 @@ _TENSOR_SPLIT = (
     "the sample's tensor of split indices moves to the device with the input, and tensor_split "
     "requires it on the CPU (PyTorch's own check)"
 )
-_STFT = "torch.stft's decomposition calls aten.transpose.default, an overload that does not exist"
 _EMPTY_MASK_GRAD = (
     "backward of masked_select (a CPU fallback) over an empty selection fails in jnp.take"
 )
@@ -152,8 +151,6 @@ XFAILS: dict[tuple[str, str, str], str] = {
     ("sparse.sampled_addmm", "fwd", "float32"): _SPARSE,
     ("sparse.sampled_addmm", "grad", "float32"): _SPARSE,
     ("special.ndtr", "fwd", "bfloat16"): _BF16_ROUNDING,
-    ("stft", "fwd", "float32"): _STFT,
-    ("stft", "grad", "float32"): _STFT,
     ("svd_lowrank", "fwd", "float32"): _RANDOM_SAMPLES,
     ("tensor_split", "fwd", "bfloat16"): _TENSOR_SPLIT,
     ("tensor_split", "fwd", "float32"): _TENSOR_SPLIT,
