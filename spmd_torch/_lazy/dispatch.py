@@ -24,7 +24,7 @@ from .graph import Aval, Node, Value
 from .lowering import LOWERINGS, amp, ctc, factories, optim
 from .record import DeviceMismatchError, NoStaticShape, emit, emit_value
 from .tensor import DEVICE, SEVERAL_DEVICES, LazyTensor, connect, wrap, wrap_data
-from .transfer import host_copy, to_device_array, upload
+from .transfer import host_copy, landing, to_device_array, upload
 
 aten = torch.ops.aten
 
@@ -459,12 +459,13 @@ def _copy_from(func, args: tuple, kwargs: dict) -> LazyTensor:
 def _to_copy(func, args: tuple, kwargs: dict) -> Any:
     """``.to(device/dtype)``: leaving the device materialises; staying records a conversion."""
     device = kwargs.get("device")
-    if device is not None and torch.device(device).type != DEVICE.type:
+    device = None if device is None else torch.device(device)
+    if device is not None and device.type != DEVICE.type:
         out = to_cpu(args[0])
         dtype = kwargs.get("dtype")
         return out.to(dtype) if dtype is not None else out
-    if device is not None:  # to another xla device: the program on that one reads it
-        current().mode.use_device(torch.device(device).index or 0)
+    if device is not None and device.index:  # another xla device: its program reads this
+        current().mode.use_device(device.index)
     node, structure = emit(func, args, kwargs)
     return _wrap_outputs(node, structure)
 
@@ -548,7 +549,7 @@ def _upload(out: Any, device: int = 0) -> Any:
     """A CPU result as device data on xla:``device`` (None: read by any device's program)."""
     if isinstance(out, torch.Tensor):
         out = out.contiguous()
-        array = current().mode.stage(host_copy(out), device) if device else to_device_array(out)
+        array = to_device_array(out, landing(device or 0))
         return wrap_data(array, Aval(tuple(out.shape), out.dtype), device)
     if isinstance(out, (list, tuple)):
         return type(out)(_upload(o, device) for o in out)

@@ -54,8 +54,9 @@ class OneDevice:
 
     def by_device(self, items: list, ref_of: Callable) -> list:
         """``items`` grouped by the xla device of their value (``ref_of(item)``), in first-use
-        order: [(device, items)]; one group while every tensor is on xla:0."""
-        if not SEVERAL_DEVICES:
+        order: [(device, items)]; one group while every tensor is on xla:0, or where the process
+        has one xla device (under SPMD, in a replica)."""
+        if not SEVERAL_DEVICES or self.device_count() == 1:
             return [(0, items)]
         groups: dict = {}
         for item in items:
@@ -97,7 +98,7 @@ class OneDevice:
         with counters.timed("GatherTime"):
             arrays = self.gather(program)
         if program.device:  # outputs on xla:N even when no input says so (factories)
-            here = SingleDeviceSharding(jax.local_devices()[program.device])
+            here = self.landing_on(program.device)
             out_shardings = tuple(s or here for s in out_shardings or [None] * len(program.outputs))
         return self.execute(Run.of(program, arrays, donate, out_shardings))
 
@@ -167,7 +168,6 @@ class SpmdMesh(OneDevice):
         return f"SpmdMesh({self.replicated.num_devices} devices)"
 
     spans = " (in SPMD mode xla:0 spans every device: shard tensors over them with a mesh)"
-    by_device = staticmethod(lambda items, ref_of: [(0, items)])  # one program, every device
 
     def device_count(self) -> int:
         return 1
@@ -229,7 +229,6 @@ class Replica(OneDevice):
         return self.world.stepped_away(self)  # the other replicas run meanwhile
 
     spans = " (a replica of launch/spawn owns one device)"
-    by_device = SpmdMesh.__dict__["by_device"]  # its own device's program
 
     def local_devices(self) -> list:
         return [self.landing.device]

@@ -823,13 +823,12 @@ def _check_device(device, api: str) -> int:
     if device is None:
         return 0
     parsed = torch.device(device)
-    count = runtime.addressable_device_count()
-    if parsed.type != "xla" or not (parsed.index or 0) < count:
-        raise ValueError(
-            f"{api}(device={str(device)!r}): the xla devices of this process are xla:0"
-            + (f" to xla:{count - 1}" if count > 1 else "")
-        )
-    return parsed.index or 0
+    if parsed.type != "xla":
+        raise ValueError(f"{api}(device={str(device)!r}): not an xla device")
+    try:
+        return _engine.current().mode.use_device(parsed.index or 0).index
+    except IndexError as error:
+        raise ValueError(f"{api}(device={str(device)!r}): {error}") from None
 
 
 def _compute_xla_tensors(data: Any) -> list[torch.Tensor]:
