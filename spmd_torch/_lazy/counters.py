@@ -28,6 +28,12 @@ class Samples:
         self.recent.append(value)
         _LOCK.release()
 
+    def extend(self, values: list) -> None:
+        with _LOCK:
+            self.count += len(values)
+            self.total += sum(values)
+            self.recent.extend(values[-1024:])
+
     def __len__(self) -> int:
         return self.count
 
@@ -45,6 +51,9 @@ METRICS: dict[str, Samples] = defaultdict(Samples)
 # Recorded calls per op (PyTorch/XLA's ``xla::<op>`` counters): keyed by the op's id, a C hash on
 # the trace path; ``OP_NAMES`` names each op once, when its meta kernel first runs.
 OPS: dict[int, int] = defaultdict(int)
+# LazyTracing's samples not yet in METRICS: every traced op appends one, and a list's append needs
+# no lock (the GIL makes it atomic) where a sample's does. ``metrics()`` and the barrier fold them.
+TRACING: list[int] = []
 OP_NAMES: dict[int, str] = {}
 _LOCK = threading.Lock()
 
@@ -52,6 +61,27 @@ _LOCK = threading.Lock()
 def bump(name: str, amount: int = 1) -> None:
     with _LOCK:
         COUNTERS[name] += amount
+
+
+def fold_tracing() -> None:
+    """Move TRACING's samples into LazyTracing's (the barrier does, so the list stays short)."""
+    count = len(TRACING)
+    if count:
+        folded = TRACING[:count]
+        del TRACING[:count]  # what another thread appends meanwhile stays for the next fold
+        METRICS["LazyTracing"].extend(folded)
+
+
+def metrics() -> dict[str, Samples]:
+    """Every metric, LazyTracing's latest samples included."""
+    fold_tracing()
+    return METRICS
+
+
+def clear_metrics() -> None:
+    with _LOCK:
+        METRICS.clear()
+        TRACING.clear()
 
 
 def record(name: str, value: float) -> None:
@@ -80,4 +110,5 @@ def clear() -> None:
     with _LOCK:
         COUNTERS.clear()
         METRICS.clear()
+        TRACING.clear()
         OPS.clear()

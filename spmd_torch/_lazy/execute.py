@@ -31,6 +31,7 @@ def sync(wait: bool = False) -> None:
     """Compile (or reuse) and dispatch one program computing every live pending tensor."""
     engine = current()
     start = time.perf_counter_ns()
+    counters.fold_tracing()
     owners = _owners(engine)
     if owners:
         groups = engine.mode.by_device(list(owners.values()), lambda entry: entry[0])

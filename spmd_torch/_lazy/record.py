@@ -28,6 +28,7 @@ _TORCH_ROOT = os.path.dirname(os.path.abspath(torch.__file__))
 
 _ARGS = [Arg(i) for i in range(4096)]  # shared placeholders: no allocation per traced argument
 
+_OPS = counters.OPS  # cleared in place, never replaced
 # (op, argument signature) -> (output avals, output structure)
 _META_CACHE: dict[tuple, tuple] = {}
 
@@ -52,12 +53,17 @@ def emit(
     src: list = [key] if key is not None else []
     signature: list = [id(func)]  # OpOverload.__hash__ is Python code; overloads live forever
     static: list = []
-    for a in args:  # _walk inlined for the common tensor argument: this loop runs for every op
-        if type(a) is LazyTensor:
+    for a in args:  # _walk inlined for tensors and lifted floats: this loop runs for every op
+        cls = type(a)
+        if cls is LazyTensor:
             ref = a._storage.ref if a._view is None else a._ref()
             signature.append(ref[0].avals[ref[1]])
             static.append(_ARGS[len(src)])
             src.append(ref)
+        elif cls is float and lift_floats:
+            static.append(_ARGS[len(src)])
+            src.append((Node(SCALAR, (), (a,), {}, (SCALAR_AVAL,)), 0))
+            signature.append(float)
         else:
             static.append(_walk(a, src, signature, lift_floats))
     static_args = tuple(static)
@@ -70,7 +76,7 @@ def emit(
     if meta is None:
         meta = _META_CACHE[signature] = _infer(func, args, kwargs)
         counters.OP_NAMES[signature[0]] = f"xla::{func.overloadpacket.__name__}"
-    counters.OPS[signature[0]] += 1
+    _OPS[signature[0]] += 1
     avals, structure = meta
     if key is not None:
         static_args = (Arg(0),) + static_args

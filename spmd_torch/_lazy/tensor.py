@@ -41,12 +41,16 @@ class Storage:
     __slots__ = ("ref", "version", "views", "sharding", "from_host", "__weakref__")
 
     def __init__(self, ref: Ref):
-        self.ref = None
-        self.version = 0
+        # ``set`` inlined for a first value: every traced op makes a storage
+        node = ref[0]
+        node.holders += 1
+        self.ref = ref
+        self.version = 1
         self.views = None  # weak refs to views caching a value read from this storage
         self.sharding = None  # jax Sharding every value written here gets (see placement.py)
         self.from_host = False  # an upload no program wrote since: no sharding spec of its own
-        self.set(ref)
+        if node.arrays is None or node.arrays[ref[1]] is None:  # pending: inlined is_leaf
+            current().pending.append(weakref.ref(self))
 
     def set(self, ref: Ref) -> None:
         node = ref[0]
@@ -82,15 +86,20 @@ class LazyTensor(torch.Tensor):
     """A tensor on the xla device; ``_storage`` holds its value, ``_view`` how to read it from there."""
 
     __torch_function__ = torch._C._disabled_torch_function_impl
+    # Defaults every tensor starts with, read from the class: only the storage is set per tensor.
+    # (No __slots__: torch.utils.swap_tensors, which Module.to uses for wrapper subclasses,
+    # refuses tensors whose slots differ from the CPU parameter's.)
+    _view: tuple | None = None
+    _cache: Ref | None = None  # a view's value, valid while its storage's version is
+    _cache_version = -1
 
     @staticmethod
     def __new__(cls, storage: Storage, aval: Aval, view: tuple | None = None) -> LazyTensor:
         device = XLA_DEVICES[storage.ref[0].device] if SEVERAL_DEVICES else DEVICE
         t = torch.Tensor._make_wrapper_subclass(cls, aval.shape, dtype=aval.dtype, device=device)
         t._storage = storage
-        t._view = view
-        t._cache = None
-        t._cache_version = -1
+        if view is not None:
+            t._view = view
         return t
 
     def __init__(self, *args, **kwargs):
@@ -105,7 +114,7 @@ class LazyTensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         start = time.perf_counter_ns()
         out = _dispatch(func, args, kwargs or _NO_KWARGS)
-        counters.METRICS["LazyTracing"].append(time.perf_counter_ns() - start)  # as PyTorch/XLA
+        _traced(time.perf_counter_ns() - start)  # LazyTracing's sample, as PyTorch/XLA's
         return out
 
     def _ref(self) -> Ref:
@@ -206,6 +215,7 @@ class LazyTensor(torch.Tensor):
 
 
 _NO_KWARGS: dict = {}
+_traced = counters.TRACING.append
 
 
 class TensorHandle(torch.Tensor):
@@ -264,9 +274,12 @@ def live_pending() -> list[Storage]:
     return storages
 
 
+_new_tensor = LazyTensor.__new__
+
+
 def wrap(ref: Ref, aval: Aval) -> LazyTensor:
     """A fresh tensor (its own storage) whose value is ``ref``."""
-    return LazyTensor(Storage(ref), aval)
+    return _new_tensor(LazyTensor, Storage(ref), aval)  # no ``__init__`` call: every op makes one
 
 
 def wrap_data(array, aval: Aval, device: int | None = 0) -> LazyTensor:

@@ -73,7 +73,7 @@ def counter_names() -> list[str]:
 
 def _counted(name: str) -> int:
     """How many samples the metric behind counter ``name`` took since the counters were cleared."""
-    samples = _store.METRICS.get(COUNTED_METRICS[name])
+    samples = _store.metrics().get(COUNTED_METRICS[name])
     if not samples:
         return 0
     since, count = _COUNTED_SINCE.get(name, (None, 0))
@@ -105,7 +105,7 @@ def metric_names() -> list[str]:
         >>> 'CompileTime' in met.metric_names()  # after a compile
         True
     """
-    own = {name for name, samples in _store.METRICS.items() if samples}
+    own = {name for name, samples in _store.metrics().items() if samples}
     return sorted(own | {alias for alias, name in SAME_METRICS.items() if name in own})
 
 
@@ -123,7 +123,7 @@ def metric_data(name: str) -> tuple[int, float, list[tuple[float, float]]] | Non
     Example:
         >>> total, accumulator, samples = met.metric_data('CompileTime')
     """
-    samples = _store.METRICS.get(SAME_METRICS.get(name, name))
+    samples = _store.metrics().get(SAME_METRICS.get(name, name))
     if not samples:
         return None
     return samples.count, float(samples.total), [(0.0, float(v)) for v in samples]
@@ -136,9 +136,9 @@ def barrier_phases() -> dict[str, tuple[int, float]]:
         >>> met.barrier_phases()['linearize']
         (12, 3456789.0)
     """
-    phases = {}
+    phases, metrics = {}, _store.metrics()
     for phase, names in BARRIER_PHASES.items():
-        samples = [_store.METRICS[name] for name in names if name in _store.METRICS]
+        samples = [metrics[name] for name in names if name in metrics]
         phases[phase] = (sum(s.count for s in samples), float(sum(s.total for s in samples)))
     return phases
 
@@ -154,7 +154,7 @@ def clear_counters() -> None:
     _store.COUNTERS.clear()
     _store.OPS.clear()
     for name, metric in COUNTED_METRICS.items():
-        samples = _store.METRICS.get(metric)
+        samples = _store.metrics().get(metric)
         _COUNTED_SINCE[name] = (samples, samples.count if samples else 0)
 
 
@@ -166,7 +166,7 @@ def clear_metrics() -> None:
         >>> met.metric_names()
         []
     """
-    _store.METRICS.clear()
+    _store.clear_metrics()
 
 
 def clear_all() -> None:
@@ -230,7 +230,7 @@ def short_metrics_report(
 def _report(metrics: list[str], counters: list[str]) -> str:
     lines = []
     for name in metrics:
-        samples = _store.METRICS[SAME_METRICS.get(name, name)]
+        samples = _store.metrics()[SAME_METRICS.get(name, name)]
         fmt = _formatter(SAME_METRICS.get(name, name))
         ordered = sorted(samples)
         percentiles = "; ".join(

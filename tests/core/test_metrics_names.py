@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -119,6 +121,24 @@ def test_lazy_tracing_is_one_sample_per_traced_op():
     assert count == 3 and len(samples) == 3
     assert accumulator == sum(value for _, value in samples) > 0
     del y
+
+
+def test_lazy_tracing_samples_survive_barriers_threads_and_clears():
+    x = torch.ones(3).to(dev)
+    spmd_torch.sync()
+    met.clear_all()
+    y = x + 1
+    spmd_torch.sync()  # the barrier folds what was traced so far
+    assert not counters.TRACING
+    worker = threading.Thread(target=lambda: [x * 2 for _ in range(50)])
+    worker.start()
+    z = [x - 1 for _ in range(50)]
+    worker.join()
+    assert met.metric_data("LazyTracing")[0] == 101  # 1 + 50 + 50: none lost between threads
+    w = x.neg()
+    met.clear_metrics()  # samples not folded yet go too
+    assert met.metric_data("LazyTracing") is None
+    del y, z, w
 
 
 def test_metrics_keep_counts_and_sums_past_the_window_of_samples():
