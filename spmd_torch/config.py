@@ -182,7 +182,8 @@ LOOPBACK = _flag(
 FREEZE_HEAP = _flag(
     "SPMD_TORCH_FREEZE_HEAP",
     True,
-    "Once warm-up ends (a compiled program runs again), collect and gc.freeze() the Python heap.",
+    "Once warm-up ends (a compiled program runs again), collect and gc.freeze() the Python heap "
+    "and collect the young generation every 50,000 net allocations instead of 700.",
 )
 ALWAYS_ALLREDUCE = _flag(
     "XLA_ALWAYS_ALLREDUCE",

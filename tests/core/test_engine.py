@@ -16,6 +16,7 @@ import spmd_torch.core.xla_model as xm
 import spmd_torch.debug.graph
 import spmd_torch.runtime as xr
 from spmd_torch import config
+from spmd_torch._lazy import compile as compile_module
 from spmd_torch._lazy import counters, engine, modes
 from spmd_torch._lazy.execute import global_array
 from tests.conftest import engine_leaks
@@ -481,6 +482,8 @@ def test_warm_up_end_freezes_the_heap_once(monkeypatch, freeze):
     # so full collections stop walking it; the hits after it leave the heap alone.
     monkeypatch.setattr(config.FREEZE_HEAP, "value", freeze)
     gc.unfreeze()
+    threshold = gc.get_threshold()
+    gc.set_threshold(700, *threshold[1:])  # Python's default, as before any warm-up ended
     layer = torch.nn.Linear(13, 7 if freeze else 6).to(dev)  # a program no other test compiled
 
     def step():
@@ -492,6 +495,10 @@ def test_warm_up_end_freezes_the_heap_once(monkeypatch, freeze):
     assert not _frozen(layer) and gc.get_freeze_count() == 0
     step()
     assert _frozen(layer) is freeze
+    # ... and lets the young generation grow past a step's graph, which dies at the barrier
+    young = gc.get_threshold()[0]
+    gc.set_threshold(*threshold)
+    assert young == (compile_module.YOUNG_GENERATION if freeze else 700)
     frozen = gc.get_freeze_count()
     assert (frozen > 0) is freeze
     for _ in range(3):  # a thread an earlier test left may compile meanwhile: that one settles
@@ -508,8 +515,6 @@ def test_a_cycle_frozen_then_dropped_is_collected_when_the_next_warm_up_ends(mon
     # Cycles alive at one freeze (a graph Dynamo later drops) are not kept for ever: the next
     # warm-up's end unfreezes, collects everything, and freezes again.
     import weakref
-
-    from spmd_torch._lazy import compile as compile_module
 
     monkeypatch.setattr(config.FREEZE_HEAP, "value", True)
     gc.unfreeze()
