@@ -10,7 +10,7 @@ import pathlib
 import sys
 
 ENGINE = pathlib.Path(__file__).resolve().parents[1] / "spmd_torch" / "_lazy"
-BUDGET = 3467  # +100 SPMD stages (placement, manual), +500 replicas (issue 8), +100 issue 10:
+BUDGET = 3468  # +100 SPMD stages (placement, manual), +500 replicas (issue 8), +100 issue 10:
 # autocast, eager mode, compile regions, profiler scopes, metrics (window, LazyTracing, data);
 # issue 16's modes left it at 2791; +50 issue 17, hosts: rendezvous across hosts through the job's
 # key-value store, each host's part of a global batch, reading values that span hosts; +15
@@ -51,8 +51,8 @@ BUDGET = 3467  # +100 SPMD stages (placement, manual), +500 replicas (issue 8), 
 # their device, a pickled tensor comes back on its device; +3 eager ops' programs timed as
 # PyTorch/XLA's EagerOpCompileTime/ExecuteTime; +12 an in-place view op finds its out-of-place
 # overload by its arguments where the names differ (transpose_.default is transpose.int: stft);
-# +36 issue 19 item 2, W1's per-op path: LazyTracing's samples go to a list (no lock per op),
-# folded at each barrier and on reads; a fresh storage and tensor set only what differs from the
+# +37 issue 19 item 2, W1's per-op path: LazyTracing's samples go to a list (no lock per op),
+# folded (under the lock) at each barrier and on reads; a fresh storage and tensor set only what differs from the
 # defaults; +8 warm-up's end lets the young generation grow to 50,000 objects (a step's graph,
 # alive until the barrier, was walked ~8 times a step on W3)
 

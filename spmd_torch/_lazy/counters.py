@@ -29,10 +29,10 @@ class Samples:
         _LOCK.release()
 
     def extend(self, values: list) -> None:
-        with _LOCK:
-            self.count += len(values)
-            self.total += sum(values)
-            self.recent.extend(values[-1024:])
+        """Record several samples at once; the caller holds ``_LOCK``."""
+        self.count += len(values)
+        self.total += sum(values)
+        self.recent.extend(values[-1024:])
 
     def __len__(self) -> int:
         return self.count
@@ -65,11 +65,12 @@ def bump(name: str, amount: int = 1) -> None:
 
 def fold_tracing() -> None:
     """Move TRACING's samples into LazyTracing's (the barrier does, so the list stays short)."""
-    count = len(TRACING)
-    if count:
-        folded = TRACING[:count]
-        del TRACING[:count]  # what another thread appends meanwhile stays for the next fold
-        METRICS["LazyTracing"].extend(folded)
+    with _LOCK:  # two folds at once (a replica's barrier, a closure's report) would count twice
+        count = len(TRACING)
+        if count:
+            folded = TRACING[:count]
+            del TRACING[:count]  # what another thread appends meanwhile stays for the next fold
+            METRICS["LazyTracing"].extend(folded)
 
 
 def metrics() -> dict[str, Samples]:
