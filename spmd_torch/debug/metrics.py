@@ -153,8 +153,9 @@ def clear_counters() -> None:
     """
     _store.COUNTERS.clear()
     _store.OPS.clear()
+    store = _store.metrics()
     for name, metric in COUNTED_METRICS.items():
-        samples = _store.metrics().get(metric)
+        samples = store.get(metric)
         _COUNTED_SINCE[name] = (samples, samples.count if samples else 0)
 
 
@@ -228,9 +229,9 @@ def short_metrics_report(
 
 
 def _report(metrics: list[str], counters: list[str]) -> str:
-    lines = []
+    lines, store = [], _store.metrics()
     for name in metrics:
-        samples = _store.metrics()[SAME_METRICS.get(name, name)]
+        samples = store[SAME_METRICS.get(name, name)]
         fmt = _formatter(SAME_METRICS.get(name, name))
         ordered = sorted(samples)
         percentiles = "; ".join(
