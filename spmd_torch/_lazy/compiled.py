@@ -27,7 +27,7 @@ from . import execute, rng
 from .collective import COLLECTIVES
 from .compile import build_function
 from .engine import current
-from .graph import SCALAR, SCALAR_AVAL, Arg, Aval, Node, linearize
+from .graph import Arg, Aval, Node, linearize
 from .lowering import EngineOp, lowers
 from .lowering.dtypes import to_jax_dtype
 from .tensor import SEVERAL_DEVICES, LazyTensor, Storage, TensorHandle, wrap, wrap_data
@@ -58,6 +58,7 @@ class Template:
         self.uses_key = key_out or ("key",) in sources
         self.avals = tuple(node.avals[i] for node, i in program.outputs)
         self.computed = sum(kind == "out" for kind, _ in results)
+        self.placeholders = tuple(Arg(k) for k in range(len(sources)))  # the node's static args
         self.op = GRAPH_WITH_COLLECTIVES if _has_collectives(program) else GRAPH
         self.pending_calls: dict = {}  # id(engine) -> weak ref to its last call's node
         # CPU scalars arrive as lifted float64 scalars: each is cast back to its tensor's dtype.
@@ -91,8 +92,9 @@ class Template:
             # program each time, as PyTorch/XLA's loops need no mark_step.
             execute.sync()
         key = rng.state() if self.uses_key else None
-        src = tuple(self._source(s, args, cpu, key) for s in self.sources)
-        node = Node(self.op, src, (tuple(Arg(k) for k in range(len(src))), self), {}, self.avals)
+        find, sources = self._source, self.sources  # most are arguments: read inline
+        src = tuple([args[s[1]]._ref() if s[0] == "arg" else find(s, cpu, key) for s in sources])
+        node = Node(self.op, src, (self.placeholders, self), {}, self.avals)
         if SEVERAL_DEVICES:  # on its tensors' xla device
             node.device = next((r[0].device for r, s in zip(src, self.sources) if s[0] == "arg"), 0)
         outputs = []
@@ -112,17 +114,16 @@ class Template:
         return pytree.tree_unflatten(outputs, self.tree)
 
     @staticmethod
-    def _source(source, args: list, cpu: dict, key) -> tuple:
+    def _source(source, cpu: dict, key) -> tuple:
+        """The ref of a source other than an argument (``call`` reads those inline)."""
         kind = source[0]
-        if kind == "arg":
-            return args[source[1]]._ref()
         if kind == "key":
             return key.ref
         if kind != "cpu":
             return source  # a constant's ref
         value = cpu[source[1]] if len(source) == 2 else cpu[source[1]][source[2]]
         if value.dim() == 0:  # lifted, as Python scalars are: packed with the others
-            return (Node(SCALAR, (), (value.item(),), {}, (SCALAR_AVAL,)), 0)
+            return (Node.scalar(value.item()), 0)
         return wrap_data(to_device_array(value), Aval(tuple(value.shape), value.dtype))._ref()
 
 
@@ -149,9 +150,7 @@ class CompiledGraph:
         args = [a.tensor if type(a) is TensorHandle else a for a in args]
         # Dynamo's guards already hold every tensor's device, dtype and shape to the graph's;
         # only the values it takes as arguments (sizes of dynamic shapes) tell calls apart.
-        signature = tuple(
-            (type(a), a) if not isinstance(a, torch.Tensor) else type(a) is LazyTensor for a in args
-        )
+        signature = tuple([type(a) is LazyTensor or _signature_of(a) for a in args])
         if signature not in self.templates:
             self.templates[signature] = self._record(args)
         recorded = self.templates[signature]
@@ -261,6 +260,11 @@ class _Recorder(fx.Interpreter):
         self.slots[id(key_in[0])] = ("key",)
         sources = [self.slots.get(id(node), (node, i)) for node, i in program.leaves]
         return Template(program, sources, results, tree, writes, key_out, layouts)
+
+
+def _signature_of(arg) -> Any:
+    """What tells calls apart at a position not holding an xla tensor: a CPU tensor, or a value."""
+    return False if isinstance(arg, torch.Tensor) else (type(arg), arg)
 
 
 def _on_cpu(value) -> bool:

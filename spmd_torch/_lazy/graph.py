@@ -40,6 +40,7 @@ class Aval(NamedTuple):
 
 
 SCALAR_AVAL = Aval((), torch.float64)  # a lifted Python scalar's, whatever its Python type
+_SCALAR_AVALS = (SCALAR_AVAL,)
 
 
 class Node:
@@ -71,10 +72,12 @@ class Node:
 
     @classmethod
     def data(cls, array: Any, aval: Aval, device: int | None = 0) -> Node:
-        node = cls(DATA, (), (), {}, (aval,))
-        node.arrays = [array]
-        node.device = device
-        return node
+        return _input(DATA, (), (aval,), [array], device)
+
+    @classmethod
+    def scalar(cls, value: float) -> Node:
+        """A lifted Python scalar: a program input too."""
+        return _input(SCALAR, (value,), _SCALAR_AVALS, None, 0)
 
     def is_leaf(self, index: int) -> bool:
         return self.arrays is not None and self.arrays[index] is not None
@@ -88,6 +91,19 @@ class Node:
     def __repr__(self) -> str:
         return f"Node({self.op}, {len(self.src)} src)"
 
+
+def _input(op: str, args: tuple, avals: tuple, arrays: list | None, device: int | None) -> Node:
+    """A node no program computes, made without ``__init__``'s engine lookup for a profiler scope
+    (only computed nodes carry one): the barrier makes one per output, traced ops one per lifted
+    scalar."""
+    node = _new_node(Node)
+    node.op, node.src, node.args, node.kwargs, node.avals = op, (), args, _NO_KWARGS, avals
+    node.arrays, node.holders, node.where, node.scope, node.device = arrays, 0, None, None, device
+    return node
+
+
+_new_node = object.__new__
+_NO_KWARGS: dict = {}  # an input's, never written
 
 Ref = tuple  # (Node, output index)
 
@@ -115,6 +131,7 @@ class Program:
     outputs: list[Ref]
     index: dict  # id(node) -> position among nodes; leaves: (id(node), i) -> input position
     rows: list  # per node: (id(op), args, kwargs, wiring, scope), built by the walk itself
+    located: tuple  # per output, where it comes from (``locate``'s answer), found by the walk
     _identity: int | None = None
     device: int = 0  # the xla:N it runs on (outside SPMD a process may use each of its devices)
 
@@ -135,7 +152,7 @@ class Program:
         Ops enter by ``id``: an OpOverload hashes in Python, and ops live as long as the process.
         Recorded args are hashable already (the walk made every list a tuple): no freezing here.
         """
-        return (tuple(self.rows), tuple(self.locate(ref) for ref in self.outputs))
+        return (tuple(self.rows), self.located)
 
     def wiring(self, node: Node) -> tuple:
         """Where each source of ``node`` comes from (``locate``'s answers)."""
@@ -206,7 +223,8 @@ def linearize(outputs: list[Ref], device: int = 0) -> Program:
                 if (arrays is None or arrays[i] is None) and source.op != SCALAR:
                     if id(source) not in index:
                         stack.append((source, False))
-    return Program(nodes, leaves, scalars, list(outputs), index, rows, device=device)
+    located = tuple([where(root) for root in outputs])  # every computed root is placed now
+    return Program(nodes, leaves, scalars, list(outputs), index, rows, located, device=device)
 
 
 _DTYPE_NAMES = {torch.bool: "pred", torch.bfloat16: "bf16"}  # the rest: f32, i64, u8, c64...

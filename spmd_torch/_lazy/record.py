@@ -16,7 +16,7 @@ import torch
 from spmd_torch import config
 
 from . import counters
-from .graph import SCALAR, SCALAR_AVAL, Arg, Aval, Node, Ref, Value
+from .graph import SCALAR, Arg, Aval, Node, Ref, Value
 from .lowering.checks import AFTER_META, BEFORE_META, IndexCheckError
 from .lowering.dtypes import to_jax_dtype
 from .tensor import DEVICE, SEVERAL_DEVICES, XLA_DEVICES, LazyTensor, wrap_data
@@ -62,7 +62,7 @@ def emit(
             src.append(ref)
         elif cls is float and lift_floats:
             static.append(_ARGS[len(src)])
-            src.append((Node(SCALAR, (), (a,), {}, (SCALAR_AVAL,)), 0))
+            src.append((Node.scalar(a), 0))
             signature.append(float)
         else:
             static.append(_walk(a, src, signature, lift_floats))
@@ -131,7 +131,7 @@ def _walk(x: Any, src: list, key: list, lift_floats: bool) -> Any:
         key.append(x.aval)
         return Arg(len(src) - 1)
     if cls is float and lift_floats:
-        src.append((Node(SCALAR, (), (x,), {}, (SCALAR_AVAL,)), 0))
+        src.append((Node.scalar(x), 0))
         key.append(float)
         return Arg(len(src) - 1)
     if cls is list or cls is tuple:
