@@ -147,7 +147,9 @@ def test_state_dict_round_trip_resumes_training_where_it_stopped():
         assert reloaded["shape_info"] == saved["shape_info"]
         assert_close(reloaded["base_state"], saved["base_state"], tol="exact")
         assert_close(reloaded["sharded_master_weights"], saved["sharded_master_weights"])
-        assert_close(resumed, uninterrupted, tol="exact")
+        # The resumed step is another program (the master weights come in as data), which XLA
+        # may fuse differently on some CPUs: an ulp apart at most (1.2e-7 seen), not bitwise.
+        assert_close(resumed, uninterrupted, rtol=5e-7, atol=0)
 
 
 def test_use_grad_acc_hook_is_refused():
