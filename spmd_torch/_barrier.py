@@ -28,6 +28,7 @@ def barrier(wait: bool = False) -> None:
         path = f"{config.SAVE_TENSORS_FILE.value}.{own.mode.ordinal}"
         graph.save_pending(path, str(config.SAVE_TENSORS_FMT.value).lower())
     execute.sync(wait=wait)
+    own.steps += 1
     if own.mode.local_ordinal == 0 and config.METRICS_FILE.value:  # one report per host
         metrics_saver.save_metrics()
     run_step_closures()

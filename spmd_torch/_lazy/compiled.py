@@ -60,7 +60,9 @@ class Template:
         self.computed = sum(kind == "out" for kind, _ in results)
         self.placeholders = tuple(Arg(k) for k in range(len(sources)))  # the node's static args
         self.op = GRAPH_WITH_COLLECTIVES if _has_collectives(program) else GRAPH
-        self.pending_calls: dict = {}  # id(engine) -> weak ref to its last call's node
+        # id(engine) -> (weak ref to its last call, its step, calls in that step, calls not run)
+        self.calls: dict = {}
+        self.calls_per_step = 1  # the most calls seen in a step a barrier ended, at least 1
         # CPU scalars arrive as lifted float64 scalars: each is cast back to its tensor's dtype.
         self.casts = [
             to_jax_dtype(node.avals[i].dtype)
@@ -85,12 +87,18 @@ class Template:
         outputs, new tensors. The node waits for the barrier with the rest of the step, unless
         ``at_once`` (or in eager mode): then what is pending runs now."""
         engine = current()
-        earlier = self.pending_calls.get(id(engine))
-        if earlier is not None and (node := earlier()) is not None and node.arrays is None:
-            # Called again with its last call still pending: a loop of compiled steps and no
-            # barrier. Running what is pending now keeps the graph one iteration long, the same
-            # program each time, as PyTorch/XLA's loops need no mark_step.
+        last, step, in_step, unrun = self.calls.get(id(engine), (_no_call, engine.steps, 0, 0))
+        if step != engine.steps:  # a barrier ended the step of its last call
+            self.calls_per_step, in_step, unrun = max(self.calls_per_step, in_step), 0, 0
+        elif (node := last()) is None or node.arrays is not None:
+            unrun = 0  # its calls so far have run
+        elif unrun >= self.calls_per_step:
+            # More calls pending than any whole step made: a loop of calls and no barrier.
+            # Running what is pending keeps the graph one iteration long, the same program each
+            # time, as PyTorch/XLA's loops need no mark_step. A graph called several times a
+            # step (once per layer) waits for the barrier, from the step after the first on.
             execute.sync()
+            unrun = 0
         key = rng.state() if self.uses_key else None
         find, sources = self._source, self.sources  # most are arguments: read inline
         src = tuple([args[s[1]]._ref() if s[0] == "arg" else find(s, cpu, key) for s in sources])
@@ -108,7 +116,7 @@ class Template:
             args[position]._write((node, k))
         if self.key_out:
             key.set((node, len(self.avals) - 1))
-        self.pending_calls[id(engine)] = weakref.ref(node)
+        self.calls[id(engine)] = (weakref.ref(node), engine.steps, in_step + 1, unrun + 1)
         if at_once or engine.eager:
             execute.sync()
         return pytree.tree_unflatten(outputs, self.tree)
@@ -260,6 +268,10 @@ class _Recorder(fx.Interpreter):
         self.slots[id(key_in[0])] = ("key",)
         sources = [self.slots.get(id(node), (node, i)) for node, i in program.leaves]
         return Template(program, sources, results, tree, writes, key_out, layouts)
+
+
+def _no_call() -> None:
+    """A graph's last call before its first: none."""
 
 
 def _signature_of(arg) -> Any:

@@ -38,7 +38,7 @@ SWITCHES = ("mode", "scope", "one_graph", "eager", "marked_step", "global_mesh",
 class Engine:
     __slots__ = tuple(
         "home mode cache pending rng manual_used in_flight step_closures scope one_graph eager "
-        "eager_depth marked_step global_mesh".split()
+        "eager_depth marked_step global_mesh steps".split()
     )
 
     def __init__(self, mode=None, cache: CompileCache | None = None):
@@ -62,6 +62,7 @@ class Engine:
         self.eager_depth = 0  # ops issued by an op (decompositions) run with it
         self.marked_step = False  # a profiler StepTrace issues this step's barrier
         self.global_mesh = None  # xs.set_global_mesh's
+        self.steps = 0  # steps ended by a barrier (what tells a compiled graph a step ended)
 
     def leftovers(self) -> list[str]:
         """The switches user code left changed (what a finished test must not leave behind)."""

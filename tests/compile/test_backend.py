@@ -244,6 +244,57 @@ def test_a_step_of_compiled_calls_runs_as_one_program():
         xm.mark_step()
 
 
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.relu(self.linear(x)) + x
+
+
+def test_a_graph_called_once_per_layer_waits_for_the_barrier():
+    """Blocks compiled one by one share one graph (Dynamo passes each block's parameters in), so
+    it is called once per layer. The first step runs each call as the next one comes (nothing
+    tells a layer from a loop yet); once a barrier has ended a step of those calls, a step is one
+    program. A loop of such steps with no barrier runs a step's 4 calls at a time, one program
+    (the same) per iteration."""
+    torch.manual_seed(0)
+    blocks = nn.ModuleList([_Block() for _ in range(4)])
+    x = torch.randn(8, 16)
+    with torch.no_grad():
+        expected = x
+        for block in blocks:
+            expected = block(expected)
+    blocks.to(dev)
+    for block in blocks:
+        block.compile(backend="spmd_torch")
+
+    def forward():
+        h = x.to(dev)
+        for block in blocks:
+            h = block(h)
+        return h
+
+    runs = lambda: (spmd_torch.debug.metrics.metric_data("ExecuteTime") or [0])[0]  # noqa: E731
+    forward()  # Dynamo's first calls: a graph per block until it sees they share one
+    xm.mark_step()
+    for _ in range(2):
+        before = runs()
+        out = forward()
+        assert runs() == before and graph.pending_count() > 0
+        xm.mark_step()
+        assert runs() == before + 1
+    assert_close(out.cpu(), expected)
+    before = runs()
+    with assert_compiles(0):
+        for k in range(3):
+            out = forward()
+            assert runs() == before + k  # the iteration before this one ran as it began
+        xm.mark_step()
+    assert_close(out.cpu(), expected)
+
+
 def test_a_call_through_pytorch_xlas_bridge_runs_at_once():
     """PyTorch's openxla backends reach spmd_torch through PyTorch/XLA's bridge entry: there each
     call runs at once (its outputs are data when it returns), as PyTorch/XLA's does."""
