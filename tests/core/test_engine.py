@@ -424,6 +424,20 @@ def test_module_to_keeps_tied_parameters_tied_and_parameters_the_same_objects():
     assert_close(weight, expected - 0.5 * reference.grad)
 
 
+def test_module_to_refuses_a_parameter_a_live_cpu_graph_holds_and_a_copy_moves():
+    """The swap's limit (docs/migration.md): a CPU forward not yet backpropagated holds the second
+    layer's weight, so PyTorch refuses to swap it; a deep copy of the model moves, and its
+    results equal the CPU model's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+    x = torch.randn(2, 4)
+    expected = model(x)  # its graph saves model[2].weight for the backward
+    moved = copy.deepcopy(model).to(dev)
+    assert_close(moved(x.to(dev)), expected)
+    with pytest.raises(RuntimeError, match="Couldn't swap Linear.weight"):
+        model.to(dev)
+
+
 def test_leak_guard_names_spmd_mode_and_pending_tensors():
     assert engine_leaks() == []
     xr.use_spmd()
