@@ -146,7 +146,7 @@ def build_function(
         counts[is_donated] += 1
     logical = [node.avals[i].shape for node, i in program.leaves]
     steps = _steps(program)
-    outputs = [program.locate(ref) for ref in program.outputs]
+    outputs = program.located
 
     def run(donated_inputs, kept_inputs, packed_scalars):
         groups = (kept_inputs, donated_inputs)
