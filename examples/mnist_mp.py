@@ -1,8 +1,8 @@
 """The seed guide's distributed MNIST (``_mp_mnist_fn`` under ``torch_xla.launch``), on synthetic
 MNIST-shaped data.
 
-Unchanged from the guide except the imports (``torch_xla`` -> ``spmd_torch``), the dataset (made
-locally: a learnable signal drawn into each image) and ``num_workers=0``. Every local device runs
+Unchanged from the guide except the imports (``torch_xla`` -> ``spmd_torch``) and the dataset (made
+locally: a learnable signal drawn into each image). Every local device runs
 one replica; ``xm.optimizer_step`` averages the gradients over them, and all replicas' steps run as
 one program, compiled once. Run: python examples/mnist_mp.py
 """
@@ -113,7 +113,10 @@ def main():
     args.batch_size = cli.batch_size
     train_dataset = SyntheticMNIST(cli.steps * args.batch_size)
     args.train_loader = torch.utils.data.DataLoader(
-        train_dataset, batch_size=args.batch_size, shuffle=True, num_workers=0
+        train_dataset,
+        batch_size=args.batch_size,
+        shuffle=True,
+        num_workers=1,  # Can be > 0
     )
 
     print("Launching distributed MNIST training...")

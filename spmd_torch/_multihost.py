@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import errno
+import multiprocessing
 import os
 import socket
 import sys
@@ -53,6 +54,8 @@ def start() -> Job | None:
     """Join the job's other processes, if there are any; idempotent. Returns the job joined."""
     if distributed.global_state.client is not None:
         return _JOINED[0] if _JOINED else None
+    if _started_by_multiprocessing():
+        return None
     job = find_job()
     if job is None:
         return None
@@ -83,6 +86,13 @@ def start() -> Job | None:
 
 
 _JOINED: list[Job] = []
+
+
+def _started_by_multiprocessing() -> bool:
+    """A process multiprocessing started (a DataLoader worker, a pool's), importing spmd_torch
+    with its host's variables: it serves its host and never joins the job itself."""
+    current = multiprocessing.current_process()
+    return multiprocessing.parent_process() is not None or getattr(current, "_inheriting", False)
 
 
 def _leaving() -> None:

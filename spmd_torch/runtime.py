@@ -335,7 +335,7 @@ def use_spmd(auto: bool = False) -> None:
             "use_spmd(auto=True): automatic sharding is not supported; annotate tensors with "
             "mark_sharding instead"
         )
-    modes.use_spmd(jax.devices())
+    modes.use_spmd()
     global _SPMD_VARIABLE_SET_BY_USE_SPMD
     if "XLA_USE_SPMD" not in os.environ:
         _SPMD_VARIABLE_SET_BY_USE_SPMD = True

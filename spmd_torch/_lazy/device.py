@@ -15,7 +15,7 @@ import torch
 
 from . import rng
 from .dispatch import issue
-from .engine import current
+from .engine import FORKED_AFTER_JAX, current
 from .execute import rng_words, wait_device_ops
 from .lowering.amp import AUTOCAST_KEY, AUTOCAST_POLICY, autocast_kernel
 from .tensor import DEVICE, _rebuild_on_device
@@ -68,7 +68,9 @@ class _BackendModule:
 
     @staticmethod
     def _is_in_bad_fork() -> bool:
-        return False
+        """True in a child forked after JAX started (as ``torch.cuda``'s after CUDA started):
+        ``torch.manual_seed`` in a DataLoader worker then leaves the device alone."""
+        return bool(FORKED_AFTER_JAX)
 
     @staticmethod
     def get_amp_supported_dtype() -> list:

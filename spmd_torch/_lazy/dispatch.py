@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +19,7 @@ import torch
 from torch._decomp import decomposition_table
 
 from . import collective, counters, placement, rng, views
-from .engine import current
+from .engine import FORKED_AFTER_JAX, current, refuse_in_bad_fork
 from .execute import sync, to_cpu
 from .graph import Aval, Node, Value
 from .lowering import LOWERINGS, amp, ctc, factories, optim
@@ -594,5 +595,19 @@ SPECIALS: dict = {
 }
 
 connect(issue)
+
+
+def _refuse_after_fork(func, args: tuple, kwargs: dict) -> Any:
+    refuse_in_bad_fork(f"{func} on an xla tensor")
+
+
+def _after_fork_in_child() -> None:
+    """In a child forked after JAX started, every op on an xla tensor raises at once: JAX cannot
+    run there, and a DataLoader worker's collate would build a shared xla storage and crash."""
+    if FORKED_AFTER_JAX:
+        connect(_refuse_after_fork)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)  # after engine's: it notes the fork
 
 __all__ = ["dispatch", "DeviceMismatchError"]

@@ -9,7 +9,11 @@ a while (``SWITCHES``). ``current()`` is the one way to reach it: each replica's
 from __future__ import annotations
 
 import contextlib
+import os
+import warnings
 from contextvars import ContextVar
+
+from jax._src import xla_bridge  # its backend table: JAX has no public query that takes no lock
 
 from spmd_torch import config
 
@@ -37,7 +41,7 @@ SWITCHES = ("mode", "scope", "one_graph", "eager", "marked_step", "global_mesh",
 
 class Engine:
     __slots__ = tuple(
-        "home mode cache pending rng manual_used in_flight step_closures scope one_graph eager "
+        "home mode cache pending rng seed manual_used in_flight step_closures scope one_graph eager "
         "eager_depth marked_step global_mesh steps".split()
     )
 
@@ -52,7 +56,8 @@ class Engine:
         # Weak references to storages given a pending value, in write order: the barrier computes
         # the live ones. A plain list (no weakref callbacks) keeps the per-op cost low.
         self.pending: list = []
-        self.rng = None  # the Storage of the device PRNG key; seeded on first use
+        self.rng = None  # the Storage of the device PRNG key; made from ``seed`` on first use
+        self.seed = None  # manual_seed's (None: the default), not yet on the device
         self.manual_used = False  # until a region is entered, the barrier skips looking for one
         self.in_flight: list = []  # per program not known done, weak refs to its outputs
         self.step_closures: list = []  # xm.add_step_closure's (callable, run_async)
@@ -87,3 +92,32 @@ def running(engine: Engine):
         yield engine
     finally:
         _CURRENT.reset(token)
+
+
+# Non-empty in a child process forked after JAX started its runtime (a DataLoader worker): JAX's
+# threads did not survive the fork, so device work there would wait forever.
+FORKED_AFTER_JAX: list = []
+
+
+def _note_fork() -> None:
+    # Read without xla_bridge's lock: a thread of the parent may have held it at the fork.
+    if xla_bridge._backends:
+        FORKED_AFTER_JAX.append(os.getpid())
+
+
+os.register_at_fork(after_in_child=_note_fork)
+# JAX warns at every fork once it runs. A child that multiprocessing forks (DataLoader workers,
+# pools) is safe from spmd_torch: nothing of ours starts device work there (refuse_in_bad_fork).
+warnings.filterwarnings(
+    "ignore", r"os\.fork\(\) was called", RuntimeWarning, r"multiprocessing\.popen_fork"
+)
+
+
+def refuse_in_bad_fork(what: str) -> None:
+    """Raise instead of starting device work that could never finish in a forked child."""
+    if FORKED_AFTER_JAX:
+        raise RuntimeError(
+            f"{what} in process {os.getpid()}, forked after JAX started its runtime (a DataLoader "
+            "worker?): JAX cannot run in such a child. Keep the dataset's tensors on the CPU and "
+            "move batches to the device in the main process, as MpDeviceLoader does"
+        )

@@ -9,6 +9,7 @@ values runs, and the world: its size, the ordinals, the axis collectives span, r
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 
 import jax
@@ -140,8 +141,8 @@ class OneDevice:
     def refuse_per_replica(self, what: str, hint: str = "") -> None:
         """Raise if ``what`` cannot run in a replica of launch."""
 
-    def with_spmd(self, devices: list) -> SpmdMesh:
-        return SpmdMesh(devices)
+    def with_spmd(self) -> SpmdMesh:
+        return SpmdMesh()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(world of {self.world_size})"
@@ -155,10 +156,11 @@ class SpmdMesh(OneDevice):
     input_key = staticmethod(inputs_by_layout)
     alone_axis = None  # a program spans every device: a one-device collective has no place
 
-    def __init__(self, devices: list):
-        super().__init__()
-        mesh = Mesh(np.array(list(devices)), ("devices",))
-        self.replicated = NamedSharding(mesh, PartitionSpec())
+    @functools.cached_property
+    def replicated(self) -> NamedSharding:
+        """Replicated over every device JAX sees, found on first use: ``XLA_USE_SPMD=1`` at import
+        starts no device work (a DataLoader worker imports spmd_torch too)."""
+        return NamedSharding(Mesh(np.array(jax.devices()), ("devices",)), PartitionSpec())
 
     @property
     def landing(self) -> NamedSharding:
@@ -237,14 +239,14 @@ class Replica(OneDevice):
         hint = hint or "a replica owns one device; shard over a mesh from one process instead"
         raise RuntimeError(f"{what} inside replica {self.ordinal} of launch/spawn: {hint}")
 
-    def with_spmd(self, devices: list) -> SpmdMesh:
+    def with_spmd(self) -> SpmdMesh:
         self.refuse_per_replica("SPMD mode (use_spmd, mark_sharding)")
 
 
-def use_spmd(devices: list) -> None:
-    """Run every later program of the calling engine over ``devices``."""
+def use_spmd() -> None:
+    """Run every later program of the calling engine over every device."""
     own = engine.current()
-    own.mode = own.mode.with_spmd(devices)
+    own.mode = own.mode.with_spmd()
 
 
 # The default engine's home mode: the modes sit above the engine's state, as JAX's traces do.

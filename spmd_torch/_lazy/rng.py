@@ -13,7 +13,7 @@ import torch
 
 from .engine import current
 from .graph import Arg, Aval, Node, Ref
-from .lowering.random import RNG_SPLIT, key_data
+from .lowering.random import RNG_SPLIT, key_words
 from .tensor import Storage
 from .transfer import upload
 
@@ -22,8 +22,12 @@ _KEY_AVAL = Aval((2,), torch.uint32)
 
 
 def manual_seed(seed: int) -> None:
-    """Reset the device key; the next random op draws the same numbers as after any other reset."""
-    current().rng = Storage((_key(np.asarray(key_data(int(seed)))), 0))
+    """Reset the device key; the next random op draws the same numbers as after any other reset.
+
+    Only remembered here: the key reaches the device on first use, so seeding starts no device
+    work (``torch.manual_seed`` in a DataLoader worker seeds every device module)."""
+    engine = current()
+    engine.rng, engine.seed = None, int(seed)
 
 
 def set_words(high: int, low: int) -> None:
@@ -37,10 +41,11 @@ def _key(words: np.ndarray) -> Node:
 
 
 def state() -> Storage:
-    """The storage holding the engine's key, seeded with the default seed on first use."""
+    """The storage holding the engine's key, made from its seed (or the default) on first use."""
     engine = current()
     if engine.rng is None:
-        manual_seed(DEFAULT_SEED)
+        seed = DEFAULT_SEED if engine.seed is None else engine.seed
+        engine.rng = Storage((_key(key_words(seed)), 0))
     return engine.rng
 
 

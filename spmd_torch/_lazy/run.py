@@ -21,7 +21,7 @@ from spmd_torch import config
 from . import compile as compiler
 from . import counters
 from .collective import COLLECTIVES
-from .engine import current
+from .engine import current, refuse_in_bad_fork
 from .graph import DATA, Program
 from .transfer import ReplicaShard
 
@@ -61,6 +61,7 @@ class Run:
 
 def execute(run: Run) -> list:
     """Run through the compile cache (compiling on a miss); the outputs, dispatched."""
+    refuse_in_bad_fork("running a program")
     executable, hit = compiler.lookup_or_compile(run)
     if config.DEBUG_LEVEL.value:
         compiler.debug_line(run.program, executable, hit)

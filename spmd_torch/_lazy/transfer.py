@@ -11,7 +11,7 @@ import torch
 from jax.experimental import multihost_utils
 
 from . import counters
-from .engine import current
+from .engine import current, refuse_in_bad_fork
 from .layout import crop, padded
 from .lowering.dtypes import to_jax_dtype
 
@@ -27,6 +27,7 @@ def upload_part(t: torch.Tensor, sharding) -> jax.Array:
     with ``sharding``: every host passes its own part, and the parts lie side by side along the
     dimensions split across hosts (``jax.make_array_from_process_local_data``)."""
     host = host_copy(t)
+    refuse_in_bad_fork("an upload to the xla device")
     with counters.timed("TransferToDeviceTime"):
         array = jax.make_array_from_process_local_data(sharding, host)
     counters.bump("TransferToDevice")
@@ -48,6 +49,7 @@ def host_array(t: torch.Tensor) -> np.ndarray:
 def upload(host: np.ndarray, sharding=None) -> jax.Array:
     """A host array on the device, laid out with ``sharding`` (padded if uneven; stacked on a
     replica's device for ``OnReplica``); by default where the engine puts new data."""
+    refuse_in_bad_fork("an upload to the xla device")
     with counters.timed("TransferToDeviceTime"):
         sharding = sharding or landing()
         if type(sharding) is OnReplica:
@@ -122,6 +124,8 @@ def fetch(array: jax.Array) -> np.ndarray:
     """The array's values on this host (waits for them); an array spanning other hosts' devices
     is gathered from them, so every host must read it, as in PyTorch/XLA."""
     sharding = getattr(array, "sharding", None)  # a host array (a read checkpoint's) has none
+    if sharding is not None:
+        refuse_in_bad_fork("a read of an xla tensor")
     if sharding is not None and not sharding.is_fully_replicated:
         counters.bump("ReplicateShardedData")  # its shards assembled into one value, as PyTorch/XLA
     if getattr(array, "is_fully_addressable", True) or array.is_fully_replicated:

@@ -85,12 +85,14 @@ def _eager_reference(dataset, args, steps: int) -> np.ndarray:
     return losses
 
 
-def test_mnist_mp_losses_match_eager_replicas_averaging_gradients():
+@pytest.mark.parametrize("workers", [0, 2])
+def test_mnist_mp_losses_match_eager_replicas_averaging_gradients(workers):
+    """With worker processes too (each replica's epoch forks its own): the same losses."""
     steps, args = 10, mnist_mp.Args()
     args.batch_size, args.log_interval = 16, 5
     dataset = mnist_mp.SyntheticMNIST(WORLD * steps * args.batch_size)
     args.train_loader = torch.utils.data.DataLoader(
-        dataset, batch_size=args.batch_size, sampler=ReplicaShard(len(dataset))
+        dataset, batch_size=args.batch_size, sampler=ReplicaShard(len(dataset)), num_workers=workers
     )
     before = met.counter_value("UncachedCompile") or 0
     losses = spmd_torch.launch(mnist_mp._mp_mnist_fn, args=(args,))

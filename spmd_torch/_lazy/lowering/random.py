@@ -21,9 +21,10 @@ KEY_IMPL = "threefry2x32"
 RNG_SPLIT = EngineOp("rng_split")  # threads the device PRNG key: key -> (next key, subkey)
 
 
-def key_data(seed: int) -> jax.Array:
-    """The raw key (two uint32 words) that seed ``seed`` starts from."""
-    return jax.random.key_data(jax.random.key(np.uint32(seed & 0xFFFFFFFF), impl=KEY_IMPL))
+def key_words(seed: int) -> np.ndarray:
+    """The raw key (two uint32 words) that seed ``seed`` starts from: threefry's seeding of a
+    32-bit seed, ``jax.random.key(uint32(seed))``, computed on the host (no device work)."""
+    return np.array([0, seed & 0xFFFFFFFF], dtype=np.uint32)
 
 
 def wrap_key(raw_key: jax.Array) -> jax.Array:
