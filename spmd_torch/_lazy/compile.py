@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import torch
 from jax._src.lax.lax import _convert_element_type  # weak-typed casts have no public API
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -131,6 +132,9 @@ class _Step(NamedTuple):
     outputs: tuple  # the locations its results answer for
 
 
+_SCALAR_KINDS = {torch.float64: np.dtype(np.float64), torch.int64: np.dtype(np.int64)}
+
+
 def build_function(
     program: Program, donated: tuple, out_shardings: tuple | None = None
 ) -> Callable:
@@ -148,12 +152,14 @@ def build_function(
     steps = _steps(program)
     outputs = program.located
 
+    kinds = [_SCALAR_KINDS[node.avals[0].dtype] for node in program.scalars]
+
     def run(donated_inputs, kept_inputs, packed_scalars):
         groups = (kept_inputs, donated_inputs)
-        # Weakly typed, as Python scalars are: ``x_f32 * lr`` stays float32.
+        # Weakly typed, as Python scalars are: ``x_f32 * lr`` stays float32, ``x_i32 * 3`` int32.
         scalars = [
-            _convert_element_type(packed_scalars[k], np.dtype(np.float64), weak_type=True)
-            for k in range(packed_scalars.shape[0])
+            _convert_element_type(packed_scalars[k], kind, weak_type=True)
+            for k, kind in enumerate(kinds)
         ]
 
         def read(location):

@@ -153,7 +153,16 @@ def _lowered_handler(func) -> Callable | None:
         return _view
     if lowering.random:
         return _record_random
-    return _record_pointwise if torch.Tag.pointwise in func.tags else _record
+    if torch.Tag.pointwise not in func.tags:
+        return _record
+    return _record_pointwise if _lifts_ints(func, lowering) else _record_pointwise_floats
+
+
+def _lifts_ints(func, lowering) -> bool:
+    """Whether a pointwise op's Python ints are program inputs, as its floats are: unless its
+    lowering builds on their values, or its schema takes an ``int`` (``round(x, decimals)``)."""
+    typed_int = any(str(a.type).lstrip("Sym").startswith("int") for a in func._schema.arguments)
+    return not (lowering.static_ints or typed_int)
 
 
 # --- recording -----------------------------------------------------------------------------------
@@ -182,6 +191,11 @@ def _record(func, args: tuple, kwargs: dict) -> Any:
 
 
 def _record_pointwise(func, args: tuple, kwargs: dict) -> Any:
+    node, structure = emit(func, args, kwargs, lift_floats=True, lift_ints=True)
+    return _wrap_outputs(node, structure)
+
+
+def _record_pointwise_floats(func, args: tuple, kwargs: dict) -> Any:
     node, structure = emit(func, args, kwargs, lift_floats=True)
     return _wrap_outputs(node, structure)
 

@@ -16,7 +16,7 @@ import torch
 from .engine import current
 
 DATA = "data"  # a leaf holding device arrays
-SCALAR = "scalar"  # a Python float lifted to a program input, so changing it never recompiles
+SCALAR = "scalar"  # a Python number lifted to a program input, so changing it never recompiles
 
 
 class Arg(NamedTuple):
@@ -39,8 +39,9 @@ class Aval(NamedTuple):
     dtype: torch.dtype
 
 
-SCALAR_AVAL = Aval((), torch.float64)  # a lifted Python scalar's, whatever its Python type
+SCALAR_AVAL = Aval((), torch.float64)  # a lifted Python float's (or bool's)
 _SCALAR_AVALS = (SCALAR_AVAL,)
+_INT_SCALAR_AVALS = (Aval((), torch.int64),)
 
 
 class Node:
@@ -75,9 +76,10 @@ class Node:
         return _input(DATA, (), (aval,), [array], device)
 
     @classmethod
-    def scalar(cls, value: float) -> Node:
-        """A lifted Python scalar: a program input too."""
-        return _input(SCALAR, (value,), _SCALAR_AVALS, None, 0)
+    def scalar(cls, value: float | int) -> Node:
+        """A lifted Python float or int: a program input too (an int exactly, below 2**53)."""
+        avals = _INT_SCALAR_AVALS if type(value) is int else _SCALAR_AVALS
+        return _input(SCALAR, (value,), avals, None, 0)
 
     def is_leaf(self, index: int) -> bool:
         return self.arrays is not None and self.arrays[index] is not None
@@ -161,7 +163,7 @@ class Program:
     def locate(self, ref: Ref) -> tuple:
         node, i = ref
         if node.op == SCALAR:
-            return ("s", self.index[id(node)])
+            return ("s", self.index[id(node)], node.avals[0].dtype)
         if node.is_leaf(i):
             return ("in", self.index[(id(node), i)])
         return ("n", self.index[id(node)], i)
@@ -187,12 +189,12 @@ def linearize(outputs: list[Ref], device: int = 0) -> Program:
 
     def where(ref: Ref) -> tuple:
         node, i = ref
-        if node.op == SCALAR:
+        if node.op == SCALAR:  # its dtype is part of the structure: x * 2 is not x * 2.0
             k = index.get(id(node))
             if k is None:
                 k = index[id(node)] = len(scalars)
                 scalars.append(node)
-            return ("s", k)
+            return ("s", k, node.avals[0].dtype)
         arrays = node.arrays
         if arrays is None or arrays[i] is None:
             return ("n", index.get(id(node)), i)

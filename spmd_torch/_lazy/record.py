@@ -42,13 +42,18 @@ class NoStaticShape(Exception):
 
 
 def emit(
-    func, args: tuple, kwargs: dict, lift_floats: bool = False, key: Ref | None = None
+    func,
+    args: tuple,
+    kwargs: dict,
+    lift_floats: bool = False,
+    key: Ref | None = None,
+    lift_ints: bool = False,
 ) -> tuple[Node, Any]:
     """Record ``func(*args, **kwargs)``; returns the node and its output structure.
 
     Tensor arguments are LazyTensors or ``Value``s (graph references the engine passes around);
-    with ``lift_floats`` Python floats become program inputs instead of constants. A random op gets
-    its PRNG ``key`` as first source and first argument.
+    with ``lift_floats`` Python floats, and with ``lift_ints`` Python ints, become program inputs
+    instead of constants. A random op gets its PRNG ``key`` as first source and first argument.
     """
     src: list = [key] if key is not None else []
     signature: list = [id(func)]  # OpOverload.__hash__ is Python code; overloads live forever
@@ -65,11 +70,13 @@ def emit(
             src.append((Node.scalar(a), 0))
             signature.append(float)
         else:
-            static.append(_walk(a, src, signature, lift_floats))
+            static.append(_walk(a, src, signature, lift_floats, lift_ints))
     static_args = tuple(static)
     static_kwargs = {}
     if kwargs:
-        static_kwargs = {k: _walk(v, src, signature, lift_floats) for k, v in kwargs.items()}
+        static_kwargs = {
+            k: _walk(v, src, signature, lift_floats, lift_ints) for k, v in kwargs.items()
+        }
         signature.append(tuple(kwargs))
     signature = tuple(signature)
     meta = _META_CACHE.get(signature)
@@ -119,7 +126,10 @@ def user_frame() -> str:
     return "<unknown>"
 
 
-def _walk(x: Any, src: list, key: list, lift_floats: bool) -> Any:
+_LIFTED_INTS = range(-(2**53), 2**53 + 1)  # exact in the float64 vector scalars travel in
+
+
+def _walk(x: Any, src: list, key: list, lift_floats: bool, lift_ints: bool = False) -> Any:
     cls = type(x)
     if cls is LazyTensor:
         ref = x._ref()
@@ -134,9 +144,13 @@ def _walk(x: Any, src: list, key: list, lift_floats: bool) -> Any:
         src.append((Node.scalar(x), 0))
         key.append(float)
         return Arg(len(src) - 1)
+    if cls is int and lift_ints and x in _LIFTED_INTS:
+        src.append((Node.scalar(x), 0))
+        key.append(int)
+        return Arg(len(src) - 1)
     if cls is list or cls is tuple:
         key.append(len(x))
-        return tuple([_walk(v, src, key, lift_floats) for v in x])
+        return tuple([_walk(v, src, key, lift_floats, lift_ints) for v in x])
     if isinstance(x, torch.Tensor):
         return _walk(_upload_scalar_tensor(x), src, key, lift_floats)
     key.append(x)

@@ -247,25 +247,38 @@ class World:
         return "; ".join(f"replicas {ks} at {place}" for place, ks in places.items())
 
     def _mismatch(self, barriers: dict, others: dict) -> None:
-        """A program with collectives that not every replica runs: fail every waiting replica."""
-        groups: dict = {}
+        """A program with collectives that not every replica runs: fail every waiting replica.
+        The message leads with where the first two programs part, then groups the replicas
+        that run the same collectives."""
+        programs: dict = {}
+        runs_of: dict = {}
         for ordinal, wait in sorted(barriers.items()):
-            groups.setdefault(wait.key, []).append(ordinal)
-        lines = [
-            f"replicas {ks} run [{', '.join(barriers[ks[0]].collectives) or 'no collective'}]"
-            for ks in groups.values()
-        ]
-        if len(groups) > 1:
+            programs.setdefault(wait.key, []).append(ordinal)
+            runs_of.setdefault(tuple(wait.collectives), []).append(ordinal)
+        lines = []
+        if len(programs) > 1:
+            (a, *_), (b, *_) = list(programs.values())[:2]
+            difference = _difference(barriers[a], barriers[b])
+            lines.append(f"replica {a}'s and replica {b}'s programs part at {difference}")
+        if len(runs_of) == 1 and len(programs) > 1:
+            (collectives,) = runs_of
             lines.append(
-                "first difference: " + _difference(*[barriers[ks[0]] for ks in groups.values()][:2])
+                f"every replica runs [{', '.join(collectives)}], but each of {len(programs)} "
+                f"groups of replicas traced another program: the graph depends on the ordinal "
+                f"(a shape or a non-scalar constant that differs by replica): "
+                + ", ".join(str(ks) for ks in programs.values())
             )
+        else:
+            lines += [
+                f"replicas {ks} run [{', '.join(collectives) or 'no collective'}]"
+                for collectives, ks in runs_of.items()
+            ]
         if others:
             lines.append(self._at(list(others)))
         if self.done:
             lines.append(f"replicas {sorted(self.done)} returned from the launched function")
         error = CollectiveMismatchError(
-            "replicas disagree at a barrier with collectives (did one skip a collective, or "
-            "trace an ordinal-dependent graph?): " + "; ".join(lines)
+            "replicas disagree at a barrier with collectives: " + "; ".join(lines)
         )
         for ordinal in list(self.waits):
             self._answer(ordinal, error)

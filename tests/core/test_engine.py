@@ -134,6 +134,38 @@ def test_python_scalars_do_not_recompile():
         assert_close(y, torch.ones(8) * lr + lr * lr)
 
 
+def test_python_ints_do_not_recompile_and_keep_integer_meaning():
+    """Ints are program data as floats are, 0 and 1 included; integer results stay exact."""
+    x = torch.arange(6, device=dev)
+    xf = torch.arange(6.0, device=dev)
+    u8 = torch.tensor([1, 200], dtype=torch.uint8, device=dev)
+    spmd_torch.sync()
+    results = []
+    with assert_compiles(1):
+        for k in range(6):
+            results.append(
+                (xf * k, x * k, (x + k) // 2, x & (k + 1), u8 + (250 + k), x * (2**40 + k))
+            )
+            spmd_torch.sync()
+    for k, got in enumerate(results):
+        xc, xfc, u8c = x.cpu(), xf.cpu(), u8.cpu()
+        want = (xfc * k, xc * k, (xc + k) // 2, xc & (k + 1), u8c + (250 + k), xc * (2**40 + k))
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype and torch.equal(g.cpu(), w), (k, g, w)
+
+
+def test_int_scalars_stay_constants_where_the_lowering_builds_on_them():
+    """x ** 2 is x * x (its int exponent is not data), and an op whose schema takes an ``int``
+    (round's decimals) keeps it: each value its own program, exact as on the CPU."""
+    x = torch.tensor([-1.5, 0.25, 3.0])
+    with assert_compiles(2):
+        assert torch.equal((x.to(dev) ** 2).cpu(), x**2)
+        assert torch.equal((x.to(dev) ** 3).cpu(), x**3)
+    assert torch.equal(
+        torch.round(x.to(dev) * 10, decimals=1).cpu(), torch.round(x * 10, decimals=1)
+    )
+
+
 def test_same_step_traced_again_hits_the_cache():
     w = torch.randn(4, 4).to(dev)
     spmd_torch.sync()

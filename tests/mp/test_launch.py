@@ -3,6 +3,7 @@ and faults that end in a clear error (never a hang) after which the process laun
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -271,5 +272,25 @@ def _constant_differs(index):
 
 
 def test_a_graph_that_differs_by_ordinal_names_the_first_difference():
-    with pytest.raises(CollectiveMismatchError, match=r"aten.full.default.*0\.0.*-> .*1\.0"):
+    """Led by where the programs part; the replicas grouped, none accused of skipping one."""
+    with pytest.raises(CollectiveMismatchError) as raised:
         spmd_torch.launch(_constant_differs)
+    message = str(raised.value)
+    assert re.search(
+        r"^.*: replica 0's and replica 1's programs part at .*aten.full.default.*0\.0"
+        r".*-> .*1\.0",
+        message,
+    ), message
+    assert "every replica runs [all_reduce]" in message and "depends on the ordinal" in message
+
+
+def _scaled_by_ordinal(index):
+    x = torch.ones(2, device=xm.xla_device()) * xm.get_ordinal()  # an int: program data
+    return xm.all_reduce(xm.REDUCE_SUM, x).cpu()
+
+
+def test_an_ordinal_scaled_tensor_before_a_collective_runs_as_one_program():
+    before = met.counter_value("UncachedCompile") or 0
+    results = spmd_torch.launch(_scaled_by_ordinal)
+    assert all(torch.equal(r, torch.full((2,), 28.0)) for r in results.values())
+    assert (met.counter_value("UncachedCompile") or 0) - before == 1

@@ -227,7 +227,7 @@ def _pow(base, exponent):
     return _int_pow(base, exponent) if category(base.dtype) == 1 else jnp.power(base, exponent)
 
 
-@lowers(aten.pow.Tensor_Scalar)
+@lowers(aten.pow.Tensor_Scalar, static_ints=True)
 def _pow_tensor_scalar(x, exponent):
     """A Python int exponent stays static, so x**2 is x*x as in ATen, not exp(2 log x)."""
     if type(exponent) is not int:

@@ -2,8 +2,8 @@
 
 A lowering receives the op's arguments as the aten schema lists them, with every tensor replaced by
 a ``jax.Array`` (tensor lists by lists of arrays) and every other argument as it was passed
-(Python numbers -- float Scalars of pointwise ops may arrive as weakly typed JAX scalars so that they
-stay inputs of the compiled program -- ``torch.dtype``, lists of ints, ...). It returns an array, or a
+(Python numbers -- the int and float Scalars of pointwise ops arrive as weakly typed JAX scalars, so
+that they stay inputs of the compiled program -- ``torch.dtype``, lists of ints, ...). It returns an array, or a
 tuple of arrays in the order of the schema's returns. The engine casts each result to the dtype
 PyTorch's meta kernel promised, so a lowering computes in the right precision and need not cast its
 result. Random lowerings (``random=True``) receive a ``jax.random`` key as their first argument.
@@ -40,19 +40,24 @@ class EngineOp:
 class Lowering:
     fn: Callable
     random: bool = False
+    static_ints: bool = False  # Python int Scalars arrive as ints (a pointwise op's are lifted)
 
 
 LOWERINGS: dict[torch._ops.OpOverload | EngineOp, Lowering] = {}
 
 
-def lowers(*overloads: torch._ops.OpOverload | EngineOp, random: bool = False) -> Callable:
-    """Register the decorated function as the lowering of ``overloads``; registering one twice raises."""
+def lowers(
+    *overloads: torch._ops.OpOverload | EngineOp, random: bool = False, static_ints: bool = False
+) -> Callable:
+    """Register the decorated function as the lowering of ``overloads``; registering one twice
+    raises. ``static_ints``: the lowering builds a different program per int (``x ** 2`` is
+    ``x * x``), so its pointwise op's Python ints stay constants instead of program inputs."""
 
     def register(fn: Callable) -> Callable:
         for overload in overloads:
             if overload in LOWERINGS:
                 raise ValueError(f"{overload} already has a lowering: {LOWERINGS[overload].fn}")
-            LOWERINGS[overload] = Lowering(fn, random)
+            LOWERINGS[overload] = Lowering(fn, random, static_ints)
         return fn
 
     return register
