@@ -12,6 +12,12 @@ spmd_torch``. Two ways in:
 ``torch_xla.X.Y`` is the very module object ``spmd_torch.X.Y`` (state and ``isinstance`` shared);
 ``torch_xla`` itself is a module of its own carrying spmd_torch's top-level names and PyTorch/XLA's
 version, which libraries compare against (``>= 2.2``).
+
+The seed guides' older names come with it, mapped as docs/migration.md's table says:
+``lazy_tensor_core.X.Y`` (PyTorch's lazy-tensor-core prototype, torch_xla's tree with ``lazy`` for
+``xla``) is ``spmd_torch.X.Y``, and ``torch_xla_py``'s flat modules (torch_xla before 1.0) are
+the modules they became (``torch_xla_py.xla_model`` is ``spmd_torch.core.xla_model``). Neither has
+been an installable package for years, so no installed one is looked for.
 """
 
 from __future__ import annotations
@@ -27,32 +33,50 @@ import spmd_torch
 
 NAME = "torch_xla"
 VERSION = f"2.9.0+spmdtorch.{spmd_torch.__version__}"  # PyTorch/XLA's release, with a local label
+OLDER_NAMES = ("lazy_tensor_core", "torch_xla_py")
+# torch_xla_py.<module> -> the module it became (torch_xla.core.xla_model...), spmd_torch's.
+_TORCH_XLA_PY = {
+    "xla_model": "spmd_torch.core.xla_model",
+    "data_parallel": "spmd_torch.distributed.data_parallel",
+    "utils": "spmd_torch.utils.utils",
+}
+
+
+def _ours(fullname: str) -> str | None:
+    """The spmd_torch module a submodule of ``torch_xla`` or an older name stands for, if any."""
+    top, _, rest = fullname.partition(".")
+    if top in (NAME, "lazy_tensor_core") and rest:
+        return f"spmd_torch.{rest}"
+    if top == "torch_xla_py":
+        return _TORCH_XLA_PY.get(rest)
+    return None
 
 
 class _Aliases(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds ``torch_xla.X`` as ``spmd_torch.X`` (and ``torch_xla`` itself when not installed),
-    and PyTorch/XLA's distribution metadata (unless the distribution is installed)."""
+    the older names' modules as theirs, and PyTorch/XLA's distribution metadata (unless the
+    distribution is installed)."""
 
     metadata = True
 
     def find_spec(self, fullname: str, path=None, target=None):
-        if fullname == NAME:
-            return importlib.util.spec_from_loader(NAME, self, is_package=True)
-        if not fullname.startswith(NAME + "."):
-            return None
-        ours = "spmd_torch" + fullname[len(NAME) :]
-        if importlib.util.find_spec(ours) is None:
+        if fullname in (NAME, *OLDER_NAMES):
+            return importlib.util.spec_from_loader(fullname, self, is_package=True)
+        ours = _ours(fullname)
+        if ours is None or importlib.util.find_spec(ours) is None:
             return None
         return importlib.util.spec_from_loader(fullname, self, is_package=True)
 
     def create_module(self, spec) -> types.ModuleType:
-        if spec.name == NAME:
+        if spec.name in (NAME, *OLDER_NAMES):
             return None  # a module of its own, filled by exec_module
-        return importlib.import_module("spmd_torch" + spec.name[len(NAME) :])
+        return importlib.import_module(_ours(spec.name))
 
     def exec_module(self, module: types.ModuleType) -> None:
         if module.__name__ == NAME:
             become_torch_xla(module)
+        elif module.__name__ in OLDER_NAMES:
+            become_older_name(module)
 
     def find_distributions(self, context=importlib.metadata.DistributionFinder.Context()):
         if self.metadata and context.name in (None, NAME, "torch-xla"):
@@ -78,16 +102,30 @@ def become_torch_xla(module: types.ModuleType, installed: bool | None = None) ->
     """Make ``module`` PyTorch/XLA's top-level package over spmd_torch, and its submodules
     spmd_torch's; the installed distribution's ``torch_xla/__init__.py`` calls this, and so does
     the package ``run_as_torch_xla`` puts on its child processes' path (``installed=False``)."""
-    if _ALIASES not in sys.meta_path:
-        sys.meta_path.insert(0, _ALIASES)
-    if installed is None:
-        installed = bool(getattr(module, "__file__", None))
-    if installed:  # the installed distribution has its own metadata
-        _ALIASES.metadata = False
+    _find_aliases(module, installed)
     module.__version__ = VERSION
     module.__path__ = []  # a package: torch_xla.X is found by the aliases
     module.__getattr__ = _top_level_name
     module.__dir__ = lambda: sorted(set(dir(spmd_torch)) | {"__version__"})
+
+
+def become_older_name(module: types.ModuleType, installed: bool | None = None) -> None:
+    """Make ``module`` (``lazy_tensor_core`` or ``torch_xla_py``) a package whose modules are
+    spmd_torch's; the installed distribution and ``run_as_torch_xla``'s children's path ship one
+    of each, calling this as ``become_torch_xla`` is called."""
+    _find_aliases(module, installed)
+    module.__path__ = []  # a package: its modules are found by the aliases
+
+
+def _find_aliases(module: types.ModuleType, installed: bool | None) -> None:
+    """The aliases first on ``sys.meta_path``; a module of the installed distribution turns off
+    the metadata they would answer (the distribution has its own)."""
+    if _ALIASES not in sys.meta_path:
+        sys.meta_path.insert(0, _ALIASES)
+    if installed is None:
+        installed = bool(getattr(module, "__file__", None))
+    if installed:
+        _ALIASES.metadata = False
 
 
 def _top_level_name(name: str):

@@ -10,15 +10,22 @@ of PyTorch/XLA's multiprocessing: one process per device, the replica's ordinal 
 
 from __future__ import annotations
 
+import ctypes
+import importlib.metadata
+import importlib.util
 import math
 import os
+import pkgutil
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from jax._src import xla_bridge  # backends_are_initialized: JAX has no public query for it
+
+# JAX has no public query for these: whether backends started (xla_bridge), how it finds libtpu
+# (cloud_tpu_init) and whether it sees a GPU (hardware_utils)
+from jax._src import cloud_tpu_init, hardware_utils, xla_bridge
 
 from . import config
 from ._lazy import engine, modes
@@ -63,7 +70,8 @@ def set_device_type(pjrt_device: str) -> None:
         pjrt_device: The device kind, e.g. ``'TPU'``, ``'CUDA'`` or ``'CPU'``.
 
     Raises:
-        RuntimeError: The runtime already runs on another kind of device.
+        RuntimeError: The runtime already runs on another kind of device, or JAX cannot start
+            the platform asked for (its message says what is missing and how to install it).
 
     Example:
         >>> import spmd_torch.runtime as xr
@@ -80,8 +88,61 @@ def set_device_type(pjrt_device: str) -> None:
                 f"it runs on {device_type()}"
             )
     else:
+        missing = _why_jax_cannot_start(requested)
+        if missing:
+            raise RuntimeError(
+                f"PJRT_DEVICE={pjrt_device} asks for JAX's {requested!r} platform, which JAX "
+                f"cannot start here: {'; '.join(missing)}. Set PJRT_DEVICE=CPU to run on the "
+                "CPU, or unset it to run on what JAX finds"
+            )
         jax.config.update("jax_platforms", requested)
     os.environ["PJRT_DEVICE"] = pjrt_device
+
+
+def _why_jax_cannot_start(platform: str) -> list[str]:
+    """What keeps JAX from starting ``platform`` (empty: nothing known), found as JAX looks for it
+    but without starting it (a multi-host job must join before any backend starts) or importing a
+    plugin (which reads its options from the environment as it registers): otherwise the first
+    device use fails inside JAX, with a bare AssertionError for CUDA."""
+    missing = []
+    if platform == "cuda":
+        if not _plugin_installed("cuda"):
+            missing.append(
+                "JAX's CUDA plugin is not installed "
+                '(pip install -U "jax[cuda12]", or "jax[cuda13]" for CUDA 13)'
+            )
+        if not hardware_utils.has_visible_nvidia_gpu():  # JAX skips CUDA without one
+            missing.append("no NVIDIA GPU is visible (no /dev/nvidia0, /dev/nvidiactl, /dev/dxg)")
+    elif platform == "tpu" and not _libtpu_found():
+        missing.append('libtpu is not installed (pip install -U "jax[tpu]" on a TPU VM)')
+    return missing
+
+
+def _plugin_installed(platform: str) -> bool:
+    """Whether JAX's plugin discovery will find one for ``platform``: registered already, a module
+    under the ``jax_plugins`` namespace (jax[cuda12] installs ``jax_plugins.xla_cuda12``), a
+    ``jax_plugins`` entry point, or a name in ``PJRT_NAMES_AND_LIBRARY_PATHS``."""
+    if platform in xla_bridge._backend_factories:
+        return True
+    names = [entry.name for entry in importlib.metadata.entry_points(group="jax_plugins")]
+    namespace = importlib.util.find_spec("jax_plugins")
+    if namespace is not None and namespace.submodule_search_locations:
+        names += [m.name for m in pkgutil.iter_modules(namespace.submodule_search_locations)]
+    from_env = os.environ.get("PJRT_NAMES_AND_LIBRARY_PATHS", "")
+    names += [pair.split(":")[0] for pair in from_env.split(",") if pair]
+    return any(platform in name for name in names)
+
+
+def _libtpu_found() -> bool:
+    """Whether JAX's TPU client will find libtpu: ``TPU_LIBRARY_PATH`` or the libtpu package (JAX's
+    own lookup), else ``libtpu.so`` on the loader's path, which only loading it tells."""
+    if cloud_tpu_init.get_tpu_library_path() is not None:
+        return True
+    try:
+        ctypes.CDLL("libtpu.so")
+    except OSError:
+        return False
+    return True
 
 
 def start_from_environment() -> None:

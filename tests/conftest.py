@@ -11,7 +11,9 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
+from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
 
 import spmd_torch.debug.graph as graph  # noqa: E402
 import spmd_torch.runtime as xr  # noqa: E402
@@ -73,3 +75,19 @@ def _no_engine_leaks(request):
     xr.reset()
     if leaks and not request.node.stash.get(_CALL_FAILED, False):
         pytest.fail(f"{request.node.nodeid} leaked engine state:\n- " + "\n- ".join(leaks))
+
+
+@pytest.fixture
+def restore_jax_cache_config():
+    """The test may turn JAX's persistent compilation cache on (``xr.initialize_cache``): its
+    settings come back afterwards, and JAX sets the cache up again from them."""
+    names = (
+        "jax_compilation_cache_dir",
+        "jax_persistent_cache_min_entry_size_bytes",
+        "jax_persistent_cache_min_compile_time_secs",
+    )
+    old = {name: getattr(jax.config, name) for name in names}
+    yield
+    for name, value in old.items():
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()

@@ -9,6 +9,7 @@ float64, runs the op there and rounds each result once to the dtype CPU gives it
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
 import os
 import pathlib
@@ -347,6 +348,14 @@ def assert_counter_delta(name: str, n: int):
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_example(name: str):
+    """``examples/<name>.py`` as a module (not run as a script), to call its functions."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_example(script: str, *args: str) -> str:

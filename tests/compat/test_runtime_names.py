@@ -75,6 +75,42 @@ def test_pytorch_xla_start_up_variables_pick_platform_and_cpu_devices(xla_flags,
     assert result.stdout.split() == ["cpu", str(count)]
 
 
+@pytest.mark.multiprocess  # a fresh interpreter: PJRT_DEVICE is read at import
+@pytest.mark.parametrize(
+    "pjrt_device, platform, fix",
+    [
+        ("CUDA", "cuda", 'pip install -U "jax[cuda12]", or "jax[cuda13]"'),
+        ("GPU", "cuda", 'pip install -U "jax[cuda12]", or "jax[cuda13]"'),
+        ("TPU", "tpu", 'pip install -U "jax[tpu]"'),
+    ],
+)
+def test_a_platform_jax_cannot_start_is_named_with_its_fix(pjrt_device, platform, fix):
+    if xr._why_jax_cannot_start(platform) == []:
+        pytest.skip(f"this machine can start JAX's {platform!r} platform")
+    script = (
+        "import torch, spmd_torch.core.xla_model as xm\ntorch.ones(2, device=xm.xla_device())\n"
+    )
+    env = dict(os.environ, JAX_PLATFORMS="", PJRT_DEVICE=pjrt_device)
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode != 0 and "AssertionError" not in result.stderr, result.stderr
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith(f"RuntimeError: PJRT_DEVICE={pjrt_device} asks for JAX's ")
+    assert f"{platform!r} platform" in error and fix in error, error
+    assert "JAX_PLATFORMS" not in error  # JAX's advice names a variable the user never set
+
+
+def test_a_cuda_plugin_without_a_gpu_names_only_the_gpu(tmp_path, monkeypatch):
+    (tmp_path / "jax_plugins" / "xla_cuda12").mkdir(parents=True)  # as jax[cuda12] installs it
+    (tmp_path / "jax_plugins" / "xla_cuda12" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    missing = xr._why_jax_cannot_start("cuda")
+    if missing == []:
+        pytest.skip("this machine has an NVIDIA GPU")
+    assert missing == ["no NVIDIA GPU is visible (no /dev/nvidia0, /dev/nvidiactl, /dev/dxg)"]
+
+
 def test_device_attributes_name_every_device():
     attributes = xr.global_runtime_device_attributes()
     assert [a["name"] for a in attributes] == [f"CPU:{i}" for i in range(8)]

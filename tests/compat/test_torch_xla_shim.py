@@ -1,6 +1,7 @@
 """``torch_xla`` as spmd_torch, only when asked for: installed from compat/torch_xla, or for one run
 with ``python -m spmd_torch.run_as_torch_xla``. Libraries see a torch_xla 2.9.0 distribution whose
-modules are spmd_torch's very module objects."""
+modules are spmd_torch's very module objects; the seed guides' older names (``lazy_tensor_core``,
+``torch_xla_py``) come with it."""
 
 from __future__ import annotations
 
@@ -20,11 +21,19 @@ COMPAT = ROOT / "compat" / "torch_xla"
 CHECKS = """
 import importlib.metadata, importlib.util, sys
 from packaging.version import Version
+import torch
+import lazy_tensor_core  # the older names first: they must not need torch_xla imported
+import lazy_tensor_core.core.lazy_model as ltm
+import lazy_tensor_core.utils.serialization as ltc_xser
+import torch_xla_py.xla_model as old_xm
+import torch_xla_py.data_parallel as dp
 import torch_xla
 import torch_xla.core.xla_model as xm
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 import spmd_torch, spmd_torch.core.xla_model, spmd_torch.distributed.spmd, spmd_torch.runtime
+import spmd_torch.core.lazy_model, spmd_torch.distributed.data_parallel
+import spmd_torch.utils.serialization
 
 assert torch_xla.__version__ == "{version}", torch_xla.__version__
 assert importlib.metadata.version("torch_xla") == "{version}"
@@ -38,6 +47,9 @@ assert isinstance(mesh, spmd_torch.distributed.spmd.Mesh)
 xr.use_spmd()
 assert spmd_torch.runtime.is_spmd()  # one state under both names
 assert torch_xla.device() == spmd_torch.device() and torch_xla.sync is spmd_torch.sync
+assert ltm is spmd_torch.core.lazy_model and ltc_xser is spmd_torch.utils.serialization
+assert old_xm is xm and dp is spmd_torch.distributed.data_parallel
+assert str(torch.ones(2, device=ltm.lazy_device()).device) == "xla:0"
 print("checked")
 """
 
@@ -50,10 +62,11 @@ def _child(*command: str, path: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_without_the_shim_torch_xla_is_not_there():
-    assert importlib.util.find_spec("torch_xla") is None
+@pytest.mark.parametrize("name", ["torch_xla", "lazy_tensor_core", "torch_xla_py"])
+def test_without_the_shim_the_name_is_not_there(name):
+    assert importlib.util.find_spec(name) is None
     with pytest.raises(ModuleNotFoundError):
-        import torch_xla  # noqa: F401
+        importlib.import_module(name)
 
 
 def test_the_distribution_version_is_the_shims():
@@ -86,12 +99,14 @@ import importlib.metadata, multiprocessing, subprocess, sys
 
 def child_versions(_):
     import torch_xla, torch_xla.core.xla_model as xm
-    return torch_xla.__version__, importlib.metadata.version("torch_xla"), xm.__name__
+    import lazy_tensor_core.core.lazy_model as ltm, torch_xla_py.data_parallel as dp
+    names = xm.__name__, ltm.__name__, dp.__name__
+    return torch_xla.__version__, importlib.metadata.version("torch_xla"), *names
 
 if __name__ == "__main__":
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         print(pool.map(child_versions, [0])[0])
-    command = "import torch_xla; print(torch_xla.__version__)"
+    command = "import torch_xla_py.xla_model as xm, torch_xla; print(torch_xla.__version__)"
     print(subprocess.run([sys.executable, "-c", command], capture_output=True, text=True).stdout)
 """
 
@@ -104,7 +119,9 @@ def test_the_runs_child_processes_see_torch_xla_too(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     version = _as_torch_xla.VERSION
     spawned, ran = done.stdout.strip().splitlines()
-    assert spawned == str((version, version, "spmd_torch.core.xla_model")) and ran == version
+    names = "spmd_torch.core.xla_model", "spmd_torch.core.lazy_model"
+    names += ("spmd_torch.distributed.data_parallel",)
+    assert spawned == str((version, version, *names)) and ran == version
 
 
 @pytest.mark.multiprocess

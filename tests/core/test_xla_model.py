@@ -6,7 +6,6 @@ import collections
 import io
 import os
 
-import jax
 import pytest
 import torch
 
@@ -89,28 +88,12 @@ def test_use_spmd_auto_is_refused(monkeypatch):
     assert xr.is_spmd() is False
 
 
-@pytest.fixture
-def _restore_jax_cache_config():
-    from jax.experimental.compilation_cache import compilation_cache
-
-    names = (
-        "jax_compilation_cache_dir",
-        "jax_persistent_cache_min_entry_size_bytes",
-        "jax_persistent_cache_min_compile_time_secs",
-    )
-    old = {name: getattr(jax.config, name) for name in names}
-    yield
-    for name, value in old.items():
-        jax.config.update(name, value)
-    compilation_cache.reset_cache()
-
-
 def _compile_new_program(columns: int) -> None:
     """A program no earlier test compiled (its shape is unique), computed now."""
     (torch.ones(3, columns, device=DEV) * 5 + 1).cpu()
 
 
-def test_initialize_cache_writes_compiled_programs(tmp_path, _restore_jax_cache_config):
+def test_initialize_cache_writes_compiled_programs(tmp_path, restore_jax_cache_config):
     xr.initialize_cache(str(tmp_path / "cache"))
     before = counters.COUNTERS["UncachedCompile"]
     _compile_new_program(1031)
@@ -118,7 +101,7 @@ def test_initialize_cache_writes_compiled_programs(tmp_path, _restore_jax_cache_
     assert len(os.listdir(tmp_path / "cache")) >= 1
 
 
-def test_initialize_cache_readonly_writes_nothing(tmp_path, _restore_jax_cache_config):
+def test_initialize_cache_readonly_writes_nothing(tmp_path, restore_jax_cache_config):
     xr.initialize_cache(str(tmp_path / "cache"), readonly=True)
     before = counters.COUNTERS["UncachedCompile"]
     _compile_new_program(1033)

@@ -3,7 +3,6 @@ against an eager-CPU simulation of 8 replicas averaging their gradients."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 
 import numpy as np
@@ -16,19 +15,12 @@ import spmd_torch.core.xla_model as xm
 import spmd_torch.debug.metrics as met
 import spmd_torch.distributed.parallel_loader as pl
 import spmd_torch.runtime as xr
-from tests.helpers import ROOT, assert_close, run_example, tolerance
+from tests.helpers import assert_close, load_example, run_example, tolerance
 
 WORLD = 8
 
 
-def _load_example(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-mnist_mp = _load_example("mnist_mp")
+mnist_mp = load_example("mnist_mp")
 
 
 def _epoch_of_ids(index, dataset):
