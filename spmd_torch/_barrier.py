@@ -9,14 +9,17 @@ per-op run computes what it needs without ending a step.
 
 from __future__ import annotations
 
+import atexit
+import re
 import threading
 from collections.abc import Callable
 from concurrent import futures
 from typing import Any
 
 from spmd_torch import config
+from spmd_torch._lazy import compile as compiler
 from spmd_torch._lazy import counters, engine, execute
-from spmd_torch.debug import graph, metrics_saver
+from spmd_torch.debug import graph, metrics, metrics_saver
 
 
 def barrier(wait: bool = False) -> None:
@@ -31,7 +34,30 @@ def barrier(wait: bool = False) -> None:
     own.steps += 1
     if own.mode.local_ordinal == 0 and config.METRICS_FILE.value:  # one report per host
         metrics_saver.save_metrics()
+    if own.mode.local_ordinal == 0 and config.DEBUG_TOOL.value:
+        _analyze_metrics(at_exit=False)
     run_step_closures()
+
+
+_ANALYZED = [""]  # the symptoms of the analysis last written, its numbers left out
+
+
+def _analyze_metrics(at_exit: bool) -> None:
+    """PyTorch/XLA's metrics analysis (``PT_XLA_DEBUG``): written when a symptom appears (not at
+    every step its counts grow), and in full at exit (also for ``PT_XLA_DEBUG_LEVEL`` alone)."""
+    report = metrics.performance_report()
+    symptoms = re.sub(r"\d+", "", report)
+    if report and (at_exit or symptoms != _ANALYZED[0]):
+        _ANALYZED[0] = symptoms
+        compiler.write_debug(report)
+
+
+def _analyze_at_exit() -> None:
+    if config.DEBUG_LEVEL.value or config.DEBUG_TOOL.value:
+        _analyze_metrics(at_exit=True)
+
+
+atexit.register(_analyze_at_exit)
 
 
 def add_step_closure(closure: Callable[[], Any], run_async: bool) -> None:

@@ -87,8 +87,40 @@ DOWNCAST_BF16 = _flag(
 DEBUG_LEVEL = _flag(
     "PT_XLA_DEBUG_LEVEL",
     0,
-    "1: one line per compile or cache hit with the reason for each recompilation; 2: also the graph.",
+    "PyTorch/XLA's debugging tool: 1, a Compilation Analysis (cause, recompilation reason, graph, "
+    "the user's frames) per compile; 2 and up, an Execution Analysis per program run too.",
 )
+DEBUG_TOOL = _flag(
+    "PT_XLA_DEBUG",
+    False,
+    "The debugging tool in full (PT_XLA_DEBUG_LEVEL 100 unless that is set), and the metrics "
+    "analysis (pt-xla-profiler: too-frequent compiles and host reads, ops not lowered, each with "
+    "the user's file:line) at each barrier that changes it and at exit.",
+)
+if DEBUG_TOOL.value and "PT_XLA_DEBUG_LEVEL" not in os.environ:
+    DEBUG_LEVEL.value = 100  # PyTorch/XLA's default once PT_XLA_DEBUG is on
+DEBUG_FILE = _flag(
+    "PT_XLA_DEBUG_FILE",
+    None,
+    "Append the debugging tool's output to this file instead of printing it to stderr.",
+    kind=str,
+)
+DEBUG_MAX_FRAME = _flag(
+    "PT_XLA_DEBUG_MAX_FRAME", 8, "How many of the user's Python frames an analysis lists."
+)
+IR_DEBUG = _flag(
+    "XLA_IR_DEBUG",
+    False,
+    "Record each node's Python traceback: the IR text names the user's file:line of each op.",
+)
+HLO_DEBUG = _flag(
+    "XLA_HLO_DEBUG",
+    False,
+    "As XLA_IR_DEBUG, and the tracebacks become each HLO op's source metadata (file and line).",
+    in_cache_key=True,
+)
+if HLO_DEBUG.value:
+    IR_DEBUG.value = True  # the metadata comes from the tracebacks it records
 MAT_MUL_PRECISION = _flag(
     "XLA_MAT_MUL_PRECISION",
     "highest",
@@ -196,7 +228,7 @@ RATE_TRACKER_SMOOTHING = _flag(
     0.4,
     "xm.RateTracker's default weight of the previous rate (read when a tracker is made).",
 )
-DEBUG = _flag(
+PRINT_DEBUG = _flag(
     "DEBUG",
     0,
     "utils.get_print_fn() prints when this integer is nonzero (read at each call).",

@@ -8,8 +8,10 @@ reuses its executable.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
+import os
 import re
 import sys
 import time
@@ -23,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from jax._src import source_info_util  # a traceback as ops' source: no public API
 from jax._src.lax.lax import _convert_element_type  # weak-typed casts have no public API
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -30,13 +33,13 @@ from spmd_torch import config
 
 from . import counters, manual, placement
 from .engine import current
-from .graph import STRUCTURES, Program, substitute, to_text
+from .graph import STRUCTURES, Program, substitute
 from .layout import crop, padded
 from .lowering import LOWERINGS
 from .lowering.collectives import REPLICA_AXIS
 from .lowering.dtypes import to_jax_dtype
 from .lowering.random import wrap_key
-from .record import user_frame
+from .record import user_frame, user_frames
 
 
 def _scalars_aval(n: int, replicas: Mesh | None = None) -> jax.ShapeDtypeStruct:
@@ -219,7 +222,7 @@ def _steps(program: Program) -> list[_Step]:
 def _node_step(program: Program, k: int) -> _Step:
     node = program.nodes[k]
     avals = tuple((a.shape, to_jax_dtype(a.dtype)) for a in node.avals)
-    call = partial(_lower, node.op, node.args, node.kwargs, avals, node.scope)
+    call = partial(_lower, node.op, node.args, node.kwargs, avals, node.scope, node.where)
     return _Step(call, program.wiring(node), tuple(("n", k, i) for i in range(len(avals))))
 
 
@@ -246,13 +249,15 @@ def _region_step(program: Program, region: manual.Region) -> _Step:
     return _Step(call, inputs, tuple(("n", k, 0) for k in region.exits))
 
 
-def _lower(op, args, kwargs, avals: tuple, scope: str | None, *sources) -> list:
+def _lower(op, args, kwargs, avals: tuple, scope: str | None, where, *sources) -> list:
     """One node through its registered lowering, checked and cast against the meta kernel's avals;
-    its ops are named ``<profiler Trace scopes>/<aten op>`` (HLO metadata, profiles)."""
+    its ops are named ``<profiler Trace scopes>/<aten op>`` (HLO metadata, profiles) and, with
+    ``XLA_HLO_DEBUG``, carry the user's source location (``where``: the node's traceback)."""
     lowering = LOWERINGS[op]
     if lowering.random:
         sources = (wrap_key(sources[0]),) + sources[1:]
-    with jax.named_scope(str(op) if scope is None else f"{scope}/{op}"):
+    located = _user_located(where) if where is not None and config.HLO_DEBUG.value else _NOWHERE
+    with jax.named_scope(str(op) if scope is None else f"{scope}/{op}"), located:
         out = lowering.fn(*substitute(args, sources), **substitute(kwargs, sources))
     outs = [o for o in out if o is not None] if isinstance(out, (tuple, list)) else [out]
     if len(outs) != len(avals):
@@ -264,6 +269,22 @@ def _lower(op, args, kwargs, avals: tuple, scope: str | None, *sources) -> list:
             raise LoweringError(f"lowering of {op} returned shape {o.shape}, expected {shape}")
         fixed.append(o if o.dtype == dtype else o.astype(dtype))
     return fixed
+
+
+_NOWHERE = contextlib.nullcontext()
+
+
+def _user_located(where) -> contextlib.AbstractContextManager:
+    """JAX's ops made inside take ``where``'s traceback as their source, named by its innermost
+    frame that is the user's: spmd_torch's and torch's frames are excluded once, on first use."""
+    if not _EXCLUDED:
+        for path in (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__)):
+            source_info_util.register_exclusion(path)
+        _EXCLUDED.append(True)
+    return source_info_util.user_context(where.traceback)
+
+
+_EXCLUDED: list = []
 
 
 def _laid_out(value: jax.Array, sharding) -> jax.Array:
@@ -319,6 +340,7 @@ def lookup_or_compile(run) -> tuple[Executable, bool]:
             settle_heap(cache)
         return executable, True
     counters.bump("UncachedCompile")
+    counters.note_site("CompileTime", user_frame())
     cache.unsettled = config.FREEZE_HEAP.value
     program, donated, arrays = run.program, run.donated, run.arrays
     cache.ops.update((id(node.op), node.op) for node in program.nodes)
@@ -413,13 +435,64 @@ def clear_cache() -> None:
     current().cache.clear()
 
 
-def debug_line(program: Program, executable: Executable, hit: bool) -> None:
-    """The ``PT_XLA_DEBUG_LEVEL`` line of one program run: hit or MISS, and why it missed."""
-    status = "hit" if hit else "MISS"
-    line = f"compile key={executable.key} {status} {len(program.nodes)} nodes at {user_frame()}"
-    if not hit:
-        compile_ns = counters.METRICS[COMPILE_TIME[current().eager]].recent[-1]
-        line += f" {compile_ns / 1e9:.2f}s; reason: " + explain_last_miss()
-    print(f"[spmd_torch] {line}", file=sys.stderr)
-    if config.DEBUG_LEVEL.value >= 2:
-        print(to_text(program), file=sys.stderr)
+def analyze(run, executable: Executable, hit: bool) -> None:
+    """PyTorch/XLA's debugging tool (``PT_XLA_DEBUG_LEVEL``): a Compilation Analysis for each
+    compile (with why the cache missed) and, from level 2, an Execution Analysis for each run:
+    what caused it, the graph, the user's frames. Eager mode's per-op programs are left out."""
+    if current().eager or (hit and config.DEBUG_LEVEL.value < 2):
+        return
+    frames = user_frames()[: config.DEBUG_MAX_FRAME.value]
+    analyses = [] if hit else ["Compilation"]
+    analyses += ["Execution"] if config.DEBUG_LEVEL.value >= 2 else []
+    for kind in analyses:
+        lines = ["=" * 80, f"{kind} Cause", f"  {_cause()}"]
+        if kind == "Compilation":
+            seconds = counters.METRICS[COMPILE_TIME[False]].recent[-1] / 1e9
+            lines.append(f"  compiled in {seconds:.2f} s; {explain_last_miss()}")
+        lines += [
+            "Graph Info: ",
+            f"  Graph Hash: {executable.key}",
+            f"  Number of Graph Inputs: {len(run.arrays)}",
+            f"  Number of Graph Outputs: {len(run.program.outputs)}",
+            "Python Frame Triggered Execution: ",
+            *[f"  {f.f_code.co_name} ({f.f_code.co_filename}:{f.f_lineno})" for f in frames],
+            "-" * 80,
+            "=" * 80,
+        ]
+        write_debug("".join(f"\n{kind} Analysis: {line}" for line in lines) + "\n")
+
+
+# The doors of the barrier a program's run can come through, by the file and function on the
+# stack: PyTorch/XLA's causes (the first found, innermost first).
+_CAUSES = (
+    ("parallel_loader.py", None, "spmd_torch.sync in parallel loader at step end"),
+    ("profiler.py", "__exit__", "spmd_torch.sync when exiting a profiler StepTrace region"),
+    ("_regions.py", None, "spmd_torch.compile or step region"),
+    ("compiled.py", None, "dynamo is executing a compiled program"),
+    ("xla_model.py", "optimizer_step", "xm.optimizer_step(barrier=True)"),
+)
+
+
+def _cause() -> str:
+    """Why the program runs: a barrier (through which door), or a read of pending values."""
+    frame, files = sys._getframe(1), []
+    while frame is not None:
+        files.append((os.path.basename(frame.f_code.co_filename), frame.f_code.co_name))
+        frame = frame.f_back
+    if ("_barrier.py", "barrier") not in files:
+        if ("compiled.py", "call") in files:
+            return _CAUSES[3][2]
+        return "most likely user code trying to access tensor value before spmd_torch.sync"
+    for file, function, cause in _CAUSES:
+        if any(f == file and function in (None, name) for f, name in files):
+            return cause
+    return "user spmd_torch.sync (xm.mark_step)"
+
+
+def write_debug(text: str) -> None:
+    """Where the debugging tool's output goes: ``PT_XLA_DEBUG_FILE`` (appended), else stderr."""
+    if config.DEBUG_FILE.value:
+        with open(config.DEBUG_FILE.value, "a") as out:
+            out.write(text)
+    else:
+        print(text, end="", file=sys.stderr, flush=True)

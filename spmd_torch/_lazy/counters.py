@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 
 
 class Samples:
@@ -55,12 +55,21 @@ OPS: dict[int, int] = defaultdict(int)
 # no lock (the GIL makes it atomic) where a sample's does. ``metrics()`` and the barrier fold them.
 TRACING: list[int] = []
 OP_NAMES: dict[int, str] = {}
+# Where in the user's code events happened, per metric or counter: "file:line" -> how often (what
+# the debugging tool's analysis names: each compile and CPU fallback, host reads when debugging).
+SITES: dict[str, Counter] = defaultdict(Counter)
 _LOCK = threading.Lock()
 
 
 def bump(name: str, amount: int = 1) -> None:
     with _LOCK:
         COUNTERS[name] += amount
+
+
+def note_site(name: str, where: str) -> None:
+    """One event of ``name`` happened at ``where`` (the user's file:line)."""
+    with _LOCK:
+        SITES[name][where] += 1
 
 
 def fold_tracing() -> None:
@@ -83,6 +92,7 @@ def clear_metrics() -> None:
     with _LOCK:
         METRICS.clear()
         TRACING.clear()
+        SITES.clear()
 
 
 def record(name: str, value: float) -> None:
@@ -113,3 +123,4 @@ def clear() -> None:
         METRICS.clear()
         TRACING.clear()
         OPS.clear()
+        SITES.clear()

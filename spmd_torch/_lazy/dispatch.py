@@ -23,7 +23,14 @@ from .engine import FORKED_AFTER_JAX, current, refuse_in_bad_fork
 from .execute import sync, to_cpu
 from .graph import Aval, Node, Value
 from .lowering import LOWERINGS, amp, ctc, factories, optim
-from .record import DeviceMismatchError, NoStaticShape, emit, emit_value
+from .record import (
+    DeviceMismatchError,
+    NoStaticShape,
+    emit,
+    emit_value,
+    user_frame,
+    user_stacklevel,
+)
 from .tensor import DEVICE, SEVERAL_DEVICES, LazyTensor, connect, wrap, wrap_data
 from .transfer import host_copy, landing, to_device_array, upload
 
@@ -522,11 +529,13 @@ def _cpu_fallback(func, args: tuple, kwargs: dict, count: bool = True, why: str 
     name = func._schema.name.split("::")[1]
     if count:
         counters.bump(f"aten::{name}")
+        counters.note_site(f"aten::{name}", user_frame())
         if func not in _WARNED:
             _WARNED.add(func)
             why = why or "has no xla lowering"
             warnings.warn(
-                f"{func} {why}; it runs on the CPU (slow: a device round trip)", stacklevel=3
+                f"{func} {why}; it runs on the CPU (slow: a device round trip)",
+                stacklevel=user_stacklevel(),
             )
 
     def to_host(x):

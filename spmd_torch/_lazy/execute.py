@@ -16,6 +16,8 @@ import jax
 import numpy as np
 import torch
 
+from spmd_torch import config
+
 from . import counters, manual, modes, placement, rng  # noqa: F401  (modes: the default mode)
 from .engine import current
 from .graph import DATA, Node, linearize
@@ -147,6 +149,9 @@ def _check_may_run(engine) -> None:
 
 def to_cpu(t: LazyTensor) -> torch.Tensor:
     """A CPU copy of a device tensor (waits for its value)."""
+    if config.DEBUG_LEVEL.value or config.DEBUG_TOOL.value:  # where host reads happen, for the
+        # debugging tool's analysis
+        counters.note_site("TransferFromDeviceTime", user_frame())
     (array,) = materialize([t])
     return to_torch(array, t.dtype, tuple(t.shape))
 

@@ -64,7 +64,7 @@ def execute(run: Run) -> list:
     refuse_in_bad_fork("running a program")
     executable, hit = compiler.lookup_or_compile(run)
     if config.DEBUG_LEVEL.value:
-        compiler.debug_line(run.program, executable, hit)
+        compiler.analyze(run, executable, hit)
     if executable.lockstep:
         _after_lockstep_programs()
     start = time.perf_counter_ns()

@@ -12,6 +12,7 @@ import traceback
 import jax
 import torch
 
+from spmd_torch import config as _config
 from spmd_torch._lazy import compile as _compile
 from spmd_torch._lazy import engine as _engine
 from spmd_torch._lazy import placement as _placement
@@ -67,18 +68,21 @@ def program_text(program: Program, form: str) -> str:
 def hlo_text(lowered: jax.stages.Lowered) -> str:
     """``lowered`` as HLO text in PyTorch/XLA's print style: values named after their opcode
     (``%all-reduce.3``; converted without JAX's source locations, which would name them), operands
-    with their shapes, shardings as ``sharding={...}``, no metadata."""
+    with their shapes, shardings as ``sharding={...}``, no metadata. With ``XLA_HLO_DEBUG`` each
+    op's metadata is printed, the user's ``source_file`` and ``source_line`` in it."""
+    debug = bool(_config.HLO_DEBUG.value)
     try:  # jaxlib's private modules: the StableHLO -> HLO conversion and HLO print options
         from jax._src.lib import _jax
         from jaxlib import _hlo as hlo
 
-        module = _jax.mlir.mlir_module_to_xla_computation(lowered.as_text(), use_tuple_args=False)
+        text = lowered.as_text(debug_info=debug)
+        module = _jax.mlir.mlir_module_to_xla_computation(text, use_tuple_args=False)
     except (ImportError, AttributeError):  # another jaxlib's layout: JAX's own HLO text
-        return lowered.as_text(dialect="hlo")
+        return lowered.as_text(dialect="hlo", debug_info=debug)
     options = hlo.HloPrintOptions()
     options.print_percent = True
     options.print_operand_shape = True
-    options.print_metadata = False
+    options.print_metadata = debug
     return module.get_hlo_module().to_string(options)
 
 

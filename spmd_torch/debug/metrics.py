@@ -153,6 +153,7 @@ def clear_counters() -> None:
     """
     _store.COUNTERS.clear()
     _store.OPS.clear()
+    _store.SITES.clear()
     store = _store.metrics()
     for name, metric in COUNTED_METRICS.items():
         samples = store.get(metric)
@@ -188,6 +189,49 @@ def executed_fallback_ops() -> list[str]:
         []
     """
     return [name for name in counter_names() if name.startswith("aten::")]
+
+
+# PyTorch/XLA's metrics analysis: (metric, samples per step above which it is too frequent,
+# steps before it is judged), and (metric, nanoseconds above which one sample is too slow).
+_TOO_FREQUENT = (("CompileTime", 0.5, 10), ("TransferFromDeviceTime", 0.5, 0))
+_TOO_SLOW = (("CompileTime", 300e9), ("ExecuteTime", 30e9))
+_ANALYSIS = "pt-xla-profiler"
+
+
+def performance_report() -> str:
+    """PyTorch/XLA's analysis of the metrics (``PT_XLA_DEBUG``): compiles or host reads more
+    frequent than every other step, a compile or run too slow, ops not lowered; each line names
+    where in the user's code it happened, most frequent first. Empty when nothing stands out.
+
+    Example:
+        >>> print(met.performance_report())
+        pt-xla-profiler: CompileTime too frequent: 21 counts during 11 steps (train.py:57 x21)
+    """
+    lines, metrics = [], _store.metrics()
+    steps = counter_value("MarkStep") or 0
+    for name, threshold, warmup in _TOO_FREQUENT:
+        count = metrics[name].count if name in metrics else 0
+        if steps > warmup and count / steps > threshold:
+            lines.append(f"{name} too frequent: {count} counts during {steps} steps{_sites(name)}")
+    for name, threshold in _TOO_SLOW:
+        longest = max(metrics[name], default=0) if name in metrics else 0
+        if longest > threshold:
+            lines.append(f"{name} too slow: longest instance took {format_time(longest)}")
+    unlowered = [n for n in executed_fallback_ops() if n != "aten::_local_scalar_dense"]
+    if unlowered:
+        ops = ", ".join(f"{name}{_sites(name)}" for name in unlowered)
+        lines.append(
+            f"Op(s) not lowered: {ops}. Please open an issue with the above lowering requests."
+        )
+    return "".join(f"{_ANALYSIS}: {line}\n" for line in lines)
+
+
+def _sites(name: str) -> str:
+    """`` (train.py:57 x12, train.py:80 x9)``: where the events of ``name`` happened."""
+    sites = _store.SITES.get(name)
+    if not sites:
+        return ""
+    return " (" + ", ".join(f"{where} x{n}" for where, n in sites.most_common(4)) + ")"
 
 
 def metrics_report() -> str:

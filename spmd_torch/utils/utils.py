@@ -478,7 +478,7 @@ def get_print_fn(debug: bool | int | None = None) -> Callable[..., None]:
         >>> log('shown only with DEBUG=1')
     """
     if debug is None:
-        debug = config.DEBUG.read()
+        debug = config.PRINT_DEBUG.read()
     return eprint if debug else null_print
 
 

@@ -46,10 +46,6 @@ from tests.helpers import (
     tolerance,
 )
 
-WORKERS_DEADLOCK = pytest.mark.xfail(
-    reason="issue 31 item 1: DataLoader workers deadlock", strict=True, run=False
-)
-
 
 def small_mnist() -> nn.Module:
     """The guides' MNIST network (guide 000's ``MNISTNet``) for 8x8 images and fewer channels."""
@@ -233,7 +229,7 @@ mnist_mp = load_example("mnist_mp")  # guide 000 b08's script with its imports r
 
 @pytest.mark.parametrize(
     "num_workers",
-    [0, pytest.param(1, marks=WORKERS_DEADLOCK)],
+    [0, 1],
     ids=["g000-b08", "g000-b08-workers"],
 )
 def test_g000_b08_launch_mnist(num_workers, capsys, monkeypatch):
