@@ -13,8 +13,9 @@ the sequence is the attention's forward and backward. Two forms:
   CPU: seq 4096 in float32, the same implementations (jax skipped: cuDNN needs CUDA). Peak memory:
       for JAX and spmd_torch, XLA's memory analysis of the compiled step (arguments, temporaries
       and outputs not aliased to an argument: harness.program_bytes); for eager, the growth of the
-      process's resident memory during one step run before the others (the heap holds nothing
-      freed yet that it could reuse); none for inductor, whose first step compiles.
+      process's resident memory during a throwaway trainer's step, before the timed trainer is
+      made (the heap holds nothing freed yet that it could reuse); none for inductor, whose
+      first step compiles.
 
 ``--tiny`` runs either form at seq 256 (tests). Target (issue 32): on CPU, spmd_torch's peak
 memory at most one tenth of plain attention's (jax_plain's).
@@ -132,34 +133,39 @@ def _memory(result: dict[str, Any], gpu: bool) -> dict[str, Any]:
     return {"memory_bytes": result["program_bytes_per_device"], "memory_kind": kind}
 
 
-def _torch_run(
-    warmup: int, steps: int, check: bool, gpu: bool, tr: Trainer, rss: bool
+def _torch(
+    warmup: int, steps: int, check: bool, gpu: bool, tiny: bool, impl: str
 ) -> dict[str, Any]:
-    """A torch trainer's run; on CPU with `rss`, one step first, its RSS growth the memory."""
+    """Eager or inductor (`impl`), from the initial weights. On CPU, eager's memory figure is the
+    RSS growth of a throwaway trainer's step, made first; the timed run then starts from the same
+    weights as every other implementation's."""
+    cfg = config(gpu, tiny)
+    dev = torch_device(gpu, f"Wattn {impl}")
+    trainer = _eager_trainer if impl == "eager" else inductor_trainer
+
+    def make() -> Trainer:
+        return trainer(new_layer(cfg), new_sgd, torch_loss(cfg), attn_data(cfg), dev)
+
     memory: dict[str, Any] = {"memory_bytes": None, "memory_kind": "n/a"}
-    if rss and not gpu and not check:
+    if impl == "eager" and not gpu and not check:
+        first = make()
         with harness.RssPeak() as peak:
-            tr.step()
-            tr.wait()
+            first.step()
+            first.wait()
+        del first
         memory = {"memory_bytes": peak.growth, "memory_kind": "RSS growth of a first step"}
-    result = run_trainer(tr, warmup, steps, check)
+    result = run_trainer(make(), warmup, steps, check)
     if gpu and not check:
         memory = _memory(result, gpu)
-    return {**result, **memory}
+    return {**result, **memory, **_info(cfg, str(dev))}
 
 
 def wattn_eager(warmup: int, steps: int, check: bool, gpu: bool, tiny: bool) -> dict[str, Any]:
-    cfg = config(gpu, tiny)
-    dev = torch_device(gpu, "Wattn eager")
-    tr = _eager_trainer(new_layer(cfg), new_sgd, torch_loss(cfg), attn_data(cfg), dev)
-    return {**_torch_run(warmup, steps, check, gpu, tr, rss=True), **_info(cfg, str(dev))}
+    return _torch(warmup, steps, check, gpu, tiny, "eager")
 
 
 def wattn_inductor(warmup: int, steps: int, check: bool, gpu: bool, tiny: bool) -> dict[str, Any]:
-    cfg = config(gpu, tiny)
-    dev = torch_device(gpu, "Wattn inductor")
-    tr = inductor_trainer(new_layer(cfg), new_sgd, torch_loss(cfg), attn_data(cfg), dev)
-    return {**_torch_run(warmup, steps, check, gpu, tr, rss=False), **_info(cfg, str(dev))}
+    return _torch(warmup, steps, check, gpu, tiny, "inductor")
 
 
 def _jax(warmup: int, steps: int, check: bool, gpu: bool, tiny: bool, impl: str) -> dict[str, Any]:
