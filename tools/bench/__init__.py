@@ -33,16 +33,38 @@ Workloads:
       enable_gqa), vocab 1024, seq 256, batch 8, W3's AdamW. As W3: steps/s, host time per step,
       compiles (target at most 2); spmd_torch also counts the CPU fallbacks (``aten::<op>``
       counters) of its steps, naming each op (target 0).
+  W7cpu  GPT-2 small's structure at tiny widths (tools/bench/cpu.py, W7gpu's model): 12 layers,
+      tied embedding, F.scaled_dot_product_attention(is_causal=True), GELU, LayerNorm, d_model
+      64, 4 heads, seq 64, batch 2, vocab 512, float32, torch.optim.AdamW with its default
+      foreach/fused choice: a step that is host work on any machine. Implementations eager, jax,
+      spmd_torch, spmd_compile. Beside the timings, each spmd_torch run reports its host time per
+      step (main thread CPU and wall), nodes per program (TensorsGraphSize), ops recorded
+      (``xla::<op>`` counters) and traced (LazyTracing) per step, compiles in the timed steps, and
+      one more step's program by part: the optimizer's nodes (and ops), the attention nodes per
+      call forward and backward. Targets (issue 32): at most 1,300 nodes per program, AdamW at
+      most 12 nodes per step, one node per attention call each way, host CPU per step at most
+      half of 132f57f's (--against a checkout of it); a figure the checkout cannot give is n/a.
+      ``--tiny``: 2 layers.
+  Wattn  one attention layer's training step at a long sequence (tools/bench/attention.py): W7's
+      attention layer (qkv projection, causal SDPA, output projection), batch 1, 8 heads x 64,
+      loss and SGD update; ms/step and peak memory. --gpu: seq 8192 in bf16; eager and inductor
+      on CUDA, jax (cuDNN attention), jax_plain (XLA's plain attention), spmd_torch; peak device
+      memory as W7gpu's. CPU: seq 4096 in fp32 (jax skipped); memory by XLA's memory analysis of
+      the compiled step for JAX and spmd_torch, the RSS growth of one step for eager. Target: on
+      CPU, spmd_torch's peak memory at most a tenth of jax_plain's. ``--tiny``: seq 256.
   W7gpu  GPT-2 small (124M params, tied embedding; tools/bench/gpu.py), seq 1024, batch 8, bf16
       autocast, AdamW: ms/step, tokens/s and peak device memory (torch.cuda.max_memory_allocated
       for torch, memory_stats()['peak_bytes_in_use'] for JAX and spmd_torch). Implementations
       eager and ``inductor`` (torch.compile's default backend) on CUDA, spmd_torch, spmd_compile
-      and hand-written JAX with donation. Only with --gpu (refused otherwise); ``--tiny`` runs a
-      small config (2 layers, d_model 64, seq 64, batch 2) on any device, CPU included, as a
-      smoke test of every implementation. Not in the default workloads without --gpu.
-  spmd_compile  (W2, W3, W6, W7gpu; tools/bench/compiled.py) the spmd_torch implementation with
-      the model's forward under ``torch.compile(model, backend='spmd_torch')`` (--compile-backend
-      picks another name) and backward, optimizer step and sync lazy as usual. Opt-in: it runs
+      and hand-written JAX with donation twice: ``jax`` with cuDNN's fused attention
+      (``implementation='cudnn'``; a skipped row, saying why, where JAX has no CUDA device) and
+      ``jax_plain`` with XLA's plain attention. Only with --gpu (refused otherwise); ``--tiny``
+      runs a small config (2 layers, d_model 64, seq 64, batch 2) on any device, CPU included, as
+      a smoke test of every implementation. Not in the default workloads without --gpu.
+  spmd_compile  (W2, W3, W6, W7cpu, W7gpu; tools/bench/compiled.py) the spmd_torch
+      implementation with the model's forward under ``torch.compile(model,
+      backend='spmd_torch')`` (--compile-backend picks another name) and backward, optimizer
+      step and sync lazy as usual. Opt-in: it runs
       only where --impls names it; where that backend is not registered, its child fails before
       its first step (a reported error row).
   Pods (tools/bench/pods.py): jobs of ``spmd_torch.distributed.run``, 2 hosts x 4 virtual CPU
@@ -59,11 +81,13 @@ Workloads:
   PodFault  host 1 of a 2x4 job SIGKILLs itself at step 3, heartbeat timeout 10 s: seconds to
       host 0's exit and its status without the launcher; to the launcher's exit with it.
 
-Host time of spmd_torch's steps (W2, W3, W3amp, W4, W6, W7gpu: the blocked timed steps; W2mp:
-its probed window) is split with public numbers read before and after: tracing (time in step()
-less the barrier), the barrier (time in sync(); for mp, all that is not tracing), and within it
-``debug.metrics.barrier_phases()`` (linearize, key, gather, lookup, dispatch, bind), compiles and
-the rest. A checkout without barrier_phases() reports its phases as n/a.
+Host time of spmd_torch's steps (W2, W3, W3amp, W4, W6, W7cpu, Wattn, W7gpu: the blocked timed
+steps; W2mp: its probed window) is split with public numbers read before and after: tracing (time
+in step() less the barrier), the barrier (time in sync(); for mp, all that is not tracing), and
+within it ``debug.metrics.barrier_phases()`` (linearize, key, gather, lookup, dispatch, bind),
+compiles and the rest. A checkout without barrier_phases() reports its phases as n/a. The same
+reads give the programs per step, their nodes (TensorsGraphSize) and the ops traced and recorded
+per step (the result's ``graph``; None where the checkout keeps none).
 
 Each (workload, implementation) pair runs in its own subprocess (``--only W3:jax``), so compile
 caches, thread pools and device peak memory never leak from one run into the next. The parent
@@ -85,6 +109,8 @@ Usage (from the repository root):
   python -m tools.bench --workloads W6 --impls eager,jax,spmd_torch,spmd_compile
   python -m tools.bench --workloads W7gpu --gpu      # GPT-2 small on one GPU
   python -m tools.bench --workloads W7gpu --tiny     # its small config on CPU: a smoke test
+  python -m tools.bench --workloads W7cpu --against /tmp/base-132f57f  # host work vs 132f57f
+  python -m tools.bench --workloads Wattn            # seq 4096 fp32 on CPU (--gpu: 8192 bf16)
   python -m tools.bench --workloads W2,W2mp --against /work/base --rounds 3  # vs another checkout
   python -m tools.bench --workloads W4pod,W2mppod,PodStart,PodFault  # pods: 2x4 against 1x8
   python -m tools.bench --only W2:jax            # one run in this process (what the parent runs)

@@ -22,6 +22,7 @@ from .workloads import (
     OPT_IN_IMPLS,
     POD_WORKLOADS,
     SPMD_IMPLS,
+    TINY_WORKLOADS,
     WORKLOADS,
 )
 
@@ -212,7 +213,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tiny",
         action="store_true",
-        help=f"{','.join(GPU_WORKLOADS)}: a small GPT-2 config, which runs on CPU (smoke test)",
+        help=f"{','.join(TINY_WORKLOADS)}: a small config, which runs on CPU (smoke test, tests)",
     )
     p.add_argument(
         "--compile-backend",

@@ -23,36 +23,6 @@ from .models import FSDP, GPT_W4_CFG, gpt_data, gpt_loss, new_adamw, new_gpt
 from .training import fsdp_mesh_size
 
 
-class _RssPeak:
-    """The largest growth of this process's resident memory while the block runs (sampled each
-    millisecond on a thread), in bytes."""
-
-    def __enter__(self) -> _RssPeak:
-        import threading
-
-        self.base = self.peak = _rss()
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._done.wait(0.001):
-            self.peak = max(self.peak, _rss())
-
-    def __exit__(self, *exc: Any) -> None:
-        self._done.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss())
-        self.growth = self.peak - self.base
-
-
-def _rss() -> int:
-    """This process's resident bytes now (Linux)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def _disk_bytes(path: str) -> int:
     """Bytes of every file under `path`: a checkpoint's size on disk."""
     return sum(
@@ -125,7 +95,7 @@ class _Timings:
         self.growth: dict[str, list[int]] = {}
 
     def timed(self, name: str, fn: Callable[[], Any]) -> None:
-        with _RssPeak() as rss:
+        with harness.RssPeak() as rss:
             t0 = harness.now()
             fn()
             elapsed = harness.now() - t0

@@ -1,24 +1,29 @@
-"""W7gpu: GPT-2 small on one GPU under bfloat16 autocast: ms/step, tokens/s, peak device memory.
+"""GPT-2 as nanoGPT writes it, one definition for every config, and W7gpu: GPT-2 small on a GPU.
 
-GPT-2 small (12 layers, d_model 768, 12 heads, vocab 50257, the embedding tied to the output
+W7gpu: GPT-2 small (12 layers, d_model 768, 12 heads, vocab 50257, the embedding tied to the output
 layer: 124M parameters), seq 1024, batch 8, the forward under bfloat16 autocast, W3's AdamW on
-float32 parameters and state. Implementations: eager PyTorch on CUDA, ``torch.compile`` with
-inductor on CUDA (the model's forward compiled, the optimizer eager), spmd_torch (lazy, under
-``spmd_torch.amp.autocast``), spmd_compile (tools/bench/compiled.py, opt-in) and hand-written
-JAX (bfloat16 operands where autocast puts them, float32 norms and loss, attention through
-``jax.nn.dot_product_attention`` with JAX's choice of implementation, parameters and optimizer
-state donated). Peak memory is ``torch.cuda.max_memory_allocated`` for the torch runs and the
-device's ``memory_stats()['peak_bytes_in_use']`` for JAX and spmd_torch.
+float32 parameters and state; ms/step, tokens/s, peak device memory. Implementations: eager
+PyTorch on CUDA, ``torch.compile`` with inductor on CUDA (the model's forward compiled, the
+optimizer eager), spmd_torch (lazy, under ``spmd_torch.amp.autocast``), spmd_compile
+(tools/bench/compiled.py, opt-in) and hand-written JAX (bfloat16 operands where autocast puts
+them, float32 norms and loss, parameters and optimizer state donated) twice: ``jax`` with
+attention through cuDNN's fused kernel (``jax.nn.dot_product_attention(implementation='cudnn')``;
+skipped, saying so, where JAX has no CUDA device) and ``jax_plain`` with XLA's plain attention
+(``implementation='xla'``: scores, mask, softmax, second matmul). Peak memory is
+``torch.cuda.max_memory_allocated`` for the torch runs and the device's
+``memory_stats()['peak_bytes_in_use']`` for JAX and spmd_torch.
 
 W7gpu runs only with --gpu. ``--tiny`` swaps in a small config (2 layers, d_model 64, seq 64,
 batch 2, vocab 512) that runs anywhere, CPU included: a smoke test of every implementation end to
-end. The models here import nothing of spmd_torch, as in models.py.
+end. W7cpu (cpu.py) runs the same model at its own sizes, in float32; Wattn (attention.py) one of
+its attention layers. The models here import nothing of spmd_torch, as in models.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,10 +33,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import compiled, harness
-from .harness import run_trainer
+from .harness import Trainer, run_trainer
 from .models import (
     _jax_cross_entropy,
     _jax_layer_norm,
+    _jax_linear,
     gpt_loss,
     jax_adamw_init,
     jax_adamw_update,
@@ -49,10 +55,11 @@ class GPT2Config:
     seq: int = 1024
     batch: int = 8
     ln_eps: float = 1e-5
+    name: str = "small"  # what reports call it
 
 
 GPT2_SMALL = GPT2Config()
-GPT2_TINY = GPT2Config(layers=2, d_model=64, heads=4, vocab=512, seq=64, batch=2)
+GPT2_TINY = GPT2Config(layers=2, d_model=64, heads=4, vocab=512, seq=64, batch=2, name="tiny")
 AUTOCAST_DTYPE = torch.bfloat16
 
 
@@ -145,68 +152,94 @@ def new_gpt2(cfg: GPT2Config) -> GPT2:
 # JAX: the same math by hand, with autocast's dtypes written out
 
 
-def jax_gpt2_loss(cfg: GPT2Config) -> Any:
-    """The loss as autocast runs it: linear layers and attention take bfloat16 operands and give
-    bfloat16 results; embeddings, the residual stream, LayerNorms and the loss stay float32."""
+def _jax_linear_in(p: dict[str, Any], name: str, x: Any, dtype: Any) -> Any:
+    """nn.Linear with its operands cast to `dtype` (autocast's rule), or as they are (None)."""
+    if dtype is None:
+        return _jax_linear(p, name, x)
+    y = x.astype(dtype) @ p[f"{name}.weight"].astype(dtype).T
+    return y + p[f"{name}.bias"].astype(dtype)
+
+
+def jax_gpt2_attention(
+    p: dict[str, Any], pre: str, x: Any, heads: int, dtype: Any, implementation: str | None
+) -> Any:
+    """GPT2Attention's math (`pre` prefixes its parameter names: ``'h.0.attn.'``, or ``''``);
+    attention through ``jax.nn.dot_product_attention`` with `implementation` ('cudnn', 'xla',
+    None: JAX's choice), linear layers as _jax_linear_in casts them."""
     import jax
     import jax.numpy as jnp
 
-    bf16 = jnp.bfloat16
+    b, t, c = x.shape
+    q, k, v = jnp.split(_jax_linear_in(p, f"{pre}c_attn", x, dtype), 3, axis=2)
+    q, k, v = (a.reshape(b, t, heads, c // heads) for a in (q, k, v))
+    y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+    return _jax_linear_in(p, f"{pre}c_proj", y.reshape(b, t, c), dtype)  # y: (b, t, heads, hd)
 
-    def linear(p: dict[str, Any], name: str, x: Any) -> Any:
-        y = x.astype(bf16) @ p[f"{name}.weight"].astype(bf16).T
-        return y + p[f"{name}.bias"].astype(bf16)
 
-    def attention(p: dict[str, Any], name: str, x: Any) -> Any:
-        b, t, c = x.shape
-        q, k, v = jnp.split(linear(p, f"{name}.c_attn", x), 3, axis=2)
-        q, k, v = (a.reshape(b, t, cfg.heads, c // cfg.heads) for a in (q, k, v))
-        y = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # (b, t, heads, head_dim)
-        return linear(p, f"{name}.c_proj", y.reshape(b, t, c))
+def jax_gpt2_loss(cfg: GPT2Config, autocast: bool, implementation: str | None) -> Any:
+    """The loss; with `autocast` as bfloat16 autocast runs it: linear layers and attention take
+    bfloat16 operands and give bfloat16 results; embeddings, the residual stream, LayerNorms and
+    the loss stay float32. Without it, all float32 (W7cpu)."""
+    import jax
+    import jax.numpy as jnp
+
+    dtype = jnp.bfloat16 if autocast else None
 
     def loss(p: dict[str, Any], idx: Any, tgt: Any) -> Any:
         x = p["wte.weight"][idx] + p["wpe.weight"][: idx.shape[1]]
         for i in range(cfg.layers):
             pre = f"h.{i}"
-            x = x + attention(p, f"{pre}.attn", _jax_layer_norm(p, f"{pre}.ln_1", x, cfg.ln_eps))
-            h = linear(p, f"{pre}.mlp.c_fc", _jax_layer_norm(p, f"{pre}.ln_2", x, cfg.ln_eps))
-            x = x + linear(p, f"{pre}.mlp.c_proj", jax.nn.gelu(h, approximate=True))
-        x = _jax_layer_norm(p, "ln_f", x, cfg.ln_eps).astype(bf16)
-        logits = (x @ p["wte.weight"].astype(bf16).T).astype(jnp.float32)
+            h = _jax_layer_norm(p, f"{pre}.ln_1", x, cfg.ln_eps)
+            x = x + jax_gpt2_attention(p, f"{pre}.attn.", h, cfg.heads, dtype, implementation)
+            h = _jax_linear_in(
+                p, f"{pre}.mlp.c_fc", _jax_layer_norm(p, f"{pre}.ln_2", x, cfg.ln_eps), dtype
+            )
+            x = x + _jax_linear_in(p, f"{pre}.mlp.c_proj", jax.nn.gelu(h, approximate=True), dtype)
+        x = _jax_layer_norm(p, "ln_f", x, cfg.ln_eps)
+        w = p["wte.weight"]
+        logits = x @ w.T if dtype is None else (x.astype(dtype) @ w.astype(dtype).T)
+        logits = logits.astype(jnp.float32)
         return _jax_cross_entropy(logits.reshape(-1, cfg.vocab), tgt.reshape(-1))
 
     return loss
 
 
+def cudnn_skip() -> dict[str, Any] | None:
+    """The result of a cuDNN attention run where JAX sees no CUDA device (None: it does): that
+    row is skipped, with the reason, and jax_plain's row stands for JAX."""
+    import jax
+
+    platform = jax.devices()[0].platform
+    if platform == "gpu":
+        return None
+    return {
+        "skipped": f"cuDNN attention needs a CUDA device (JAX runs on {platform}); "
+        "jax_plain is JAX with XLA's attention",
+        "device": str(jax.devices()[0]),
+    }
+
+
 # ------------------------------------------------------------------------------------------------
-# Runners
+# Runners of any GPT-2 config (W7gpu's here, W7cpu's in cpu.py)
 
 
 def _info(cfg: GPT2Config, model: nn.Module, device: str) -> dict[str, Any]:
-    """Fields every W7gpu result carries: the config, its tokens per step and parameter count."""
+    """Fields every GPT-2 result carries: the config, its tokens per step and parameter count."""
     return {
-        "config": "tiny" if cfg == GPT2_TINY else "small",
+        "config": cfg.name,
         "tokens_per_step": cfg.batch * cfg.seq,
         "params": sum(p.numel() for p in model.parameters()),
         "device": device,
     }
 
 
-def _torch_device(gpu: bool, who: str) -> torch.device:
-    """CUDA under --gpu (refused where torch has none: W7gpu measures the GPU), else the CPU."""
-    if gpu and not torch.cuda.is_available():
-        raise RuntimeError(f"W7gpu {who}: torch has no CUDA device (torch.cuda.is_available())")
-    return harness.eager_device(gpu)
-
-
-def w7_eager(warmup: int, steps: int, check: bool, gpu: bool, tiny: bool) -> dict[str, Any]:
-    cfg = config(tiny)
-    dev = _torch_device(gpu, "eager")
+def gpt2_eager(
+    warmup: int, steps: int, check: bool, gpu: bool, cfg: GPT2Config, autocast: torch.dtype | None
+) -> dict[str, Any]:
     model = new_gpt2(cfg)
-    result = _eager(
-        warmup, steps, check, gpu, model, new_adamw, gpt_loss, gpt2_data(cfg), AUTOCAST_DTYPE
-    )
-    return {**result, **_info(cfg, model, str(dev))}
+    data = gpt2_data(cfg)
+    result = _eager(warmup, steps, check, gpu, model, new_adamw, gpt_loss, data, autocast)
+    return {**result, **_info(cfg, model, result["device"])}
 
 
 def _dynamo_graphs() -> int:
@@ -216,49 +249,121 @@ def _dynamo_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def w7_inductor(warmup: int, steps: int, check: bool, gpu: bool, tiny: bool) -> dict[str, Any]:
-    """The forward (and with it AOTAutograd's backward) compiled by inductor; AdamW eager."""
-    cfg = config(tiny)
-    dev = _torch_device(gpu, "inductor")
-    model = new_gpt2(cfg)
+def inductor_trainer(
+    model: nn.Module,
+    opt_fn: Callable,
+    loss_fn: Callable,
+    data: tuple[np.ndarray, ...],
+    dev: torch.device,
+    autocast_dtype: torch.dtype | None = None,
+) -> Trainer:
+    """The eager trainer with the model's forward (and with it AOTAutograd's backward) compiled
+    by inductor; the optimizer stays eager. `loss_fn(model, *batch)` gets the compiled model."""
     forward = torch.compile(model)
 
-    def loss_fn(_: nn.Module, *batch: torch.Tensor) -> torch.Tensor:
-        return gpt_loss(forward, *batch)
+    def compiled_loss(_: nn.Module, *batch: torch.Tensor) -> torch.Tensor:
+        return loss_fn(forward, *batch)
 
-    tr = _eager_trainer(model, new_adamw, loss_fn, gpt2_data(cfg), dev, AUTOCAST_DTYPE)
-    tr = dataclasses.replace(tr, compiles=_dynamo_graphs)
+    tr = _eager_trainer(model, opt_fn, compiled_loss, data, dev, autocast_dtype)
+    return dataclasses.replace(tr, compiles=_dynamo_graphs)
+
+
+def gpt2_jax(
+    warmup: int,
+    steps: int,
+    check: bool,
+    cfg: GPT2Config,
+    autocast: bool,
+    implementation: str | None,
+) -> dict[str, Any]:
+    import jax
+
+    model = new_gpt2(cfg)
+    loss = jax_gpt2_loss(cfg, autocast, implementation)
+    tr = _jax_trainer(loss, jax_adamw_init, jax_adamw_update, model, gpt2_data(cfg))
+    info = _info(cfg, model, str(jax.devices()[0]))
+    return {**run_trainer(tr, warmup, steps, check), **info, "attention": implementation}
+
+
+def gpt2_spmd(
+    warmup: int,
+    steps: int,
+    check: bool,
+    cfg: GPT2Config,
+    autocast: torch.dtype | None,
+    probe: Callable[[nn.Module, torch.optim.Optimizer], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """The lazy run; with `probe`, its fields too, read by one more step it runs on the model and
+    optimizer once the timed ones are done (not under --check)."""
+    import spmd_torch
+
+    model = new_gpt2(cfg)
+    made: list = []  # the optimizer spmd_trainer makes, for the probe
+    tr = spmd_trainer(
+        model,
+        lambda m: made.append(new_adamw(m)) or made[0],
+        gpt_loss,
+        gpt2_data(cfg),
+        autocast_dtype=autocast,
+    )
+    result = harness.run_counting_fallbacks(tr, warmup, steps, check)
+    if probe is not None and not check:
+        result.update(probe(model, made[0]))
+    return {**result, **_info(cfg, model, str(spmd_torch.device()))}
+
+
+def gpt2_spmd_compile(
+    warmup: int,
+    steps: int,
+    check: bool,
+    cfg: GPT2Config,
+    autocast: torch.dtype | None,
+    backend: str,
+) -> dict[str, Any]:
+    import spmd_torch
+
+    model = new_gpt2(cfg)
+    data = gpt2_data(cfg)
+    result = compiled.run(warmup, steps, check, model, new_adamw, gpt_loss, data, backend, autocast)
+    return {**result, **_info(cfg, model, str(spmd_torch.device()))}
+
+
+def torch_device(gpu: bool, who: str) -> torch.device:
+    """CUDA under --gpu (refused where torch has none: the run, `who`, is sized for a GPU), else
+    the CPU."""
+    if gpu and not torch.cuda.is_available():
+        raise RuntimeError(f"{who}: torch has no CUDA device (torch.cuda.is_available())")
+    return harness.eager_device(gpu)
+
+
+def w7_eager(warmup: int, steps: int, check: bool, gpu: bool, tiny: bool) -> dict[str, Any]:
+    torch_device(gpu, "W7gpu eager")
+    return gpt2_eager(warmup, steps, check, gpu, config(tiny), AUTOCAST_DTYPE)
+
+
+def w7_inductor(warmup: int, steps: int, check: bool, gpu: bool, tiny: bool) -> dict[str, Any]:
+    cfg = config(tiny)
+    dev = torch_device(gpu, "W7gpu inductor")
+    model = new_gpt2(cfg)
+    tr = inductor_trainer(model, new_adamw, gpt_loss, gpt2_data(cfg), dev, AUTOCAST_DTYPE)
     return {**run_trainer(tr, warmup, steps, check), **_info(cfg, model, str(dev))}
 
 
 def w7_jax(warmup: int, steps: int, check: bool, gpu: bool, tiny: bool) -> dict[str, Any]:
-    import jax
+    """Attention through cuDNN's fused kernel (skipped where JAX has no CUDA device)."""
+    return cudnn_skip() or gpt2_jax(warmup, steps, check, config(tiny), True, "cudnn")
 
-    cfg = config(tiny)
-    model = new_gpt2(cfg)
-    tr = _jax_trainer(jax_gpt2_loss(cfg), jax_adamw_init, jax_adamw_update, model, gpt2_data(cfg))
-    return {**run_trainer(tr, warmup, steps, check), **_info(cfg, model, str(jax.devices()[0]))}
+
+def w7_jax_plain(warmup: int, steps: int, check: bool, gpu: bool, tiny: bool) -> dict[str, Any]:
+    """Attention as XLA's plain composition (scores, mask, softmax, second matmul)."""
+    return gpt2_jax(warmup, steps, check, config(tiny), True, "xla")
 
 
 def w7_spmd(warmup: int, steps: int, check: bool, gpu: bool, tiny: bool) -> dict[str, Any]:
-    import spmd_torch
-
-    cfg = config(tiny)
-    model = new_gpt2(cfg)
-    tr = spmd_trainer(model, new_adamw, gpt_loss, gpt2_data(cfg), autocast_dtype=AUTOCAST_DTYPE)
-    result = harness.run_counting_fallbacks(tr, warmup, steps, check)
-    return {**result, **_info(cfg, model, str(spmd_torch.device()))}
+    return gpt2_spmd(warmup, steps, check, config(tiny), AUTOCAST_DTYPE)
 
 
 def w7_spmd_compile(
     warmup: int, steps: int, check: bool, gpu: bool, tiny: bool, backend: str = compiled.BACKEND
 ) -> dict[str, Any]:
-    import spmd_torch
-
-    cfg = config(tiny)
-    model = new_gpt2(cfg)
-    data = gpt2_data(cfg)
-    result = compiled.run(
-        warmup, steps, check, model, new_adamw, gpt_loss, data, backend, AUTOCAST_DTYPE
-    )
-    return {**result, **_info(cfg, model, str(spmd_torch.device()))}
+    return gpt2_spmd_compile(warmup, steps, check, config(tiny), AUTOCAST_DTYPE, backend)

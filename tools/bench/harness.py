@@ -148,6 +148,7 @@ def run_trainer(tr: Trainer, warmup: int, steps: int, check: bool) -> dict[str, 
         "barrier_ms": statistics.median(barriers) * 1e3 if barriers else None,
         "barrier_cpu_ms": statistics.median(barriers_cpu) * 1e3 if barriers_cpu else None,
         "host_ms": host_breakdown(window, sum(window["host_s"]) - sum(barriers)) if spmd else None,
+        "graph": graph_per_step(window) if spmd else None,
         "loss_first": tr.loss_value(losses[0]),
         "loss_last": tr.loss_value(losses[-1]),
         "warmup": warmup,
@@ -214,16 +215,52 @@ def median_per_op(run: Callable[[], float], warmup: int, reps: int, n_ops: int) 
 
 
 def read_probe() -> dict[str, Any]:
-    """CompileTime's total and the barrier's phases so far ({phase: (samples, ns)}); phases are
-    None where the spmd_torch imported (an older checkout) has no barrier_phases()."""
+    """CompileTime's total and the barrier's phases so far ({phase: (samples, ns)}); the programs
+    run and their nodes (TensorsGraphSize's samples and sum), the ops traced (LazyTracing's
+    samples) and recorded (the sum of the ``xla::<op>`` counters). Each is None where the
+    spmd_torch imported (an older checkout) does not keep it."""
     import spmd_torch.debug.metrics as met
 
     compiled = met.metric_data("CompileTime")
     phases = getattr(met, "barrier_phases", None)
+    graphs, traced = met.metric_data("TensorsGraphSize"), met.metric_data("LazyTracing")
     return {
         "compile_ns": 0.0 if compiled is None else compiled[1],
         "phases": None if phases is None else {k: tuple(v) for k, v in phases().items()},
+        "graphs": None if graphs is None else graphs[:2],
+        "traced": None if traced is None else traced[0],
+        "recorded": recorded_ops(),
     }
+
+
+def recorded_ops() -> int | None:
+    """Ops recorded into graphs so far: the sum of the ``xla::<op>`` counters (None: none)."""
+    import spmd_torch.debug.metrics as met
+
+    ops = [n for n in met.counter_names() if n.startswith("xla::")]
+    return sum(met.counter_value(n) or 0 for n in ops) if ops else None
+
+
+def graph_per_step(window: dict[str, Any]) -> dict[str, float | None]:
+    """Per step of a probed window: programs run, their mean node count, ops traced and ops
+    recorded (read_probe's numbers; None where that checkout keeps none)."""
+    before, after = window["before"], window["after"]
+    n = len(window["host_s"])
+
+    def per_step(key: str) -> float | None:
+        if before.get(key) is None or after.get(key) is None:
+            return None
+        return (after[key] - before[key]) / n
+
+    out = {"programs": None, "nodes_per_program": None}
+    if before.get("graphs") is not None and after.get("graphs") is not None:
+        programs = after["graphs"][0] - before["graphs"][0]
+        nodes = after["graphs"][1] - before["graphs"][1]
+        out = {
+            "programs": programs / n,
+            "nodes_per_program": nodes / programs if programs else None,
+        }
+    return {**out, "traced_ops": per_step("traced"), "recorded_ops": per_step("recorded")}
 
 
 def host_breakdown(window: dict[str, Any], trace_s: float) -> dict[str, Any]:
@@ -344,6 +381,48 @@ def program_bytes(compiled: Any) -> int | None:
         + stats.output_size_in_bytes
         - stats.alias_size_in_bytes
     )
+
+
+def spmd_program_bytes() -> int | None:
+    """The memory analysis of the last program spmd_torch compiled: the steady-state step, once
+    the timed steps ran (an engine read, there is no public handle on a compiled program); None
+    where the checkout imported keeps its executables elsewhere."""
+    from spmd_torch._lazy import engine
+
+    cache = getattr(engine.current(), "cache", None)
+    executables = list(getattr(cache, "executables", {}).values())
+    compiled = getattr(executables[-1], "compiled", None) if executables else None
+    return None if compiled is None else program_bytes(compiled)
+
+
+class RssPeak:
+    """The largest growth of this process's resident memory while the block runs (sampled each
+    millisecond on a thread), in bytes: host memory, where no allocator keeps a peak."""
+
+    def __enter__(self) -> RssPeak:
+        import threading
+
+        self.base = self.peak = rss_bytes()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.001):
+            self.peak = max(self.peak, rss_bytes())
+
+    def __exit__(self, *exc: Any) -> None:
+        self._done.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+        self.growth = self.peak - self.base
+
+
+def rss_bytes() -> int:
+    """This process's resident bytes now (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 # ------------------------------------------------------------------------------------------------

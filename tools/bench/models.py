@@ -215,10 +215,14 @@ def new_adamw(model: nn.Module) -> torch.optim.Optimizer:
 
 
 def jax_params(model: nn.Module) -> dict[str, Any]:
-    """Copies the torch initial weights, so all three implementations start from one point."""
+    """Copies the torch initial weights, so all three implementations start from one point, in
+    their dtype (bfloat16 through float32: numpy has none)."""
     import jax.numpy as jnp
 
-    return {k: jnp.asarray(v.detach().cpu().numpy()) for k, v in model.named_parameters()}
+    def copy(v: torch.Tensor) -> Any:
+        return jnp.asarray(v.detach().cpu().float().numpy()).astype(str(v.dtype)[len("torch.") :])
+
+    return {k: copy(v) for k, v in model.named_parameters()}
 
 
 def _jax_linear(p: dict[str, Any], name: str, x: Any) -> Any:

@@ -8,9 +8,14 @@ between implementations are this checkout's; ``against`` sets the two checkouts 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from typing import Any
 
-from . import pods
+from . import attention, pods
+from .cpu import BASE
+from .cpu import TARGETS as W7CPU_TARGETS
+from .cpu import config as w7cpu_config
+from .gpu import GPT2Config
 from .gpu import config as gpt2_config
 from .llama import LLAMA_CFG
 from .models import CHAIN, FSDP, GPT_W4_CFG
@@ -78,13 +83,41 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
 
 
 def _print_errors(results: Results) -> None:
+    """Why each run that failed or was skipped has no figures."""
     for label, r in results.items():
-        if "error" in r:
-            print(f"  {label} error: {r['error']}")
+        for what in ("error", "skipped"):
+            if what in r:
+                print(f"  {label} {what}: {r[what]}")
 
 
 def _ok(results: Results) -> Results:
-    return {label: r for label, r in results.items() if "error" not in r}
+    """The runs with figures: neither failed nor skipped (a cuDNN row where JAX has no GPU)."""
+    return {label: r for label, r in results.items() if "error" not in r and "skipped" not in r}
+
+
+def _rows(results: Results, columns: int, cells: Callable[[dict[str, Any]], list[str]]) -> list:
+    """A table row per run: its label, then `cells(result)`; for a run without figures (failed,
+    or skipped) why it has none."""
+    rows = []
+    for label, r in results.items():
+        why = next((what for what in ("error", "skipped") if what in r), None)
+        rows.append([label, *cells(r)] if why is None else [label, why] + [""] * (columns - 2))
+    return rows
+
+
+def _compiles(r: dict[str, Any]) -> str:
+    """Programs compiled over the run, those in its timed steps in brackets."""
+    if r["compiles_total"] is None:
+        return "-"
+    return f"{r['compiles_total']} ({fmt(r['compiles_in_timed'])})"
+
+
+def _gpt2_sizes(cfg: GPT2Config, ok: Results) -> str:
+    params = next((r["params"] for r in ok.values() if "params" in r), None)
+    return (
+        f"{cfg.layers}L d{cfg.d_model} {cfg.heads}H vocab {cfg.vocab}, "
+        f"{fmt(params and params / 1e6, '.2f')}M params, seq {cfg.seq} batch {cfg.batch}"
+    )
 
 
 def _host_line(label: str, h: dict[str, Any]) -> str:
@@ -164,8 +197,11 @@ def report_w1(results: Results) -> dict[str, Any]:
     return ratios
 
 
-def report_training(workload: str, results: Results, gpu: bool) -> dict[str, Any]:
-    """W2, W3, W3amp, W4: steps/s of blocked steps (median), pipelined, compiles, memory."""
+def report_training(
+    workload: str, results: Results, gpu: bool, title: str | None = None
+) -> dict[str, Any]:
+    """W2, W3, W3amp, W4, W7cpu: steps/s of blocked steps (median), pipelined, compiles,
+    memory; `title` says what ran (default: TITLES')."""
     headers = [
         "impl",
         "device",
@@ -177,30 +213,21 @@ def report_training(workload: str, results: Results, gpu: bool) -> dict[str, Any
         "peak mem",
         "loss first→last",
     ]
-    rows = []
-    for label, r in results.items():
-        if "error" in r:
-            rows.append([label, "error"] + [""] * (len(headers) - 2))
-            continue
-        compiles = (
-            "-"
-            if r["compiles_total"] is None
-            else f"{r['compiles_total']} ({fmt(r['compiles_in_timed'])})"
-        )
-        rows.append(
-            [
-                label,
-                r["device"],
-                fmt(r["steps_per_s"], ".2f"),
-                fmt(r["median_step_s"] * 1e3, ".1f"),
-                fmt(r["pipelined_steps_per_s"], ".2f"),
-                fmt(r["first_step_s"], ".2f"),
-                compiles,
-                _fmt_bytes(r["peak_bytes"], gpu),
-                f"{r['loss_first']:.4f}→{r['loss_last']:.4f}",
-            ]
-        )
-    print(f"\n{workload} {TITLES[workload]}")
+    rows = _rows(
+        results,
+        len(headers),
+        lambda r: [
+            r["device"],
+            fmt(r["steps_per_s"], ".2f"),
+            fmt(r["median_step_s"] * 1e3, ".1f"),
+            fmt(r["pipelined_steps_per_s"], ".2f"),
+            fmt(r["first_step_s"], ".2f"),
+            _compiles(r),
+            _fmt_bytes(r["peak_bytes"], gpu),
+            f"{r['loss_first']:.4f}→{r['loss_last']:.4f}",
+        ],
+    )
+    print(f"\n{workload} {title or TITLES[workload]}")
     print(_table(headers, rows))
     _print_errors(results)
     ratios = _speed_ratios(workload, results, "steps/s")
@@ -268,50 +295,158 @@ def report_w7gpu(results: Results, gpu: bool) -> dict[str, Any]:
         "peak mem",
         "loss first→last",
     ]
-    rows = []
-    for label, r in results.items():
-        if "error" in r:
-            rows.append([label, "error"] + [""] * (len(headers) - 2))
-            continue
-        tokens = r["tokens_per_step"]
-        compiles = (
-            "-"
-            if r["compiles_total"] is None
-            else f"{r['compiles_total']} ({fmt(r['compiles_in_timed'])})"
-        )
-        rows.append(
-            [
-                label,
-                r["device"],
-                fmt(r["median_step_s"] * 1e3, ".1f"),
-                fmt(tokens * r["steps_per_s"], ".0f"),
-                fmt(tokens * r["pipelined_steps_per_s"], ".0f"),
-                fmt(r["first_step_s"], ".2f"),
-                compiles,
-                _fmt_bytes(r["peak_bytes"], gpu),
-                f"{r['loss_first']:.4f}→{r['loss_last']:.4f}",
-            ]
-        )
+    rows = _rows(
+        results,
+        len(headers),
+        lambda r: [
+            r["device"],
+            fmt(r["median_step_s"] * 1e3, ".1f"),
+            fmt(r["tokens_per_step"] * r["steps_per_s"], ".0f"),
+            fmt(r["tokens_per_step"] * r["pipelined_steps_per_s"], ".0f"),
+            fmt(r["first_step_s"], ".2f"),
+            _compiles(r),
+            _fmt_bytes(r["peak_bytes"], gpu),
+            f"{r['loss_first']:.4f}→{r['loss_last']:.4f}",
+        ],
+    )
     ok = _ok(results)
     tiny = any(r.get("config") == "tiny" for r in ok.values())
-    cfg = gpt2_config(tiny)
-    params = next((r["params"] for r in ok.values()), None)
-    print(
-        f"\nW7gpu GPT-2 {'tiny (--tiny)' if tiny else 'small'}: {cfg.layers}L d{cfg.d_model} "
-        f"{cfg.heads}H vocab {cfg.vocab}, {fmt(params and params / 1e6, '.1f')}M params, seq "
-        f"{cfg.seq} batch {cfg.batch}, bf16 autocast, AdamW"
-    )
+    sizes = _gpt2_sizes(gpt2_config(tiny), ok)
+    print(f"\nW7gpu GPT-2 {'tiny (--tiny)' if tiny else 'small'}: {sizes}, bf16 autocast, AdamW")
     print(_table(headers, rows))
     _print_errors(results)
+    print("  attention: jax through cuDNN's fused kernel, jax_plain XLA's plain attention")
     ratios = _speed_ratios("W7gpu", results, "tokens/s")
     peak = {label: r.get("peak_bytes") for label, r in results.items()}
-    ratios["spmd_peak_over_jax"] = ratio(peak.get("spmd_torch"), peak.get("jax"))
+    for jax in ("jax", "jax_plain"):
+        ratios[f"spmd_peak_over_{jax}"] = ratio(peak.get("spmd_torch"), peak.get(jax))
     if gpu:
         print(
             f"  peak memory spmd_torch/jax: {fmt(ratios['spmd_peak_over_jax'], '.2f', 'x')} "
-            f"(target ≤ 1.1x)"
+            f"(target ≤ 1.1x), spmd_torch/jax_plain: "
+            f"{fmt(ratios['spmd_peak_over_jax_plain'], '.2f', 'x')}"
         )
     _print_targets("W7gpu", results)
+    _print_host_lines(ok)
+    return ratios
+
+
+def report_w7cpu(results: Results, gpu: bool) -> dict[str, Any]:
+    """W7cpu: report_training's table, then each spmd_torch run's host work against its targets:
+    host time per step, nodes per program, ops per step, and one step's program by part."""
+    ok = _ok(results)
+    tiny = any(r.get("config") == "tiny" for r in ok.values())
+    cfg = w7cpu_config(tiny)
+    title = (
+        f"GPT-2 small's structure at tiny widths{' (--tiny)' if tiny else ''}: "
+        f"{_gpt2_sizes(cfg, ok)}, float32, torch.optim.AdamW with its defaults"
+    )
+    ratios = report_training("W7cpu", results, gpu, title)
+    for label, r in ok.items():
+        if impl_of(label) in SPMD_IMPLS:
+            _print_host_work(label, r, cfg.layers)
+    return ratios
+
+
+def _at_most(value: float | None, most: float) -> str:
+    return "n/a" if value is None else _met(value <= most)
+
+
+def _print_host_work(label: str, r: dict[str, Any], layers: int) -> None:
+    """W7cpu's figures of one spmd_torch run, each beside its target (n/a: that checkout does
+    not keep what it is read from)."""
+    t, h, g = W7CPU_TARGETS, r.get("host_ms") or {}, r.get("graph") or {}
+    nodes = g.get("nodes_per_program")
+    print(
+        f"  {label} host ms/step: CPU {fmt(h.get('host_cpu'), '.1f')}, wall "
+        f"{fmt(h.get('host'), '.1f')} (main thread, blocked steps; target: CPU at most "
+        f"{t['host_cpu_over_base']:g}x {BASE}'s, side by side with --against)"
+    )
+    print(
+        f"  {label} nodes/program {fmt(nodes, '.0f')} (target ≤ {t['nodes_per_program']}): "
+        f"{_at_most(nodes, t['nodes_per_program'])}; programs/step {fmt(g.get('programs'), '.3g')}"
+        f", ops/step recorded {fmt(g.get('recorded_ops'), '.0f')} (xla:: counters), traced "
+        f"{fmt(g.get('traced_ops'), '.0f')} (LazyTracing); compiles in the timed steps "
+        f"{fmt(r.get('compiles_in_timed'))}"
+    )
+    parts = r.get("parts")
+    if not parts:
+        print(f"  {label} one step by part: n/a (no debug.graph.pending_program in that checkout)")
+        return
+    n, most = parts["nodes"], t["optimizer_nodes"]
+    print(
+        f"  {label} one step's nodes by part: forward {n['forward']}, backward {n['backward']}, "
+        f"optimizer {n['optimizer']} (AdamW; target ≤ {most}): {_at_most(n['optimizer'], most)}; "
+        f"optimizer.step() recorded {fmt(parts['optimizer_recorded_ops'], '.0f')} ops"
+    )
+    per_call, most = parts["attention_per_call"], t["attention_nodes_per_call"]
+    ways = "; ".join(
+        f"{way} {per_call[way]:g} ("
+        + (", ".join(f"{op} x{c}" for op, c in parts["attention"][way].items()) or "none")
+        + ")"
+        for way in per_call
+    )
+    print(
+        f"  {label} attention nodes per call ({layers} calls): {ways} (target {most} each way): "
+        f"{_at_most(max(per_call.values()), most)}"
+    )
+    if parts["compiles"]:
+        print(f"  {label} (its step by part compiled {parts['compiles']}: not the timed program)")
+
+
+def report_wattn(results: Results, gpu: bool) -> dict[str, Any]:
+    """Wattn: ms/step, compiles and peak memory (what each form measures it by) per
+    implementation, each's memory over plain attention's (jax_plain), and the CPU target."""
+    headers = [
+        "impl",
+        "device",
+        "ms/step",
+        "pipelined ms/step",
+        "first step s",
+        "compiles (timed)",
+        "peak memory",
+        "measured as",
+        "loss first→last",
+    ]
+    rows = _rows(
+        results,
+        len(headers),
+        lambda r: [
+            r["device"],
+            fmt(r["median_step_s"] * 1e3, ".1f"),
+            fmt(1e3 / r["pipelined_steps_per_s"], ".1f"),
+            fmt(r["first_step_s"], ".2f"),
+            _compiles(r),
+            _fmt_mib(r["memory_bytes"]),
+            r["memory_kind"],
+            f"{r['loss_first']:.6g}→{r['loss_last']:.6g}",
+        ],
+    )
+    ok = _ok(results)
+    cfg = attention.config(gpu, any("tiny" in r.get("config", "") for r in ok.values()))
+    print(
+        f"\nWattn one attention layer's training step (GPT-2's: qkv projection, causal SDPA, "
+        f"output projection; loss: mean |y|²; SGD): seq {cfg.seq}, batch {cfg.batch}, {cfg.heads} "
+        f"heads x {cfg.head_dim}, {cfg.dtype} ({cfg.form} form)"
+    )
+    print(_table(headers, rows))
+    _print_errors(results)
+    ratios = _speed_ratios("Wattn", results, "steps/s")
+    plain = ok.get("jax_plain", {}).get("memory_bytes")
+    shown = []
+    for label, r in ok.items():
+        if label != "jax_plain":
+            ratios[f"{label}_memory_over_jax_plain"] = mine = ratio(r["memory_bytes"], plain)
+            shown.append(f"{label} {fmt(mine, '.3f', 'x')}")
+    print(f"  peak memory over jax_plain's (plain attention): {', '.join(shown)}")
+    if not gpu:
+        for label in (lb for lb in ok if impl_of(lb) == "spmd_torch"):
+            mine = ratios[f"{label}_memory_over_jax_plain"]
+            print(
+                f"  {label} peak memory {fmt(mine, '.3f', 'x')} plain attention's (target ≤ "
+                f"{attention.MEMORY_TARGET:g}x on CPU): {_at_most(mine, attention.MEMORY_TARGET)}"
+            )
+    _print_targets("Wattn", results)
     _print_host_lines(ok)
     return ratios
 
@@ -637,9 +772,10 @@ def report_check(workload: str, results: Results) -> dict[str, Any]:
     print(f"\n{workload} check ({what})")
     width = max(11, *map(len, results))
     for label, r in results.items():
-        shown = (
-            "error: " + r["error"] if "error" in r else ", ".join(f"{v:.6f}" for v in r["losses"])
-        )
+        if "losses" in r:
+            shown = ", ".join(f"{v:.6f}" for v in r["losses"])
+        else:
+            shown = next(f"{what}: {r[what]}" for what in ("error", "skipped") if what in r)
         print(f"  {label:<{width}} {shown}")
     for name, p in pairs.items():
         print(f"  max |diff| {name}: {p['max_abs_diff']:.3g} {'OK' if p['ok'] else 'MISMATCH'}")
@@ -664,6 +800,10 @@ def report_round(workload: str, results: Results, check: bool, gpu: bool) -> dic
         entry["ratios"] = report_w2mp(results)
     elif workload in GPU_WORKLOADS:
         entry["ratios"] = report_w7gpu(results, gpu)
+    elif workload == "W7cpu":
+        entry["ratios"] = report_w7cpu(results, gpu)
+    elif workload == "Wattn":
+        entry["ratios"] = report_wattn(results, gpu)
     elif workload == "W5":
         ratios = {label: report_w5(label, r) for label, r in results.items()}
         entry["ratios"] = ratios.get("spmd_torch", {})
@@ -695,6 +835,25 @@ _COMPARED = {
     "W1": (
         ("trace µs/op", "trace_us_per_op"),
         ("sync ms", "sync_ms"),
+        ("compiles", "compiles_total"),
+    ),
+    "W7cpu": (
+        ("host CPU ms/step", "host_ms.host_cpu"),
+        ("host ms/step", "host_ms.host"),
+        ("  tracing ms/step", "host_ms.trace"),
+        ("  barrier ms/step", "host_ms.barrier"),
+        ("nodes/program", "graph.nodes_per_program"),
+        ("ops recorded/step", "graph.recorded_ops"),
+        ("ops traced/step", "graph.traced_ops"),
+        ("optimizer nodes", "parts.nodes.optimizer"),
+        ("attention nodes/call fwd", "parts.attention_per_call.forward"),
+        ("attention nodes/call bwd", "parts.attention_per_call.backward"),
+        ("compiles (timed)", "compiles_in_timed"),
+    ),
+    "Wattn": (
+        ("s/step", "median_step_s"),
+        ("peak memory bytes", "memory_bytes"),
+        ("host ms/step", "host_ms.host"),
         ("compiles", "compiles_total"),
     ),
     "W5": (
@@ -748,5 +907,11 @@ def report_against(
             f"round(s)"
         )
         print(_table(["measure", own, other, f"{own}/{other}"], rows))
+        if workload == "W7cpu":
+            cpu, most = values["host_ms.host_cpu"]["ratio"], W7CPU_TARGETS["host_cpu_over_base"]
+            print(
+                f"  host CPU per step {own}/{other}: {fmt(cpu, '.2f', 'x')} (target ≤ {most:g}x "
+                f"with {other} a checkout of {BASE}): {_at_most(cpu, most)}"
+            )
         out[impl] = values
     return out

@@ -164,9 +164,11 @@ def _jax_trainer(
     data: tuple[np.ndarray, ...],
     mesh: Any = None,
     state: dict | None = None,
+    analyse: bool = False,
 ) -> Trainer:
     """Single-device (W2, W3) or, given a mesh, W4's FSDP placement of params, state and batch;
-    ``state`` (if given) is filled with the live params and optimizer state."""
+    ``state`` (if given) is filled with the live params and optimizer state. With a mesh, or
+    `analyse`, the trainer also reads XLA's memory analysis of the step (one more compile)."""
     import jax
 
     devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
@@ -202,7 +204,7 @@ def _jax_trainer(
         compiles=compiles,
         peak_bytes=lambda: harness.jax_peak(devices),
         param_bytes=(lambda: None) if mesh is None else lambda: _jax_param_bytes(state["params"]),
-        program_bytes=(lambda: None) if mesh is None else compiled_bytes,
+        program_bytes=compiled_bytes if mesh is not None or analyse else lambda: None,
     )
 
 
@@ -368,15 +370,6 @@ def _spmd_fsdp_shard(n: int) -> Callable[[nn.Module, list[torch.Tensor]], None]:
     return shard
 
 
-def _spmd_program_bytes() -> int | None:
-    """The memory analysis of the last program compiled: W4's steady-state step (an engine read:
-    there is no public handle on a compiled program)."""
-    from spmd_torch._lazy import engine
-
-    executables = list(engine.current().cache.executables.values())
-    return harness.program_bytes(executables[-1].compiled) if executables else None
-
-
 def _spmd_param_bytes(model: nn.Module) -> tuple[int, int]:
     """Bytes of device 0's shards of the parameters' device arrays, and the params' total."""
     from spmd_torch._lazy.execute import global_array
@@ -418,7 +411,7 @@ def w4_spmd(warmup: int, steps: int, check: bool, gpu: bool) -> dict[str, Any]:
         tr,
         peak_bytes=lambda: harness.jax_peak(jax.devices()[:n]),
         param_bytes=lambda: _spmd_param_bytes(model),
-        program_bytes=_spmd_program_bytes,
+        program_bytes=harness.spmd_program_bytes,
     )
     result = run_trainer(tr, warmup, steps, check)
     return {**result, **fsdp_info(n), **_state_bytes_fields(*_spmd_state_bytes(made[0]))}

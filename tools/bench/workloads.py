@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from . import chain, checkpoint, compiled, gpu, llama, mp, pods, training
+from . import attention, chain, checkpoint, compiled, cpu, gpu, llama, mp, pods, training
 from .models import FSDP
 
 # Workloads run as jobs of spmd_torch.distributed.run (tools/bench/pods.py): always on the
@@ -14,8 +14,15 @@ from .models import FSDP
 POD_WORKLOADS = ("W4pod", "W2mppod", "PodStart", "PodFault")
 # Workloads sized for a GPU: refused without --gpu, except in their --tiny config (CPU smoke test).
 GPU_WORKLOADS = ("W7gpu",)
-WORKLOADS = ("W1", "W2", "W3", "W3amp", "W4", "W2mp", "W5", "W6") + GPU_WORKLOADS + POD_WORKLOADS
-IMPLS = ("eager", "jax", "spmd_torch", "mp", "inductor", "spmd_compile")
+# Workloads with a small config under --tiny (what tests run); Wattn's other forms: --gpu or not.
+TINY_WORKLOADS = GPU_WORKLOADS + ("W7cpu", "Wattn")
+WORKLOADS = (
+    ("W1", "W2", "W3", "W3amp", "W4", "W2mp", "W5", "W6", "W7cpu", "Wattn")
+    + GPU_WORKLOADS
+    + POD_WORKLOADS
+)
+# jax_plain: hand-written JAX with XLA's plain attention, beside jax's cuDNN attention.
+IMPLS = ("eager", "jax", "jax_plain", "spmd_torch", "mp", "inductor", "spmd_compile")
 # The implementations that import spmd_torch: the ones --against runs in the other checkout too.
 SPMD_IMPLS = ("spmd_torch", "mp", "spmd_compile")
 # Implementations that run only where --impls names them: spmd_compile, on spmd_torch's new
@@ -27,7 +34,9 @@ WORKLOAD_IMPLS = {
     "W2": ("eager", "jax", "spmd_torch", "spmd_compile"),
     "W3": ("eager", "jax", "spmd_torch", "spmd_compile"),
     "W6": ("eager", "jax", "spmd_torch", "spmd_compile"),
-    "W7gpu": ("eager", "inductor", "jax", "spmd_torch", "spmd_compile"),
+    "W7cpu": ("eager", "jax", "spmd_torch", "spmd_compile"),
+    "W7gpu": ("eager", "inductor", "jax", "jax_plain", "spmd_torch", "spmd_compile"),
+    "Wattn": ("eager", "inductor", "jax", "jax_plain", "spmd_torch"),
     "W3amp": ("eager", "spmd_torch"),
     "W4": ("jax", "spmd_torch"),
     "W2mp": ("mp", "spmd_torch"),
@@ -42,6 +51,7 @@ IMPL_ALIASES = {
     "eager": "eager",
     "torch": "eager",
     "jax": "jax",
+    "jax_plain": "jax_plain",
     "spmd": "spmd_torch",
     "spmd_torch": "spmd_torch",
     "mp": "mp",
@@ -61,6 +71,8 @@ DEFAULT_STEPS = {
     "W2mp": (5, 50),
     "W5": (1, 5),
     "W6": (3, 10),
+    "W7cpu": (3, 10),
+    "Wattn": (1, 2),
     "W7gpu": (3, 10),
     "W4pod": (3, 10),
     "W2mppod": (5, 50),
@@ -70,8 +82,9 @@ DEFAULT_STEPS = {
 CHECK_STEPS = 3
 # Losses of the three implementations must agree to this relative tolerance under --check.
 CHECK_RTOL = 1e-4
-# bfloat16 workloads: one bf16 ulp (2**-8 to 2**-7 of a value) between two implementations' roundings.
-CHECK_RTOL_OF = {"W3amp": 8e-3, "W7gpu": 8e-3}
+# bfloat16 workloads (Wattn: its --gpu form): one bf16 ulp (2**-8 to 2**-7 of a value) between
+# two implementations' roundings.
+CHECK_RTOL_OF = {"W3amp": 8e-3, "W7gpu": 8e-3, "Wattn": 8e-3}
 # At most this many programs compiled over a whole run, where a workload sets a target.
 MAX_COMPILES = {"W6": 2}
 
@@ -103,8 +116,18 @@ RUNNERS: dict[tuple[str, str], Runner] = {
     ("W7gpu", "eager"): gpu.w7_eager,
     ("W7gpu", "inductor"): gpu.w7_inductor,
     ("W7gpu", "jax"): gpu.w7_jax,
+    ("W7gpu", "jax_plain"): gpu.w7_jax_plain,
     ("W7gpu", "spmd_torch"): gpu.w7_spmd,
     ("W7gpu", "spmd_compile"): gpu.w7_spmd_compile,
+    ("W7cpu", "eager"): cpu.w7cpu_eager,
+    ("W7cpu", "jax"): cpu.w7cpu_jax,
+    ("W7cpu", "spmd_torch"): cpu.w7cpu_spmd,
+    ("W7cpu", "spmd_compile"): cpu.w7cpu_spmd_compile,
+    ("Wattn", "eager"): attention.wattn_eager,
+    ("Wattn", "inductor"): attention.wattn_inductor,
+    ("Wattn", "jax"): attention.wattn_jax,
+    ("Wattn", "jax_plain"): attention.wattn_jax_plain,
+    ("Wattn", "spmd_torch"): attention.wattn_spmd,
     ("W4pod", "spmd_torch"): pods.w4pod,
     ("W2mppod", "mp"): pods.w2mppod,
     ("PodStart", "spmd_torch"): pods.pod_start,
@@ -135,7 +158,7 @@ def refuse_gpu_only(names: list[str], gpu: bool, tiny: bool) -> None:
 def runner_options(workload: str, impl: str, args: argparse.Namespace) -> dict[str, Any]:
     """Keyword arguments of the pair's runner beyond (warmup, steps, check, gpu)."""
     options: dict[str, Any] = {}
-    if workload in GPU_WORKLOADS:
+    if workload in TINY_WORKLOADS:
         options["tiny"] = args.tiny
     if impl == "spmd_compile":
         options["backend"] = args.compile_backend

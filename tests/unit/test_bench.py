@@ -1,0 +1,133 @@
+"""tools/bench: W7cpu and Wattn end to end in their tiny forms (a parent run each, its children on
+the CPU), their report fields read back from BENCH_JSON, and the reports' n/a and skipped rows."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from tools.bench import attention, gpu, harness, report
+
+_ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _run(tmp_path: pathlib.Path, workload: str, impls: str) -> tuple[dict, str]:
+    """One parent run of `workload`, tiny, 1 warm-up and 2 timed steps: (BENCH_JSON, stdout)."""
+    path = tmp_path / "summary.json"
+    argv = ["--workloads", workload, "--tiny", "--steps", "2", "--warmup", "1"]
+    argv += ["--impls", impls, "--json", str(path)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "tools.bench", *argv],
+        cwd=_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(path.read_text()), proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_w7cpu_tiny_reports_host_work(tmp_path):
+    """spmd_torch only: eager and jax run gpu.py's GPT-2 paths, which W7gpu --tiny runs too."""
+    summary, out = _run(tmp_path, "W7cpu", "jax_plain,spmd_torch")
+    results = summary["results"]["W7cpu"]
+    assert "spmd_torch" in results and results["skipped"] == ["jax_plain"]
+    r = results["spmd_torch"]
+    assert r["spmd_file"].startswith(str(_ROOT))
+    assert r["host_ms"]["host_cpu"] > 0 and r["host_ms"]["host"] > 0
+    assert isinstance(r["compiles_in_timed"], int)
+    graph, parts = r["graph"], r["parts"]
+    assert graph["programs"] == 1 and graph["recorded_ops"] > 0 and graph["traced_ops"] > 0
+    # TensorsGraphSize of the timed steps and the probed step's pending program: one program.
+    assert parts["nodes"]["total"] == graph["nodes_per_program"]
+    assert (
+        sum(parts["nodes"][k] for k in ("forward", "backward", "optimizer"))
+        == graph["nodes_per_program"]
+    )
+    assert parts["optimizer_recorded_ops"] > 0 and parts["compiles"] == 0
+    assert all(n >= 1 for n in parts["attention_per_call"].values())
+    assert "nodes/program" in out and "attention nodes per call (2 calls)" in out
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_wattn_tiny_reports_memory(tmp_path):
+    """Each way of reading memory: RSS (eager), compiled (jax_plain, spmd_torch); jax (cuDNN) is
+    tested apart, below."""
+    summary, out = _run(tmp_path, "Wattn", "eager,jax_plain,spmd_torch")
+    entry = summary["results"]["Wattn"]
+    for impl in ("eager", "jax_plain", "spmd_torch"):
+        assert entry[impl]["memory_bytes"] > 0, impl
+        assert entry[impl]["seq"] == attention.TINY_SEQ
+    assert entry["eager"]["memory_kind"].startswith("RSS")
+    assert entry["spmd_torch"]["memory_kind"] == entry["jax_plain"]["memory_kind"]
+    assert entry["ratios"]["spmd_torch_memory_over_jax_plain"] > 0
+    assert "plain attention's (target ≤ 0.1x on CPU)" in out
+
+
+def test_cudnn_rows_skipped_without_a_gpu(capsys):
+    """On CPU the cuDNN rows say why they have no figures, and the reports carry on."""
+    skipped = attention.wattn_jax(1, 1, False, False, tiny=True)
+    assert "cuDNN" in skipped["skipped"] and gpu.w7_jax(1, 1, False, False, tiny=True) == skipped
+    report.report_check("Wattn", {"jax": skipped, "jax_plain": {"losses": [1.0, 0.9]}})
+    assert "jax         skipped: cuDNN" in capsys.readouterr().out
+    assert report._ok({"jax": skipped}) == {}
+
+
+def _spmd_result(**fields) -> dict:
+    """A W7cpu spmd_torch result as an older checkout gives it: timings, none of the new
+    figures."""
+    return {
+        "device": "xla:0",
+        "steps_per_s": 2.0,
+        "median_step_s": 0.5,
+        "pipelined_steps_per_s": 2.0,
+        "first_step_s": 9.0,
+        "compiles_total": 2,
+        "compiles_in_timed": 0,
+        "peak_bytes": None,
+        "loss_first": 6.0,
+        "loss_last": 5.0,
+        "config": "w7cpu",
+        "params": 1000,
+        "host_ms": None,
+        "graph": None,
+        "parts": None,
+        **fields,
+    }
+
+
+def test_w7cpu_report_without_the_new_figures(capsys):
+    report.report_w7cpu({"spmd_torch": _spmd_result()}, gpu=False)
+    out = capsys.readouterr().out
+    assert "nodes/program - (target ≤ 1300): n/a" in out
+    assert "one step by part: n/a" in out
+
+
+def test_w7cpu_against_reads_off_the_host_cpu_target(capsys):
+    ours = _spmd_result(host_ms={"host_cpu": 40.0}, graph={"nodes_per_program": 1200})
+    theirs = _spmd_result(host_ms={"host_cpu": 100.0}, graph={"nodes_per_program": 2629})
+    entry = {"spmd_torch": ours, "spmd_torch@base": theirs}
+    values = report.report_against("W7cpu", [entry], "ours", "base")["spmd_torch"]
+    assert values["graph.nodes_per_program"]["ratio"] == pytest.approx(1200 / 2629)
+    assert "host CPU per step ours/base: 0.40x (target ≤ 0.5x" in capsys.readouterr().out
+
+
+def test_probe_figures_absent_in_a_checkout_are_none(monkeypatch):
+    """read_probe and graph_per_step on metrics that keep no graph sizes, traced or recorded ops
+    (an older checkout): None, not a crash."""
+    import spmd_torch.debug.metrics as met
+
+    monkeypatch.setattr(met, "metric_data", lambda name: None)
+    monkeypatch.setattr(met, "counter_names", lambda: [])
+    probe = harness.read_probe()
+    assert (probe["graphs"], probe["traced"], probe["recorded"]) == (None, None, None)
+    window = {"host_s": [0.1], "before": probe, "after": probe}
+    assert set(harness.graph_per_step(window).values()) == {None}
