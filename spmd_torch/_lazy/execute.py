@@ -32,7 +32,7 @@ _COMPACT_PENDING_AT = 100_000
 def sync(wait: bool = False) -> None:
     """Compile (or reuse) and dispatch one program computing every live pending tensor."""
     engine = current()
-    start = time.perf_counter_ns()
+    start = (time.perf_counter_ns(), time.thread_time_ns())
     counters.fold_tracing()
     owners = _owners(engine)
     if owners:
@@ -43,12 +43,14 @@ def sync(wait: bool = False) -> None:
         wait_device_ops()
 
 
-def _run(engine, owners: list, device: int, donate: bool, start: int) -> None:
+def _run(engine, owners: list, device: int, donate: bool, start: tuple) -> None:
     """One program on xla:``device`` computing ``owners``' values ([(ref, [storages])]), bound to
     their storages; ``donate``: it may give up inputs no live tensor holds (not when another
-    program of this barrier may read them)."""
+    program of this barrier may read them). ``start``: when the barrier began, wall and thread
+    CPU time: the walk's wall time beyond its CPU time is time the thread waited (for the GIL)."""
     program = linearize([ref for ref, _ in owners], device)
-    counters.record("LinearizeTime", time.perf_counter_ns() - start)
+    counters.record("LinearizeTime", time.perf_counter_ns() - start[0])
+    counters.record("LinearizeCpuTime", time.thread_time_ns() - start[1])
     _check_may_run(engine)
     local = manual.local_nodes(program)
     if local:  # per-device shards stay pending until disable_manual_sharding

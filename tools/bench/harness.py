@@ -222,10 +222,12 @@ def read_probe() -> dict[str, Any]:
     import spmd_torch.debug.metrics as met
 
     compiled = met.metric_data("CompileTime")
+    walked = met.metric_data("LinearizeCpuTime")
     phases = getattr(met, "barrier_phases", None)
     graphs, traced = met.metric_data("TensorsGraphSize"), met.metric_data("LazyTracing")
     return {
         "compile_ns": 0.0 if compiled is None else compiled[1],
+        "linearize_cpu_ns": None if walked is None else walked[1],
         "phases": None if phases is None else {k: tuple(v) for k, v in phases().items()},
         "graphs": None if graphs is None else graphs[:2],
         "traced": None if traced is None else traced[0],
@@ -290,6 +292,8 @@ def host_breakdown(window: dict[str, Any], trace_s: float) -> dict[str, Any]:
         out["phases"] = {p: (names[p][1] - before["phases"][p][1]) / n / 1e6 for p in names}
         out["phase_calls"] = {p: (names[p][0] - before["phases"][p][0]) / n for p in names}
         out["barrier_rest"] = out["barrier"] - sum(out["phases"].values()) - out["compile"]
+    if before.get("linearize_cpu_ns") is not None:  # the walk's CPU time, beside its wall time
+        out["linearize_cpu"] = (after["linearize_cpu_ns"] - before["linearize_cpu_ns"]) / n / 1e6
     return out
 
 

@@ -135,6 +135,8 @@ def _host_line(label: str, h: dict[str, Any]) -> str:
             calls = h["phase_calls"][phase]
             parts.append(f"{phase} {ms:.2f}" + ("" if calls == 1 else f" ({calls:g}/step)"))
         split = f"{', '.join(parts)}; compile {h['compile']:.2f}; rest {h['barrier_rest']:.2f}"
+        if h.get("linearize_cpu") is not None:  # wall beyond CPU: the walk waited (GIL, CPU)
+            split += f"; linearize CPU {h['linearize_cpu']:.2f}"
     cpu = "" if h.get("host_cpu") is None else f" (CPU {h['host_cpu']:.1f})"
     return (
         f"  {label} host ms/step {h['host']:.1f}{cpu} (then device wait {h['device_wait']:.1f}): "
