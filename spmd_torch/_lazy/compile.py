@@ -155,14 +155,22 @@ def build_function(
     steps = _steps(program)
     outputs = program.located
 
-    kinds = [_SCALAR_KINDS[node.avals[0].dtype] for node in program.scalars]
+    parts, start = [], 0  # per scalar: where it starts in the packed vector, its aval
+    for node in program.scalars:
+        (aval,) = node.avals
+        parts.append((start, aval))
+        start += aval.shape[0] if aval.shape else 1
 
     def run(donated_inputs, kept_inputs, packed_scalars):
         groups = (kept_inputs, donated_inputs)
         # Weakly typed, as Python scalars are: ``x_f32 * lr`` stays float32, ``x_i32 * 3`` int32.
         scalars = [
-            _convert_element_type(packed_scalars[k], kind, weak_type=True)
-            for k, kind in enumerate(kinds)
+            _convert_element_type(
+                packed_scalars[k] if not aval.shape else packed_scalars[k : k + aval.shape[0]],
+                _SCALAR_KINDS[aval.dtype],
+                weak_type=True,
+            )
+            for k, aval in parts
         ]
 
         def read(location):
@@ -359,7 +367,7 @@ def lookup_or_compile(run) -> tuple[Executable, bool]:
     with warnings.catch_warnings():
         # Donating a dead input no output can reuse still frees it early; that is the point.
         warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-        scalars = _scalars_aval(len(program.scalars), run.replicas)
+        scalars = _scalars_aval(run.scalars.shape[-1], run.replicas)
         compiled = jitted.lower(given, kept, scalars).compile()
     counters.record(COMPILE_TIME[current().eager], time.perf_counter_ns() - start)
     counters.record("InputOutputAliasCount", sum(donated))  # buffers given to outputs, per compile
@@ -428,7 +436,7 @@ def lowered(program: Program, arrays: list) -> jax.stages.Lowered:
     """The program lowered for ``arrays``' shapes and layouts, nothing compiled or run."""
     function = build_function(program, (False,) * len(arrays))
     abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in arrays]
-    return jax.jit(function).lower([], abstract, _scalars_aval(len(program.scalars)))
+    return jax.jit(function).lower([], abstract, _scalars_aval(len(program.scalar_values())))
 
 
 def clear_cache() -> None:

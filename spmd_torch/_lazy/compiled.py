@@ -18,7 +18,6 @@ import weakref
 from typing import Any
 
 import jax
-import numpy as np
 import torch
 import torch.utils._pytree as pytree
 from torch import fx
@@ -78,7 +77,7 @@ class Template:
         if self._function is None:
             program = self.program
             self._function = build_function(program, (False,) * len(program.leaves))
-            self._scalars = np.array([n.args[0] for n in program.scalars], dtype=np.float64)
+            self._scalars = program.scalar_values()
         inputs = [x if d is None else x.astype(d) for x, d in zip(inputs, self.casts)]
         return self._function([], inputs, self._scalars)
 

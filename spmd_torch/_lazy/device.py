@@ -12,13 +12,14 @@ import contextlib
 
 import numpy as np
 import torch
+import torch.optim.optimizer as torch_optimizer
 
 from . import rng
 from .dispatch import issue
 from .engine import FORKED_AFTER_JAX, current
 from .execute import rng_words, wait_device_ops
 from .lowering.amp import AUTOCAST_KEY, AUTOCAST_POLICY, autocast_kernel
-from .tensor import DEVICE, _rebuild_on_device
+from .tensor import DEVICE, LazyTensor, _rebuild_on_device
 
 
 class _Stream:
@@ -159,6 +160,50 @@ def _einsum_above_autograd(equation, operands, path=None):
         return aten.einsum.default(equation, operands, path=path)
 
 
+class _Linear(torch.autograd.Function):
+    """``F.linear`` as one recorded node forward and three backward (two einsums and a sum),
+    where ATen's decomposition records the weight's transpose, reshapes of a batched input, an
+    addmm and their backward; PyTorch/XLA patches linear with einsums for the same reason. A
+    backward that autograd records (``create_graph``) is made of differentiable ops."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, weight, bias):
+        with torch._C._AutoDispatchBelowAutograd():
+            return aten.linear.default(x, weight, bias)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias = inputs
+        ctx.save_for_backward(x, weight)
+        ctx.bias_shape = None if bias is None else bias.shape
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.einsum("...o,oi->...i", grad, weight)
+        if ctx.needs_input_grad[1]:
+            grad_weight = torch.einsum("...o,...i->oi", grad, x)
+        if ctx.bias_shape is not None and ctx.needs_input_grad[2]:
+            if grad.dim() > 1 and ctx.bias_shape == grad.shape[-1:]:
+                grad_bias = grad.sum(list(range(grad.dim() - 1)))
+            else:  # a vector input, or a bias that broadcasts otherwise
+                grad_bias = grad.sum_to_size(ctx.bias_shape)
+        return grad_x, grad_weight, grad_bias
+
+
+def _linear_above_autograd(x, weight, bias=None):
+    """linear reaches the lowering whole: as one autograd Function where gradients are taken."""
+    tensors = (x, weight) if bias is None else (x, weight, bias)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return _Linear.apply(x, weight, bias)
+    with torch._C._AutoDispatchBelowAutograd():
+        return aten.linear.default(x, weight, bias)
+
+
 _registered: list = []
 
 
@@ -177,12 +222,17 @@ def register() -> None:
     for op in _BACKEND_OPS:
         library.impl(op, _factory_kernel(op), "PrivateUse1")
     library.impl(aten.einsum.default, _einsum_above_autograd, "AutogradPrivateUse1")
+    library.impl(aten.linear.default, _linear_above_autograd, "AutogradPrivateUse1")
     # Autocast: PyTorch/XLA's cast policy above autograd; every other op passes through.
     for op, policy in AUTOCAST_POLICY.items():
         library.impl(op, autocast_kernel(op, policy), AUTOCAST_KEY)
     passthrough = torch.library.Library("_", "IMPL")
     passthrough.fallback(torch.library.fallthrough_kernel, AUTOCAST_KEY)
     torch.set_autocast_dtype(DEVICE.type, torch.bfloat16)  # AutocastXLA's default (thread-local)
+    # torch.optim and clip_grad_norm_ take their multi-tensor path (one node per foreach call)
+    # only for the tensor types they list; xla parameters are LazyTensors.
+    for supported in (torch_optimizer, torch.utils._foreach_utils):
+        supported._foreach_supported_types.append(LazyTensor)
     _registered.extend([library, passthrough])
     # Backward of device tensors runs on the calling thread: an error raised by a backward op on
     # autograd's per-device worker thread of a Python backend terminates the process.

@@ -13,6 +13,7 @@ import math
 import os
 import warnings
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -23,7 +24,9 @@ from .engine import FORKED_AFTER_JAX, current, refuse_in_bad_fork
 from .execute import sync, to_cpu
 from .graph import Aval, Node, Value
 from .lowering import LOWERINGS, amp, ctc, factories, optim
+from .lowering.foreach import element_overload, element_packet
 from .record import (
+    TENSOR,
     DeviceMismatchError,
     NoStaticShape,
     emit,
@@ -43,7 +46,7 @@ _DECOMPOSITIONS = {
     for op, fn in decomposition_table.items()
     if not getattr(fn, "__module__", "").startswith("torch._refs")
 }
-_DECOMPOSITIONS |= amp.DECOMPOSITIONS | ctc.DECOMPOSITIONS | optim.DECOMPOSITIONS
+_DECOMPOSITIONS |= amp.DECOMPOSITIONS | ctc.DECOMPOSITIONS
 
 
 def issue(func, args: tuple, kwargs: dict) -> Any:
@@ -82,6 +85,8 @@ def dispatch(func, args: tuple, kwargs: dict) -> Any:
 def _resolve(func) -> Callable:
     if func in SPECIALS:
         return SPECIALS[func]
+    if func in _THROUGH_FUNCTIONAL:
+        return partial(_through_functional, *_THROUGH_FUNCTIONAL[func])
     name = func._schema.name.split("::")[1]
     if name.startswith("_foreach_"):
         return _foreach_handler(func)
@@ -160,32 +165,33 @@ def _lowered_handler(func) -> Callable | None:
         return _view
     if lowering.random:
         return _record_random
-    if torch.Tag.pointwise not in func.tags:
+    if torch.Tag.pointwise not in func.tags or lowering.static_scalars:
         return _record
-    return _record_pointwise if _lifts_ints(func, lowering) else _record_pointwise_floats
+    return _record_pointwise if _lifts_ints(func) else _record_pointwise_floats
 
 
-def _lifts_ints(func, lowering) -> bool:
-    """Whether a pointwise op's Python ints are program inputs, as its floats are: unless its
-    lowering builds on their values, or its schema takes an ``int`` (``round(x, decimals)``)."""
-    typed_int = any(str(a.type).lstrip("Sym").startswith("int") for a in func._schema.arguments)
-    return not (lowering.static_ints or typed_int)
+def _lifts_ints(func) -> bool:
+    """Whether an op's Python ints are program inputs, as its floats are: unless its schema
+    takes an ``int`` (``round(x, decimals)``), where an int is never a Scalar."""
+    return not any(str(a.type).lstrip("Sym").startswith("int") for a in func._schema.arguments)
 
 
 # --- recording -----------------------------------------------------------------------------------
 
 
 def _wrap_outputs(node, structure) -> Any:
+    """The node's outputs as the op returns them: tensors, and its other results (a SymInt the
+    meta kernel computed from shapes, None) as they were."""
     if structure is None:
         return wrap((node, 0), node.avals[0])
-    container, is_tensor = structure
+    container, entries = structure
     outputs, k = [], 0
-    for is_a_tensor in is_tensor:
-        if is_a_tensor:
+    for entry in entries:
+        if entry is TENSOR:
             outputs.append(wrap((node, k), node.avals[k]))
             k += 1
         else:
-            outputs.append(None)
+            outputs.append(entry)
     return container(outputs)
 
 
@@ -403,22 +409,22 @@ def _copy_(func, args: tuple, kwargs: dict) -> LazyTensor:
 
 # --- foreach -------------------------------------------------------------------------------------
 
-_FOREACH_TARGETS = {"norm": "linalg_vector_norm"}
-
 
 def _foreach_handler(func) -> Callable:
-    """``_foreach_X(lists...)`` as X applied per element (XLA fuses them again).
-
-    The element overload is resolved once, so elements go straight to ``dispatch`` instead of
-    through PyTorch's overload resolution and dispatcher each time.
-    """
-    name = func._schema.name.split("::")[1][len("_foreach_") :]
+    """``_foreach_X(lists...)`` as one node over the whole lists where its element op is lowered
+    (``lowering/foreach.py``; in place: the functional op, then each result written back), else
+    as X applied per element."""
+    name = func._schema.name.split("::")[1]
     inplace = name.endswith("_")
-    base = _FOREACH_TARGETS.get(name.rstrip("_"), name.rstrip("_"))
-    packet = getattr(aten, base + "_", None) if inplace else None
-    write_back = inplace and packet is None  # e.g. maximum_ does not exist: compute, then copy
-    packet = packet or getattr(aten, base)
-    element, trailing = _element_overload(func, packet)
+    functional = getattr(getattr(aten, name.rstrip("_"), None), func._overloadname, None)
+    lowering = LOWERINGS.get(functional if inplace else func)
+    if lowering is not None:
+        lift = not lowering.static_scalars
+        lift_ints = lift and _lifts_ints(functional if inplace else func)
+        return partial(_record_foreach, functional if inplace else None, lift, lift_ints)
+    packet = element_packet(func)
+    write_back = inplace and not packet.__name__.endswith("_")  # maximum_ does not exist: copy
+    element, trailing = element_overload(func)
     if element is not None:  # the element's positional arguments; the rest are its keywords
         positional = sum(not a.kwarg_only for a in element._schema.arguments)
 
@@ -443,31 +449,44 @@ def _foreach_handler(func) -> Callable:
     return foreach
 
 
-def _element_overload(func, packet) -> tuple:
-    """The overload of ``packet`` taking one element of each of ``func``'s list arguments, and
-    the names of its keyword-only arguments that receive ``func``'s trailing positionals
-    (``_foreach_addcdiv_(..., scalars)`` -> ``addcdiv_(..., value=s)``)."""
+def _record_foreach(functional, lift: bool, lift_ints: bool, func, args: tuple, kwargs: dict):
+    """One node for the whole call; in place (``functional`` given), each of its results is
+    written to the tensor of the first list it belongs to."""
+    if not args[0]:
+        return None if functional is not None else []
+    op = func if functional is None else functional
+    node, structure = emit(op, args, kwargs, lift_floats=lift, lift_ints=lift_ints)
+    if functional is None:
+        return _wrap_outputs(node, structure)
+    for k, target in enumerate(args[0]):
+        aval = node.avals[k]
+        if aval.dtype == target.dtype and aval.shape == tuple(target.shape):
+            target._write((node, k))
+        else:
+            _assign(target, wrap((node, k), aval), func)
+    return None
 
-    def element_type(argument) -> str:
-        kind = argument.type
-        return str(kind.getElementType() if isinstance(kind, torch._C.ListType) else kind)
 
-    positional = [element_type(a) for a in func._schema.arguments if not a.kwarg_only]
-    keywords = {a.name for a in func._schema.arguments if a.kwarg_only}
-    for overload in packet.overloads():
-        op = getattr(packet, overload)
-        candidates = [a for a in op._schema.arguments if not a.kwarg_only]
-        named = [a for a in op._schema.arguments if a.kwarg_only]
-        extra = len(positional) - len(candidates)
-        trailing = named[:extra] if extra > 0 else []
-        slots = candidates + trailing
-        if (
-            [str(a.type) for a in slots[: len(positional)]] == positional
-            and all(a.has_default_value() for a in slots[len(positional) :])
-            and keywords <= {a.name for a in named}
-        ):
-            return op, [a.name for a in trailing]
-    return None, []
+# Ops writing lists in place -> (their functional overload, the arguments they write).
+_THROUGH_FUNCTIONAL = optim.FUSED_STEPS | amp.CHECK_AND_UNSCALE
+
+
+def _through_functional(functional, writes: tuple, func, args: tuple, kwargs: dict) -> None:
+    """An op writing lists in place (a fused optimizer step, the scaler's check) as one node:
+    its functional overload, whose results are written back to the arguments it updates (a
+    step's gradients too when it unscales them)."""
+    node, (_, lengths) = emit(functional, args, kwargs, lift_floats=True)
+    if kwargs.get("grad_scale") is not None:
+        writes += (1,)
+    start = 0
+    for position, length in enumerate(lengths):
+        if position in writes:
+            targets = (
+                args[position] if isinstance(args[position], (list, tuple)) else [args[position]]
+            )
+            for k, target in enumerate(targets):
+                target._write((node, start + k))
+        start += length
 
 
 # --- specials ------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from .engine import current
@@ -76,9 +77,13 @@ class Node:
         return _input(DATA, (), (aval,), [array], device)
 
     @classmethod
-    def scalar(cls, value: float | int) -> Node:
-        """A lifted Python float or int: a program input too (an int exactly, below 2**53)."""
-        avals = _INT_SCALAR_AVALS if type(value) is int else _SCALAR_AVALS
+    def scalar(cls, value: float | int | tuple) -> Node:
+        """A lifted Python float or int, or a tuple of them of one type (a foreach op's list,
+        one vector): a program input too (ints exactly, below 2**53)."""
+        if type(value) is tuple:
+            avals = (Aval((len(value),), torch.int64 if type(value[0]) is int else torch.float64),)
+        else:
+            avals = _INT_SCALAR_AVALS if type(value) is int else _SCALAR_AVALS
         return _input(SCALAR, (value,), avals, None, 0)
 
     def is_leaf(self, index: int) -> bool:
@@ -137,6 +142,18 @@ class Program:
     _identity: int | None = None
     device: int = 0  # the xla:N it runs on (outside SPMD a process may use each of its devices)
 
+    def scalar_values(self) -> np.ndarray:
+        """The lifted scalars' values packed in one float64 vector (a tuple's values in a row):
+        one transfer however many there are."""
+        values = []
+        for node in self.scalars:
+            value = node.args[0]
+            if type(value) is tuple:
+                values.extend(value)
+            else:
+                values.append(value)
+        return np.array(values, dtype=np.float64)
+
     @property
     def identity(self) -> int:
         """The number of its structure, shared by every program of that structure (replicas',
@@ -163,7 +180,7 @@ class Program:
     def locate(self, ref: Ref) -> tuple:
         node, i = ref
         if node.op == SCALAR:
-            return ("s", self.index[id(node)], node.avals[0].dtype)
+            return ("s", self.index[id(node)], node.avals[0])
         if node.is_leaf(i):
             return ("in", self.index[(id(node), i)])
         return ("n", self.index[id(node)], i)
@@ -189,12 +206,12 @@ def linearize(outputs: list[Ref], device: int = 0) -> Program:
 
     def where(ref: Ref) -> tuple:
         node, i = ref
-        if node.op == SCALAR:  # its dtype is part of the structure: x * 2 is not x * 2.0
+        if node.op == SCALAR:  # its aval is part of the structure: x * 2 is not x * 2.0
             k = index.get(id(node))
             if k is None:
                 k = index[id(node)] = len(scalars)
                 scalars.append(node)
-            return ("s", k, node.avals[0].dtype)
+            return ("s", k, node.avals[0])
         arrays = node.arrays
         if arrays is None or arrays[i] is None:
             return ("n", index.get(id(node)), i)

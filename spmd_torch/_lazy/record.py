@@ -36,6 +36,10 @@ _OPS = counters.OPS  # cleared in place, never replaced
 _META_CACHE: dict[tuple, tuple] = {}
 
 
+NESTED = "nested"  # an op's output structure that is lists of tensors, by their lengths
+TENSOR = object()  # a tensor result in an op's output structure (other results are kept as is)
+
+
 class DeviceMismatchError(RuntimeError):
     pass
 
@@ -190,6 +194,10 @@ def _walk(x: Any, src: list, key: list, lift_floats: bool, lift_ints: bool = Fal
         key.append(int)
         return Arg(len(src) - 1)
     if cls is list or cls is tuple:
+        if x and lift_floats and _lifted_as_one(x, lift_ints):  # a foreach op's Scalar[]
+            src.append((Node.scalar(tuple(x)), 0))
+            key.append((type(x[0]), len(x)))
+            return Arg(len(src) - 1)
         key.append(len(x))
         return tuple([_walk(v, src, key, lift_floats, lift_ints) for v in x])
     if isinstance(x, torch.Tensor):
@@ -197,6 +205,15 @@ def _walk(x: Any, src: list, key: list, lift_floats: bool, lift_ints: bool = Fal
     key.append(x)
     key.append(cls)  # 1, 1.0 and True are equal keys but give different result dtypes
     return x
+
+
+def _lifted_as_one(values, lift_ints: bool) -> bool:
+    """Whether a list of Python numbers becomes one lifted vector: all floats, or all ints
+    (exact in float64) where ints are lifted."""
+    kind = type(values[0])
+    if kind is float:
+        return all(type(v) is float for v in values)
+    return kind is int and lift_ints and all(type(v) is int and v in _LIFTED_INTS for v in values)
 
 
 def _upload_scalar_tensor(t: torch.Tensor) -> LazyTensor:
@@ -230,8 +247,12 @@ def _infer(func, args: tuple, kwargs: dict) -> tuple:
         check(args)
     if isinstance(out, torch.Tensor):
         structure, tensors = None, [out]
-    elif isinstance(out, (tuple, list)):
-        structure = (type(out), tuple(isinstance(o, torch.Tensor) for o in out))
+    elif isinstance(out, (tuple, list)) and any(type(o) is list for o in out):
+        # lists of tensors (fused optimizer steps, the scaler's check): each list's length
+        structure = (NESTED, tuple(len(o) if type(o) is list else 1 for o in out))
+        tensors = [t for o in out for t in (o if type(o) is list else [o])]
+    elif isinstance(out, (tuple, list)):  # non-tensor results (SymInts from shapes) kept
+        structure = (type(out), tuple(TENSOR if isinstance(o, torch.Tensor) else o for o in out))
         tensors = [o for o in out if isinstance(o, torch.Tensor)]
     else:
         raise NotImplementedError(f"{func} returned {type(out).__name__}, not tensors")

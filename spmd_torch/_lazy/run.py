@@ -43,7 +43,7 @@ class Run:
         donated = tuple(
             donate and node.op == DATA and node.holders == 0 for node, _ in program.leaves
         )
-        scalars = np.array([node.args[0] for node in program.scalars], dtype=np.float64)
+        scalars = program.scalar_values()
         return cls(program, arrays, donated, scalars, out_shardings)
 
     @functools.cached_property

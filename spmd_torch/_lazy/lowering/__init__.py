@@ -9,6 +9,7 @@ from . import (  # noqa: F401  (each module fills LOWERINGS at import)
     elementwise,
     factories,
     fft,
+    foreach,
     grid_sample,
     indexing,
     ldl,
@@ -20,5 +21,7 @@ from . import (  # noqa: F401  (each module fills LOWERINGS at import)
     special,
 )
 from .registry import LOWERINGS, EngineOp, Lowering, lowers, register_table
+
+foreach.register_all()  # each foreach op over its element op's lowering: the tables come first
 
 __all__ = ["LOWERINGS", "EngineOp", "Lowering", "lowers", "register_table"]

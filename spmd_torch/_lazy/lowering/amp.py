@@ -8,9 +8,9 @@ rows PyTorch/XLA leaves commented out only because it does not lower them (huber
 linalg_eigh...) are rows here: they run in float32, as CPU and CUDA autocast run them. Dimname
 overloads (named tensors) are not exposed to Python and have no row.
 
-The gradient scaler's in-place ops (``_amp_foreach_non_finite_check_and_unscale_``,
-``_amp_update_scale_``) decompose into recorded ops, so the inf/nan check and the scale update
-stay on the device.
+The gradient scaler's in-place ops stay on the device: the inf/nan check and unscale of every
+gradient is one node (``_amp_foreach_non_finite_check_and_unscale_`` through its functional
+overload), the scale update decomposes into recorded ops.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from collections.abc import Callable
 import jax.numpy as jnp
 import torch
 
+from ._helpers import opmath
 from .registry import lowers
 
 aten = torch.ops.aten
@@ -237,15 +238,23 @@ def _amp_update_scale(scale, growth_tracker, found_inf, growth_factor, backoff_f
     return new_scale, new_tracker
 
 
-def _non_finite_check_and_unscale_(grads, found_inf, inv_scale) -> None:
-    """Set ``found_inf`` to 1 if any gradient holds an inf or nan; multiply every gradient by
-    ``inv_scale`` in place. One reduction over all gradients; nothing is read on the host."""
-    if not grads:
-        return
-    all_finite = torch.stack([grad.isfinite().all() for grad in grads]).all()
-    found_inf.copy_(torch.where(all_finite, found_inf, torch.ones_like(found_inf)))
-    for grad in grads:
-        grad.mul_(inv_scale)
+@lowers(aten._amp_foreach_non_finite_check_and_unscale.default)
+def _non_finite_check_and_unscale(grads, found_inf, inv_scale) -> list:
+    """Every gradient times ``inv_scale`` (in opmath, rounded once), and ``found_inf`` set to 1 if
+    any holds an inf or nan: one node for all gradients, nothing read on the host."""
+    finite = jnp.stack([jnp.isfinite(g).all() for g in grads]).all()
+    unscaled = [(g.astype(opmath(g.dtype)) * inv_scale).astype(g.dtype) for g in grads]
+    return unscaled + [jnp.where(finite, found_inf, jnp.ones_like(found_inf))]
+
+
+# The scaler's in-place check as its functional overload, its results written to the gradients
+# and the flag.
+CHECK_AND_UNSCALE = {
+    aten._amp_foreach_non_finite_check_and_unscale_.default: (
+        aten._amp_foreach_non_finite_check_and_unscale.default,
+        (0, 1),
+    )
+}
 
 
 def _update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_factor, interval):
@@ -258,6 +267,5 @@ def _update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_fact
 
 
 DECOMPOSITIONS = {
-    aten._amp_foreach_non_finite_check_and_unscale_.default: _non_finite_check_and_unscale_,
     aten._amp_update_scale_.default: _update_scale_,
 }

@@ -227,9 +227,9 @@ def _pow(base, exponent):
     return _int_pow(base, exponent) if category(base.dtype) == 1 else jnp.power(base, exponent)
 
 
-@lowers(aten.pow.Tensor_Scalar, static_ints=True)
+@lowers(aten.pow.Tensor_Scalar, static_scalars=True)
 def _pow_tensor_scalar(x, exponent):
-    """A Python int exponent stays static, so x**2 is x*x as in ATen, not exp(2 log x)."""
+    """A Python exponent stays static, so x**2 is x*x as in ATen, not exp(2 log x)."""
     if type(exponent) is not int:
         return arithmetic(_pow)(x, exponent)
     return arithmetic(lambda x: jnp.power(x, exponent))(x)

@@ -1,125 +1,165 @@
-"""The fused optimizer steps of ``torch.optim`` (``fused=True``: Adam, AdamW, SGD, Adagrad), which
-transformers' ``Trainer`` picks by default, as recorded ops: the step stays in the program instead
-of leaving for the CPU. Each follows ATen's CPU kernel (ATen/native/cpu/Fused*Kernel.cpp): the
-step's scalars (bias corrections, the decayed rate) in float64 as the kernel's doubles, the
-element math in the parameter's opmath type. A ``found_inf`` from the gradient scaler keeps every
-tensor as it was (the kernel returns early), decided on the device: nothing is read on the host.
+"""Lowerings: the fused optimizer steps of ``torch.optim`` (``fused=True``: Adam, AdamW, SGD,
+Adagrad; transformers' default AdamW, and spmd_torch's syncfree optimizers), each step one node
+over all its parameters.
+
+The functional overloads (``_fused_adamw`` returns the new parameters, gradients and moments) are
+lowered here; the engine records the in-place ones through them and writes the results back. Each
+follows ATen's CPU kernel (ATen/native/cpu/Fused*Kernel.cpp): the step's scalars (bias
+corrections, the decayed rate) in float64 as the kernel's doubles, the element math in the
+parameter's opmath type. A ``found_inf`` from the gradient scaler keeps every tensor as it was (the
+kernel returns early), decided on the device: nothing is read on the host. Hyper-parameters may
+arrive as lifted (traced) scalars, so a zero weight decay is selected, not branched on.
 """
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import torch
+
+from ._helpers import opmath
+from .registry import LOWERINGS, lowers, meta_kernel
 
 aten = torch.ops.aten
 
 
-def _opmath(t: torch.Tensor) -> torch.Tensor:
-    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
-
-
-def _host_scalar(lr):
-    """A CPU ``lr`` tensor is read as the kernel reads it; a device one stays a device value."""
-    return lr.item() if isinstance(lr, torch.Tensor) and lr.device.type == "cpu" else lr
-
-
-def _write(updates: list, found_inf: torch.Tensor | None) -> None:
-    """Copy each new value into its tensor, unless the gradient scaler found an inf or nan."""
-    skip = None if found_inf is None else found_inf.reshape(()) != 0
-    for target, value in updates:
-        target.copy_(value if skip is None else torch.where(skip, target, value.to(target.dtype)))
-
-
-def _unscaled(grad: torch.Tensor, grad_scale, maximize: bool, updates: list) -> torch.Tensor:
-    """The gradient divided by the scale (written back, as the kernels do) and negated for
-    ``maximize``."""
-    g = _opmath(grad)
+def _unscaled(grad, grad_scale, maximize: bool) -> tuple:
+    """(the gradient as the update reads it, the gradient as written back): divided by the scale
+    (the kernels write the unscaled gradient back) and negated for ``maximize``."""
+    g = grad.astype(opmath(grad.dtype))
     if grad_scale is not None:
-        g = g / grad_scale
-        updates.append((grad, g))
-    return -g if maximize else g
+        g = g / grad_scale.reshape(())
+        grad = g
+    return (-g if maximize else g), grad
+
+
+def _kept(outputs: list, inputs: list, found_inf) -> list:
+    """Each new value, or its old one where the gradient scaler found an inf or a nan."""
+    if found_inf is None:
+        return outputs
+    skip = found_inf.reshape(()) != 0
+    return [jnp.where(skip, old, new.astype(old.dtype)) for new, old in zip(outputs, inputs)]
 
 
 def _adam(
-    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, lr, beta1, beta2,
-    weight_decay, eps, amsgrad, maximize, grad_scale=None, found_inf=None, decoupled,
-) -> None:  # fmt: skip
-    lr = _host_scalar(lr)
+    decoupled, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, lr, beta1,
+    beta2, weight_decay, eps, amsgrad, maximize, grad_scale=None, found_inf=None,
+) -> list:  # fmt: skip
+    lerp = LOWERINGS[aten.lerp.Scalar].fn
+    lr = lr.reshape(()).astype(jnp.float64) if hasattr(lr, "reshape") else lr
+    outs: tuple = ([], [], [], [], [])
     for i, (param, grad, exp_avg, exp_avg_sq) in enumerate(
         zip(params, grads, exp_avgs, exp_avg_sqs)
     ):
-        updates = []
-        g = _unscaled(grad, grad_scale, maximize, updates)
-        p = _opmath(param)
-        step = state_steps[i].to(torch.float64)
-        step_size = (lr / (1 - torch.pow(beta1, step))).to(p.dtype)
-        bias2_sqrt = torch.sqrt(1 - torch.pow(beta2, step)).to(p.dtype)
-        if weight_decay != 0 and decoupled:
-            p = p - (lr * weight_decay) * p
-        elif weight_decay != 0:
-            g = g + p * weight_decay
-        m = torch.lerp(_opmath(exp_avg), g, 1 - beta1)
-        v = _opmath(exp_avg_sq) * beta2 + (1 - beta2) * g * g
-        updates += [(exp_avg, m), (exp_avg_sq, v)]
+        g, new_grad = _unscaled(grad, grad_scale, maximize)
+        p = param.astype(opmath(param.dtype))
+        step = state_steps[i].astype(jnp.float64)
+        step_size = (lr / (1 - beta1**step)).astype(p.dtype)
+        bias2_sqrt = jnp.sqrt(1 - beta2**step).astype(p.dtype)
+        if decoupled:
+            p = jnp.where(weight_decay != 0, p - (lr * weight_decay) * p, p)
+        else:
+            g = jnp.where(weight_decay != 0, g + p * weight_decay, g)
+        m = lerp(exp_avg.astype(p.dtype), g, 1 - beta1)
+        v = exp_avg_sq.astype(p.dtype) * beta2 + (1 - beta2) * g * g
+        news = [new_grad, m, v]
+        olds = [grad, exp_avg, exp_avg_sq]
         if amsgrad:
-            v = torch.maximum(_opmath(max_exp_avg_sqs[i]), v)
-            updates.append((max_exp_avg_sqs[i], v))
-        updates.append((param, p - step_size * m / (v.sqrt() / bias2_sqrt + eps)))
-        _write(updates, found_inf)
+            v = jnp.maximum(max_exp_avg_sqs[i].astype(p.dtype), v)
+            news.append(v)
+            olds.append(max_exp_avg_sqs[i])
+        news.insert(0, p - step_size * m / (jnp.sqrt(v) / bias2_sqrt + eps))
+        olds.insert(0, param)
+        for out, value in zip(outs, _kept(news, olds, found_inf)):
+            out.append(value)
+    return [value for out in outs for value in out]
 
 
-def _adam_(*args, **kwargs) -> None:
-    _adam(*args, **kwargs, decoupled=False)
+@lowers(aten._fused_adam.default, aten._fused_adam.tensor_lr)
+def _fused_adam(*args, **kwargs) -> list:
+    return _adam(False, *args, **kwargs)
 
 
-def _adamw_(*args, **kwargs) -> None:
-    _adam(*args, **kwargs, decoupled=True)
+@lowers(aten._fused_adamw.default, aten._fused_adamw.tensor_lr)
+def _fused_adamw(*args, **kwargs) -> list:
+    return _adam(True, *args, **kwargs)
 
 
-def _sgd_(
+@lowers(aten._fused_sgd.default, aten._fused_sgd.tensor_lr)
+def _fused_sgd(
     params, grads, momentum_buffer_list, *, weight_decay, momentum, lr, dampening, nesterov,
     maximize, is_first_step, grad_scale=None, found_inf=None,
-) -> None:  # fmt: skip
-    lr = _host_scalar(lr)
+) -> list:  # fmt: skip
+    lr = lr.reshape(()) if hasattr(lr, "reshape") else lr
+    outs: tuple = ([], [], [])
     for i, (param, grad) in enumerate(zip(params, grads)):
-        updates = []
-        g = _unscaled(grad, grad_scale, maximize, updates)
-        p = _opmath(param)
-        if weight_decay != 0:
-            g = g + p * weight_decay
-        if momentum != 0:
+        g, new_grad = _unscaled(grad, grad_scale, maximize)
+        p = param.astype(opmath(param.dtype))
+        g = jnp.where(weight_decay != 0, g + p * weight_decay, g)
+        news, olds = [new_grad], [grad]
+        if momentum_buffer_list:  # torch passes buffers only with a momentum
             buf = momentum_buffer_list[i]
-            new_buf = g if is_first_step else _opmath(buf) * momentum + (1 - dampening) * g
-            updates.append((buf, new_buf))
+            new_buf = g if is_first_step else buf.astype(p.dtype) * momentum + (1 - dampening) * g
+            news.append(new_buf)
+            olds.append(buf)
             g = g + momentum * new_buf if nesterov else new_buf
-        updates.append((param, p - lr * g))
-        _write(updates, found_inf)
+        news.insert(0, p - lr * g)
+        olds.insert(0, param)
+        for out, value in zip(outs, _kept(news, olds, found_inf)):
+            out.append(value)
+    return [value for out in outs for value in out]
 
 
-def _adagrad_(
+def _adagrad(
     params, grads, state_sums, state_steps, *, lr, lr_decay, weight_decay, eps, maximize,
     grad_scale=None, found_inf=None,
-) -> None:  # fmt: skip
-    lr = _host_scalar(lr)
+) -> list:  # fmt: skip
+    lr = lr.reshape(()).astype(jnp.float64) if hasattr(lr, "reshape") else lr
+    outs: tuple = ([], [], [])
     for i, (param, grad, state_sum) in enumerate(zip(params, grads, state_sums)):
-        updates = []
-        g = _unscaled(grad, grad_scale, maximize, updates)
-        p = _opmath(param)
-        step = state_steps[i].to(torch.float64)
-        decayed_lr = (lr / (1 + (step - 1) * lr_decay)).to(p.dtype)
-        if weight_decay != 0:
-            g = g + p * weight_decay
-        total = _opmath(state_sum) + g * g
-        updates += [(state_sum, total), (param, p - decayed_lr * g / (total.sqrt() + eps))]
-        _write(updates, found_inf)
+        g, new_grad = _unscaled(grad, grad_scale, maximize)
+        p = param.astype(opmath(param.dtype))
+        step = state_steps[i].astype(jnp.float64)
+        decayed_lr = (lr / (1 + (step - 1) * lr_decay)).astype(p.dtype)
+        g = jnp.where(weight_decay != 0, g + p * weight_decay, g)
+        total = state_sum.astype(p.dtype) + g * g
+        news = [p - decayed_lr * g / (jnp.sqrt(total) + eps), new_grad, total]
+        for out, value in zip(outs, _kept(news, [param, grad, state_sum], found_inf)):
+            out.append(value)
+    return [value for out in outs for value in out]
 
 
-DECOMPOSITIONS = {
-    aten._fused_adam_.default: _adam_,
-    aten._fused_adam_.tensor_lr: _adam_,
-    aten._fused_adamw_.default: _adamw_,
-    aten._fused_adamw_.tensor_lr: _adamw_,
-    aten._fused_sgd_.default: _sgd_,
-    aten._fused_sgd_.tensor_lr: _sgd_,
-    aten._fused_adagrad_.default: _adagrad_,
-    aten._fused_adagrad_.tensor_lr: _adagrad_,
+@lowers(aten._fused_adagrad.default)
+def _fused_adagrad(params, grads, state_sums, state_steps, **kwargs) -> list:
+    """This overload also returns the step counters, which the kernel reads and leaves."""
+    return _adagrad(params, grads, state_sums, state_steps, **kwargs) + list(state_steps)
+
+
+lowers(aten._fused_adagrad.tensor_lr)(_adagrad)
+
+
+# In-place fused step -> (its functional overload, the list arguments it writes): the gradients
+# too when it unscales them (given ``grad_scale``); Adagrad's step counters never.
+FUSED_STEPS = {
+    aten._fused_adam_.default: (aten._fused_adam.default, (0, 2, 3, 4)),
+    aten._fused_adam_.tensor_lr: (aten._fused_adam.tensor_lr, (0, 2, 3, 4)),
+    aten._fused_adamw_.default: (aten._fused_adamw.default, (0, 2, 3, 4)),
+    aten._fused_adamw_.tensor_lr: (aten._fused_adamw.tensor_lr, (0, 2, 3, 4)),
+    aten._fused_sgd_.default: (aten._fused_sgd.default, (0, 2)),
+    aten._fused_sgd_.tensor_lr: (aten._fused_sgd.tensor_lr, (0, 2)),
+    aten._fused_adagrad_.default: (aten._fused_adagrad.default, (0, 2)),
+    aten._fused_adagrad_.tensor_lr: (aten._fused_adagrad.tensor_lr, (0, 2)),
 }
+
+
+def _in_place_meta(*args, **kwargs) -> None:
+    """A fused step writes its lists in place, shapes unchanged: all the meta kernel of its
+    functional overload needs from it (some overloads have none in PyTorch)."""
+
+
+meta_kernel(
+    *[
+        f"{op._schema.name.split('::')[1]}.{op._overloadname}".removesuffix(".default")
+        for op in FUSED_STEPS
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta")
+    ]
+)(_in_place_meta)

@@ -2,8 +2,9 @@
 
 A lowering receives the op's arguments as the aten schema lists them, with every tensor replaced by
 a ``jax.Array`` (tensor lists by lists of arrays) and every other argument as it was passed
-(Python numbers -- the int and float Scalars of pointwise ops arrive as weakly typed JAX scalars, so
-that they stay inputs of the compiled program -- ``torch.dtype``, lists of ints, ...). It returns an array, or a
+(Python numbers -- the int and float Scalars of pointwise and foreach ops arrive as weakly typed JAX
+scalars, a foreach op's ``Scalar[]`` as one vector, so that they stay inputs of the compiled program
+-- ``torch.dtype``, lists of ints, ...). It returns an array, or a
 tuple of arrays in the order of the schema's returns. The engine casts each result to the dtype
 PyTorch's meta kernel promised, so a lowering computes in the right precision and need not cast its
 result. Random lowerings (``random=True``) receive a ``jax.random`` key as their first argument.
@@ -40,24 +41,24 @@ class EngineOp:
 class Lowering:
     fn: Callable
     random: bool = False
-    static_ints: bool = False  # Python int Scalars arrive as ints (a pointwise op's are lifted)
+    static_scalars: bool = False  # Python number Scalars arrive as numbers (else: lifted data)
 
 
 LOWERINGS: dict[torch._ops.OpOverload | EngineOp, Lowering] = {}
 
 
 def lowers(
-    *overloads: torch._ops.OpOverload | EngineOp, random: bool = False, static_ints: bool = False
+    *overloads: torch._ops.OpOverload | EngineOp, random: bool = False, static_scalars: bool = False
 ) -> Callable:
     """Register the decorated function as the lowering of ``overloads``; registering one twice
-    raises. ``static_ints``: the lowering builds a different program per int (``x ** 2`` is
-    ``x * x``), so its pointwise op's Python ints stay constants instead of program inputs."""
+    raises. ``static_scalars``: the lowering builds a different program per value (``x ** 2``
+    is ``x * x``), so its pointwise op's Python numbers stay constants, not program inputs."""
 
     def register(fn: Callable) -> Callable:
         for overload in overloads:
             if overload in LOWERINGS:
                 raise ValueError(f"{overload} already has a lowering: {LOWERINGS[overload].fn}")
-            LOWERINGS[overload] = Lowering(fn, random, static_ints)
+            LOWERINGS[overload] = Lowering(fn, random, static_scalars)
         return fn
 
     return register

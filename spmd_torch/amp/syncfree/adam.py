@@ -6,30 +6,17 @@ from collections.abc import Callable
 
 import torch
 
-from ._functional import adam_update, grads_of, skip_flag
+from ._functional import adam_step, checked_flag, grads_of
 
 
 def _adam_step(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor | None) -> None:
     """Every param group's Adam/AdamW update, skipped on the device where ``found_inf`` is set."""
     name = type(optimizer).__name__
-    skip = skip_flag(found_inf, name)
+    found_inf = checked_flag(found_inf, name)
     for group in optimizer.param_groups:
-        beta1, beta2 = group["betas"]
-        for param, grad in grads_of(group, name):
-            adam_update(
-                param,
-                grad,
-                optimizer.state[param],
-                skip,
-                lr=group["lr"],
-                beta1=beta1,
-                beta2=beta2,
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                amsgrad=group["amsgrad"],
-                maximize=group["maximize"],
-                decoupled=group.get("decoupled_weight_decay", False),
-            )
+        pairs = grads_of(group, name)
+        if pairs:
+            adam_step(group, pairs, [optimizer.state[p] for p, _ in pairs], found_inf)
 
 
 class Adam(torch.optim.Adam):

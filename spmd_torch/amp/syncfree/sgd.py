@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from ._functional import grads_of, sgd_update, skip_flag
+from ._functional import checked_flag, grads_of, sgd_step
 
 
 class SGD(torch.optim.SGD):
@@ -26,23 +26,13 @@ class SGD(torch.optim.SGD):
     def step(self, closure: Callable | None = None, found_inf: torch.Tensor | None = None):
         """One step; with ``found_inf`` (a 0-dim tensor) nonzero, params and state stay as they
         were. The decision is made on the device: nothing is read back to the host."""
-        skip = skip_flag(found_inf, "SGD")
+        found_inf = checked_flag(found_inf, "SGD")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for param, grad in grads_of(group, "SGD"):
-                sgd_update(
-                    param,
-                    grad,
-                    self.state[param],
-                    skip,
-                    lr=group["lr"],
-                    momentum=group["momentum"],
-                    dampening=group["dampening"],
-                    weight_decay=group["weight_decay"],
-                    nesterov=group["nesterov"],
-                    maximize=group["maximize"],
-                )
+            pairs = grads_of(group, "SGD")
+            if pairs:
+                sgd_step(group, pairs, [self.state[p] for p, _ in pairs], found_inf)
         return loss
