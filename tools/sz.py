@@ -10,7 +10,7 @@ import pathlib
 import sys
 
 ENGINE = pathlib.Path(__file__).resolve().parents[1] / "spmd_torch" / "_lazy"
-BUDGET = 3690  # +100 SPMD stages (placement, manual), +500 replicas (issue 8), +100 issue 10:
+BUDGET = 3795  # +100 SPMD stages (placement, manual), +500 replicas (issue 8), +100 issue 10:
 # autocast, eager mode, compile regions, profiler scopes, metrics (window, LazyTracing, data);
 # issue 16's modes left it at 2791; +50 issue 17, hosts: rendezvous across hosts through the job's
 # key-value store, each host's part of a global batch, reading values that span hosts; +15
@@ -61,6 +61,8 @@ BUDGET = 3690  # +100 SPMD stages (placement, manual), +500 replicas (issue 8), 
 # +77 issue 31: forked DataLoader workers refuse device work, seeds wait for first use, ints lifted;
 # +120 issue 31 item 5: PyTorch/XLA's debugging tool (compilation and execution analyses, the
 # metrics analysis with each event's user line), tracebacks as IR text lines and HLO metadata
+# +105 issue 32 item 2: F.scaled_dot_product_attention as one fused op each way, its kernel above
+# autograd and the fused op's autograd Function (attention.py), registered in device.py
 
 
 def engine_lines() -> dict[str, int]:
