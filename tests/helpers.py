@@ -76,6 +76,11 @@ TOLERANCE_OVERRIDES: dict[str, dict[torch.dtype, dict[str, dict]]] = {
     # table's 1e-4 would let a slightly wrong restored optimizer state (AdamW's moments or step)
     # pass; 2e-6 is ~16 ulps.
     "resharded": {torch.float32: {"fwd": _tol(2e-6, 0)}},
+    # Attention's backward reads the forward's output rounded to bf16, as flash kernels do (the
+    # row sums of dO * O): q's and k's gradients are off by about an ulp of the largest gradient
+    # rather than of each element (up to 0.007 on gradients of magnitude 2-5; exact from a
+    # float32 output).
+    "attention": {torch.bfloat16: {"grad": _tol(8e-3, 1.6e-2)}},
     # Whole training loops: "fwd" compares parameters after several optimizer steps (Adam moves
     # each element by ~lr * sign(grad), amplifying float noise), "grad" gradients of one model.
     "training": {torch.float32: {"fwd": _tol(1e-3, 1e-4), "grad": _tol(1e-4, 1e-6)}},

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.optim.optimizer as torch_optimizer
 
-from . import rng
+from . import attention, rng
 from .dispatch import issue
 from .engine import FORKED_AFTER_JAX, current
 from .execute import rng_words, wait_device_ops
@@ -223,6 +223,8 @@ def register() -> None:
         library.impl(op, _factory_kernel(op), "PrivateUse1")
     library.impl(aten.einsum.default, _einsum_above_autograd, "AutogradPrivateUse1")
     library.impl(aten.linear.default, _linear_above_autograd, "AutogradPrivateUse1")
+    for op, kernel in attention.ABOVE_AUTOGRAD.items():  # attention as one op each way
+        library.impl(op, kernel, "AutogradPrivateUse1")
     # Autocast: PyTorch/XLA's cast policy above autograd; every other op passes through.
     for op, policy in AUTOCAST_POLICY.items():
         library.impl(op, autocast_kernel(op, policy), AUTOCAST_KEY)

@@ -1,10 +1,12 @@
-"""torch_xla.experimental.custom_kernel on JAX: ``flash_attention`` written as ordinary ops.
+"""torch_xla.experimental.custom_kernel on JAX: ``flash_attention`` as the fused attention op.
 
-PyTorch/XLA runs a Pallas TPU kernel here. On JAX's CPU and GPU backends no such kernel exists, so
-the same function is spelled in ops the engine traces (matmul, mask, softmax, matmul): it computes
-the kernel's values on every platform, autograd differentiates it, and XLA fuses what it can. Its
-memory is that of plain attention (the ``[..., q_seq_len, kv_seq_len]`` scores are materialised),
-not the blockwise O(seq) of a flash kernel.
+PyTorch/XLA runs a Pallas TPU kernel here. This one is the fused op that
+``F.scaled_dot_product_attention`` becomes (``_scaled_dot_product_fused_attention_overrideable``,
+one node forward and one backward), lowered per platform as that is (``lowering/attention.py``):
+the Pallas flash kernel on TPU where no bias is needed, elsewhere blockwise attention, whose memory
+grows linearly with the sequence. It computes in float32, as the kernel does, so an NVIDIA GPU runs
+the blockwise form rather than cuDNN's half-precision kernel. Segment ids and ``ab`` enter as a bias
+(``[batch, 1 or heads, q_seq_len, kv_seq_len]``), held whole; causal masking alone needs none.
 
 ``repeat_with_fixed_output_size`` (the helper of its grouped matmul kernel) is provided too: a
 ``repeat_interleave`` with a static output length, traced without a graph break.
@@ -42,11 +44,12 @@ def flash_attention(
 ) -> torch.Tensor:
     """Attention ``softmax((q @ k^T + ab) * sm_scale + mask) @ v``, as PyTorch/XLA's TPU kernel.
 
-    Scripts written for TPU (Llama, FSDPv2 recipes) call this kernel; here it is ordinary traced
-    ops rather than a Pallas kernel, so it runs on every backend and gradients come from autograd
-    (for ``q``, ``k``, ``v`` and ``ab``). It holds the full score matrix in memory, as plain
-    attention does. The scores, softmax and products are computed in float32 (float64 for float64
-    inputs) and the result is cast to ``q``'s dtype, as the kernel accumulates.
+    Scripts written for TPU (Llama, FSDPv2 recipes) call this kernel; here it is the engine's
+    fused attention, one node each way on every backend, with gradients for ``q``, ``k``, ``v``
+    and ``ab``. Its memory grows linearly with the sequence, as the kernel's does (a bias of
+    segment ids or ``ab`` is held whole). The scores, softmax and products are computed in
+    float32 (float64 for float64 inputs) and the result is cast to ``q``'s dtype, as the kernel
+    accumulates.
 
     A masked score gets :data:`DEFAULT_MASK_VALUE` added, as in the kernel: a query whose every
     key is masked (segment ids, with ``causal`` or not) attends to all keys evenly, i.e. its output
@@ -121,18 +124,25 @@ def _attention(
     sm_scale: float,
     ab: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The kernel's arithmetic: scores in float32 or wider, bias, scale, additive mask."""
+    """The kernel's arithmetic as the fused attention op: ``(q k^T + ab) * sm_scale + mask`` is
+    ``(q * sm_scale) k^T + bias``, in float32 or wider. ``sm_scale`` scales ``q`` (a program input,
+    not a constant of the program); a bias holds ``ab`` and the segment mask, the causal mask too
+    when a query may lose every key (its row then averages them all, as the kernel's does)."""
     wide = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     wide = torch.promote_types(wide, torch.float32)
-    scores = torch.matmul(q.to(wide), k.to(wide).transpose(-2, -1))
-    if ab is not None:
-        scores = scores + ab.to(wide)
-    if sm_scale != 1.0:
-        scores = scores * sm_scale
-    visible = _visible(q, k, causal, q_segment_ids, kv_segment_ids)
+    heads, q_len, kv_len = q.shape[-3], q.shape[-2], k.shape[-2]
+    bias = None if ab is None else ab.to(wide) * sm_scale
+    visible = _visible(q, k, causal and q_segment_ids is not None, q_segment_ids, kv_segment_ids)
     if visible is not None:
-        scores = scores + torch.where(visible, 0.0, DEFAULT_MASK_VALUE).to(wide)
-    return torch.matmul(torch.softmax(scores, dim=-1), v.to(wide)).to(q.dtype)
+        mask = torch.where(visible, 0.0, DEFAULT_MASK_VALUE).to(wide)
+        bias = mask if bias is None else bias + mask
+    if bias is not None:
+        bias = bias.reshape(-1, bias.shape[-3], q_len, kv_len)
+    flat = [t.to(wide).reshape(-1, heads, t.shape[-2], t.shape[-1]) for t in (q * sm_scale, k, v)]
+    out = torch.ops.aten._scaled_dot_product_fused_attention_overrideable(
+        *flat, bias, 0.0, causal and q_segment_ids is None, scale=1.0
+    )[0]
+    return out.reshape(q.shape).to(q.dtype)
 
 
 def _visible(

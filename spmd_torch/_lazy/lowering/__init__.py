@@ -3,6 +3,7 @@
 
 from . import (  # noqa: F401  (each module fills LOWERINGS at import)
     amp,
+    attention,
     barrier,
     collectives,
     ctc,

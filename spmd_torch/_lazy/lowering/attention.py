@@ -1,0 +1,427 @@
+"""Lowerings: attention as one op each way, ``_scaled_dot_product_fused_attention_overrideable``
+and its backward, each lowered to the best implementation the program's platform has.
+
+``choose`` picks it when the program is traced, from the platform, dtype, shapes, mask kind and
+dropout, which forward and backward share, so both halves of one attention use one implementation:
+
+- ``cudnn``: cuDNN flash attention (``jax.nn.dot_product_attention(implementation='cudnn')``) on
+  NVIDIA GPUs, for bf16/fp16 without a mask tensor or dropout, head dims a multiple of 8 up to 128,
+  causal only for square attention (where cuDNN's diagonal is PyTorch's);
+- ``pallas``: the Pallas flash kernel on TPU, without a mask tensor or dropout, sequence lengths a
+  multiple of 128 (grouped key/value heads are repeated);
+- ``plain``: the scores materialised and softmaxed whole, which XLA fuses: up to
+  ``PLAIN_MAX_KEYS`` keys on CPU, where it is as fast as the blockwise form or faster;
+- ``blockwise``: everywhere else, an online softmax over blocks of ``BLOCK`` keys (``lax.scan``)
+  that saves the log-sum-exp; the backward recomputes each block's probabilities from it, so memory
+  grows linearly with the sequence. ``plain`` is the same code with one block.
+
+The forward's second result is the float32 log-sum-exp of the scaled, masked scores, less a float
+mask's largest value in each row (see ``_Problem``); only the blockwise backward reads it, the
+cudnn and pallas backwards differentiate their kernels (``jax.vjp``). Rows with every key masked
+(``-inf``) give zeros, as PyTorch's ``_safe_softmax``. Dropout draws one mask per key block from
+the node's PRNG key, which the forward returns bit-cast into ``philox_seed`` for the backward to
+draw the same masks again. Each lowering bumps ``Attention::<impl>`` (forward) or
+``AttentionBackward::<impl>``: the metrics count programs compiled with each implementation.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import torch
+from jax import lax
+from jax.extend import backend as jax_backend
+
+from .. import counters
+from .linalg import accumulation_dtype, precision
+from .random import wrap_key
+from .registry import lowers
+
+aten = torch.ops.aten
+
+BLOCK = 128  # keys per block of the blockwise form
+PLAIN_MAX_KEYS = 384  # on CPU, up to this many keys plain attention is as fast or faster
+_CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_CUDNN_MAX_HEAD_DIM = 128  # 256 on Hopper, which a pure choice does not know: the lower bound
+_PALLAS_BLOCK = 128  # the TPU kernel's default block along each sequence
+
+
+def choose(
+    platform: str,
+    dtype: object,
+    q_shape: tuple,
+    k_shape: tuple,
+    v_shape: tuple,
+    mask: str | None,
+    causal: bool,
+    dropout: bool,
+    has_pallas: bool = True,
+) -> str:
+    """The implementation of one attention: ``cudnn``, ``pallas``, ``blockwise`` or ``plain``.
+
+    ``platform`` is ``cuda``/``gpu``, ``rocm``, ``tpu`` or ``cpu``; ``mask`` is None, ``'bool'``
+    or ``'float'``; ``q_shape`` is (batch, heads, q_len, head_dim), ``k_shape``/``v_shape`` are
+    (batch, kv_heads, kv_len, head_dim). A pure function of its arguments: forward and backward
+    ask it the same question and get the same answer."""
+    q_len, head_dim = q_shape[-2], q_shape[-1]
+    kv_len, v_head_dim = k_shape[-2], v_shape[-1]
+    fused = mask is None and not dropout and head_dim == v_head_dim
+    if (
+        platform in ("cuda", "gpu")
+        and fused
+        and jnp.dtype(dtype) in _CUDNN_DTYPES
+        and head_dim % 8 == 0
+        and head_dim <= _CUDNN_MAX_HEAD_DIM
+        and (not causal or q_len == kv_len)
+    ):
+        return "cudnn"
+    if (
+        platform == "tpu"
+        and has_pallas
+        and fused
+        and q_len % _PALLAS_BLOCK == 0
+        and kv_len % _PALLAS_BLOCK == 0
+    ):
+        return "pallas"
+    if platform == "cpu" and kv_len <= PLAIN_MAX_KEYS:
+        return "plain"
+    return "blockwise"
+
+
+def _platform() -> str:
+    """The platform programs compile for; a GPU named by its vendor (cuDNN is NVIDIA's)."""
+    backend = jax.default_backend()
+    if backend == "gpu":
+        version = jax_backend.get_backend().platform_version.lower()
+        return "rocm" if "rocm" in version else "cuda"
+    return backend
+
+
+def _pallas_flash():
+    """The Pallas TPU flash kernel, or None where this JAX has none."""
+    try:
+        from jax.experimental.pallas.ops.tpu.flash_attention import flash_attention
+    except ImportError:
+        return None
+    return flash_attention
+
+
+def _mask_kind(bias) -> str | None:
+    if bias is None:
+        return None
+    return "bool" if bias.dtype == jnp.bool_ else "float"
+
+
+def _implementation(q, k, v, bias, causal: bool, dropout_p: float) -> str:
+    """``choose``'s answer for this program's platform and these arrays."""
+    platform = _platform()
+    return choose(
+        platform,
+        q.dtype,
+        q.shape,
+        k.shape,
+        v.shape,
+        _mask_kind(bias),
+        causal,
+        dropout_p > 0,
+        has_pallas=platform != "tpu" or _pallas_flash() is not None,
+    )
+
+
+# --- the blockwise form (plain: one block) --------------------------------------------------------
+
+
+class _Problem:
+    """One attention in grouped form: q (B, Hk, G, L, E) against k/v (B, Hk, S, E), float32 or
+    wider; the mask as a (b, h, g, l, s) array broadcasting against the scores, less its largest
+    value per row (``shift``: a row masked by a huge finite value keeps its log-sum-exp, which
+    that value would otherwise swallow); the keys padded to whole blocks."""
+
+    def __init__(self, q, k, v, bias, causal: bool, scale: float, dropout_p: float, key, block):
+        batch, heads, self.q_len, _ = q.shape
+        kv_heads, self.kv_len = k.shape[1], k.shape[2]
+        self.group = heads // kv_heads
+        self.wide = jnp.promote_types(accumulation_dtype(q.dtype) or q.dtype, jnp.float32)
+        self.q = q.astype(self.wide).reshape(batch, kv_heads, self.group, self.q_len, -1)
+        self.scale, self.causal, self.dropout_p, self.key = scale, causal, dropout_p, key
+        self.block = min(block, self.kv_len)
+        self.blocks = -(-self.kv_len // self.block)
+        padding = self.blocks * self.block - self.kv_len
+        self.k = _pad_keys(k.astype(self.wide), padding, axis=2)
+        self.v = _pad_keys(v.astype(self.wide), padding, axis=2)
+        self.bias = None if bias is None else _grouped_bias(bias, heads, kv_heads, self.group)
+        self.shift = None
+        if self.bias is not None and self.bias.dtype != jnp.bool_:
+            top = self.bias.max(-1, keepdims=True).astype(self.wide)
+            self.shift = jnp.where(top == -jnp.inf, 0, top)
+        if self.bias is not None and self.bias.shape[-1] != 1:
+            self.bias = _pad_keys(self.bias, padding, axis=4)
+        self.padded = padding > 0
+
+    def keys(self, j):
+        """Key block ``j``: its first index, keys and values."""
+        start = j * self.block
+        k = lax.dynamic_slice_in_dim(self.k, start, self.block, axis=2)
+        v = lax.dynamic_slice_in_dim(self.v, start, self.block, axis=2)
+        return start, k, v
+
+    def bias_block(self, start):
+        if self.bias is None or self.bias.shape[-1] == 1:
+            return self.bias
+        return lax.dynamic_slice_in_dim(self.bias, start, self.block, axis=4)
+
+    def scores(self, j, start, k):
+        """Block ``j``'s scaled, biased and masked scores (B, Hk, G, L, block)."""
+        s = jnp.einsum("bhgle,bhse->bhgls", self.q, k, precision=precision()) * self.scale
+        bias = self.bias_block(start)
+        if bias is not None and bias.dtype == jnp.bool_:
+            s = jnp.where(bias, s, -jnp.inf)
+        elif bias is not None:
+            s = s + bias.astype(s.dtype) - self.shift
+        cols = start + lax.broadcasted_iota(jnp.int32, (self.q_len, self.block), 1)
+        visible = None
+        if self.causal:
+            visible = cols <= lax.broadcasted_iota(jnp.int32, (self.q_len, self.block), 0)
+        if self.padded:
+            inside = cols < self.kv_len
+            visible = inside if visible is None else visible & inside
+        return s if visible is None else jnp.where(visible, s, -jnp.inf)
+
+    def kept(self, j, shape):
+        """Block ``j``'s dropout factors (0 or 1 / (1 - p)), or None without dropout."""
+        if not self.dropout_p:
+            return None
+        # Drawn flat: XLA:CPU takes up to tens of seconds to compile a 5-d draw; a flat one
+        # compiles in a fraction of a second and shards alike.
+        flat = (math.prod(shape),)
+        keep = jax.random.bernoulli(jax.random.fold_in(self.key, j), 1 - self.dropout_p, flat)
+        return keep.reshape(shape).astype(self.wide) / (1 - self.dropout_p)
+
+
+def _pad_keys(x, padding: int, axis: int):
+    if not padding:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, padding)
+    return jnp.pad(x, widths)
+
+
+def _grouped_bias(bias, heads: int, kv_heads: int, group: int):
+    """A mask broadcasting against (B, H, L, S), reshaped to broadcast against (B, Hk, G, L, S)."""
+    bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
+    b, h, q_len, kv_len = bias.shape
+    if h == heads and group > 1:
+        return bias.reshape(b, kv_heads, group, q_len, kv_len)
+    return bias.reshape(b, h, 1, q_len, kv_len)
+
+
+def blockwise_forward(q, k, v, bias, causal, scale, dropout_p, key, block):
+    """(output (B, H, L, Ev), log-sum-exp (B, H, L)) by an online softmax over key blocks."""
+    p = _Problem(q, k, v, bias, causal, scale, dropout_p, key, block)
+    rows = p.q.shape[:-1]
+
+    def step(carry, j):
+        top, total, acc = carry
+        start, kj, vj = p.keys(j)
+        s = p.scores(j, start, kj)
+        new_top = jnp.maximum(top, s.max(-1))
+        safe_top = jnp.where(new_top == -jnp.inf, 0, new_top)
+        probs = jnp.exp(s - safe_top[..., None])
+        rescale = jnp.exp(top - safe_top)
+        total = rescale * total + probs.sum(-1)
+        kept = p.kept(j, probs.shape)
+        dropped = probs if kept is None else probs * kept
+        update = jnp.einsum("bhgls,bhse->bhgle", dropped, vj, precision=precision())
+        return (new_top, total, rescale[..., None] * acc + update), None
+
+    start = (
+        jnp.full(rows, -jnp.inf, p.wide),
+        jnp.zeros(rows, p.wide),
+        jnp.zeros(rows + (v.shape[-1],), p.wide),
+    )
+    (top, total, acc), _ = lax.scan(step, start, jnp.arange(p.blocks))
+    empty = total == 0  # every key masked: zeros, as PyTorch's _safe_softmax
+    out = jnp.where(empty[..., None], 0, acc / jnp.where(empty, 1, total)[..., None])
+    lse = jnp.where(empty, -jnp.inf, top + jnp.log(jnp.where(empty, 1, total)))
+    batch, heads = q.shape[:2]
+    return out.reshape(batch, heads, p.q_len, -1), lse.reshape(batch, heads, p.q_len)
+
+
+def blockwise_backward(
+    grad, q, k, v, bias, out, lse, causal, scale, dropout_p, key, block, bias_grad
+):
+    """(dq, dk, dv, dbias or None): each key block's probabilities recomputed from ``lse``."""
+    p = _Problem(q, k, v, bias, causal, scale, dropout_p, key, block)
+    rows = p.q.shape[:-1]
+    grad = grad.astype(p.wide).reshape(rows + (-1,))
+    lse = lse.astype(p.wide).reshape(rows)
+    safe_lse = jnp.where(lse == -jnp.inf, 0, lse)
+    delta = (grad * out.astype(p.wide).reshape(grad.shape)).sum(-1)  # rowsum(dO * O)
+    bias_grad = bias_grad and p.bias is not None and p.bias.dtype != jnp.bool_
+    per_block_bias = bias_grad and p.bias.shape[-1] != 1
+
+    def step(carry, j):
+        dq, dbias = carry
+        start, kj, vj = p.keys(j)
+        probs = jnp.exp(p.scores(j, start, kj) - safe_lse[..., None])
+        kept = p.kept(j, probs.shape)
+        dropped = probs if kept is None else probs * kept
+        dv = jnp.einsum("bhgls,bhgle->bhse", dropped, grad, precision=precision())
+        dprobs = jnp.einsum("bhgle,bhse->bhgls", grad, vj, precision=precision())
+        if kept is not None:
+            dprobs = dprobs * kept
+        ds = probs * (dprobs - delta[..., None])
+        dq = dq + jnp.einsum("bhgls,bhse->bhgle", ds, kj, precision=precision()) * p.scale
+        dk = jnp.einsum("bhgls,bhgle->bhse", ds, p.q, precision=precision()) * p.scale
+        if not bias_grad:
+            return (dq, dbias), (dk, dv)
+        block_shape = p.bias.shape[:-1] + (ds.shape[-1] if per_block_bias else 1,)
+        reduced = _sum_to(ds, block_shape)
+        if per_block_bias:
+            return (dq, dbias), (dk, dv, reduced)
+        return (dq, dbias + reduced), (dk, dv)
+
+    dbias = jnp.zeros(p.bias.shape, p.wide) if bias_grad and not per_block_bias else None
+    (dq, dbias), blocks = lax.scan(step, (jnp.zeros_like(p.q), dbias), jnp.arange(p.blocks))
+    dk, dv = (_unblock(b, p.kv_len) for b in blocks[:2])
+    if per_block_bias:
+        dbias = _unblock(blocks[2], p.kv_len, axis=4)
+    if dbias is not None:
+        dbias = dbias.reshape(bias.shape)
+    return dq.reshape(q.shape), dk, dv, dbias
+
+
+def _sum_to(x, shape: tuple):
+    """``x`` summed over the axes where ``shape`` is 1 (a broadcast operand's gradient)."""
+    axes = tuple(i for i, (n, m) in enumerate(zip(x.shape, shape)) if m == 1 and n != 1)
+    return x.sum(axes, keepdims=True) if axes else x
+
+
+def _unblock(blocks, length: int, axis: int = 2):
+    """Per-block results stacked on axis 0 -> one array along ``axis``, the padding cut off."""
+    moved = jnp.moveaxis(blocks, 0, axis)  # (..., blocks, block, ...)
+    joined = moved.reshape(moved.shape[:axis] + (-1,) + moved.shape[axis + 2 :])
+    return lax.slice_in_dim(joined, 0, length, axis=axis)
+
+
+# --- the fused kernels --------------------------------------------------------------------------
+
+
+def _cudnn(q, k, v, causal: bool, scale: float):
+    """cuDNN flash attention on (B, H, L, E) arrays: (output, log-sum-exp)."""
+    out, lse = jax.nn.dot_product_attention(
+        *(x.transpose(0, 2, 1, 3) for x in (q, k, v)),  # JAX's layout: (B, L, H, E)
+        scale=scale,
+        is_causal=causal,
+        implementation="cudnn",
+        return_residual=True,
+    )
+    return out.transpose(0, 2, 1, 3), lse.transpose(0, 2, 1)
+
+
+def _pallas(q, k, v, causal: bool, scale: float):
+    """The Pallas TPU flash kernel on (B, H, L, E) arrays, key/value heads repeated per group."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
+    return _pallas_flash()(q, k, v, causal=causal, sm_scale=scale)
+
+
+def _kernel(impl: str, causal: bool, scale: float):
+    """The fused kernel's output as a function of (q, k, v), for ``jax.vjp``."""
+    if impl == "cudnn":
+        return lambda q, k, v: _cudnn(q, k, v, causal, scale)[0]
+    return partial(_pallas, causal=causal, scale=scale)
+
+
+def _scale(q, scale) -> float:
+    return 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+
+
+def _block(impl: str, k) -> int:
+    return k.shape[2] if impl == "plain" else BLOCK
+
+
+@lowers(aten._scaled_dot_product_fused_attention_overrideable.default, random=True)
+def _attention(
+    key,
+    q,
+    k,
+    v,
+    attn_bias=None,
+    dropout_p=0.0,
+    is_causal=False,
+    return_debug_mask=False,
+    scale=None,
+):
+    """(output, log-sum-exp, philox_seed: the PRNG key's words as one int64, philox_offset: 0)."""
+    if return_debug_mask:
+        raise NotImplementedError(
+            "_scaled_dot_product_fused_attention_overrideable: return_debug_mask=True (the "
+            "attention probabilities) is not supported on xla"
+        )
+    impl = _implementation(q, k, v, attn_bias, is_causal, dropout_p)
+    counters.bump(f"Attention::{impl}")
+    scale = _scale(q, scale)
+    if impl == "cudnn":
+        out, lse = _cudnn(q, k, v, is_causal, scale)
+    elif impl == "pallas":
+        out = _pallas(q, k, v, is_causal, scale)
+        lse = blockwise_forward(q, k, v, None, is_causal, scale, 0.0, None, BLOCK)[1]
+    else:
+        out, lse = blockwise_forward(
+            q, k, v, attn_bias, is_causal, scale, dropout_p, key, _block(impl, k)
+        )
+    seed = lax.bitcast_convert_type(jax.random.key_data(key), jnp.int64)
+    return out, lse, seed, jnp.zeros((), jnp.int64)
+
+
+@lowers(aten._scaled_dot_product_fused_attention_overrideable_backward.default)
+def _attention_backward(
+    grad,
+    q,
+    k,
+    v,
+    attn_bias,
+    grad_input_mask,
+    out,
+    lse,
+    cum_seq_q,
+    cum_seq_k,
+    max_q,
+    max_k,
+    dropout_p,
+    is_causal,
+    philox_seed,
+    philox_offset,
+    scale=None,
+):
+    """(dq, dk, dv, dbias: zeros where the mask needs none) with the forward's implementation."""
+    impl = _implementation(q, k, v, attn_bias, is_causal, dropout_p)
+    counters.bump(f"AttentionBackward::{impl}")
+    scale = _scale(q, scale)
+    if impl in ("cudnn", "pallas"):
+        primal, pullback = jax.vjp(_kernel(impl, is_causal, scale), q, k, v)
+        return *pullback(grad.astype(primal.dtype)), None
+    key = wrap_key(lax.bitcast_convert_type(philox_seed, jnp.uint32))
+    dq, dk, dv, dbias = blockwise_backward(
+        grad,
+        q,
+        k,
+        v,
+        attn_bias,
+        out,
+        lse,
+        is_causal,
+        scale,
+        dropout_p,
+        key,
+        _block(impl, k),
+        bool(grad_input_mask[3]),
+    )
+    if attn_bias is not None and dbias is None:
+        dbias = jnp.zeros(attn_bias.shape, attn_bias.dtype)
+    return dq, dk, dv, dbias

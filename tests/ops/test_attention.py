@@ -1,0 +1,340 @@
+"""F.scaled_dot_product_attention as one fused node each way: values and gradients against eager
+CPU for every mask kind, GQA, scale and dtype; dropout's mask shared by forward and backward; the
+blockwise form against the plain one; the implementation chosen per platform; SPMD."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import spmd_torch
+import spmd_torch.distributed.spmd as xs
+import spmd_torch.runtime as xr
+from spmd_torch._lazy import counters
+from spmd_torch._lazy.lowering import attention
+from spmd_torch.debug import graph
+from tests.helpers import assert_close, assert_compiles, assert_matches_eager, to_cpu, tolerance
+
+dev = spmd_torch.device()
+FUSED = "aten._scaled_dot_product_fused_attention_overrideable.default("
+FUSED_BACKWARD = "aten._scaled_dot_product_fused_attention_overrideable_backward.default("
+
+
+def _randn(*shape, dtype=torch.float32, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def _qkv(q_shape=(2, 4, 8, 16), kv_shape=(2, 4, 10, 16), dtype=torch.float32):
+    return _randn(*q_shape, dtype=dtype, seed=1), *(
+        _randn(*kv_shape, dtype=dtype, seed=s) for s in (2, 3)
+    )
+
+
+def _bool_mask(*shape, seed=4):
+    mask = torch.rand(*shape, generator=torch.Generator().manual_seed(seed)) > 0.4
+    mask[..., 0] = True  # every query keeps a key: eager CPU's fused kernels NaN an empty row
+    return mask
+
+
+MASKS = {
+    "none": {},
+    "causal": {"is_causal": True},
+    "bool": {"attn_mask": _bool_mask(2, 4, 8, 10)},
+    "bool_broadcast": {"attn_mask": _bool_mask(8, 10)},
+    "additive": {"attn_mask": _randn(2, 4, 8, 10, seed=5)},
+    "additive_broadcast": {"attn_mask": _randn(1, 4, 1, 10, seed=5)},
+}
+
+
+@pytest.mark.parametrize("mask", MASKS)
+def test_masks_match_eager_forward_and_backward(mask):
+    # An additive mask is a floating input: its gradient is compared too.
+    assert_matches_eager(F.scaled_dot_product_attention, *_qkv(), grad=True, **MASKS[mask])
+
+
+@pytest.mark.parametrize(
+    "dtype, is_causal", [(torch.float32, True), (torch.bfloat16, False)], ids=["fp32", "bf16"]
+)
+def test_grouped_query_attention_matches_eager(dtype, is_causal):
+    q, k, v = _qkv((2, 8, 8, 16), (2, 2, 8, 16), dtype)
+    assert_matches_eager(
+        F.scaled_dot_product_attention,
+        *(q, k, v),
+        grad=True,
+        tol="attention",
+        is_causal=is_causal,
+        enable_gqa=True,
+    )
+
+
+def test_bfloat16_with_a_bool_mask_and_scale_matches_eager():
+    q, k, v = _qkv(dtype=torch.bfloat16)
+    mask = MASKS["bool"]["attn_mask"]
+    assert_matches_eager(
+        F.scaled_dot_product_attention, q, k, v, mask, grad=True, tol="attention", scale=0.3
+    )
+
+
+def test_unbatched_heads_match_eager():
+    q, k, v = _qkv((4, 8, 16), (4, 10, 16))
+    assert_matches_eager(F.scaled_dot_product_attention, q, k, v, grad=True, scale=0.3)
+
+
+def test_rows_with_every_key_masked_are_zero_as_in_eager():
+    mask = torch.ones(8, 10, dtype=torch.bool)
+    mask[3] = False
+    q, k, v = (t.double() for t in _qkv())
+    out = assert_matches_eager(F.scaled_dot_product_attention, q, k, v, mask, grad=True)
+    assert not out[:, :, 3].cpu().any()
+
+
+def test_long_keys_go_blockwise_and_match_eager():
+    # 400 keys: blockwise on CPU, three whole blocks and a partial one; 24 queries.
+    q, k, v = _qkv((1, 2, 24, 8), (1, 2, 400, 8))
+    before = counters.COUNTERS.get("Attention::blockwise", 0)
+    assert_matches_eager(F.scaled_dot_product_attention, q, k, v, grad=True, is_causal=True)
+    assert counters.COUNTERS.get("Attention::blockwise", 0) > before
+
+
+def test_one_node_forward_and_one_backward_without_bmm_or_softmax():
+    leaves = [t.to(dev).requires_grad_() for t in _qkv()]
+    mask = MASKS["bool"]["attn_mask"].to(dev)
+    out = F.scaled_dot_product_attention(*leaves, attn_mask=mask, dropout_p=0.1)
+    grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    text = graph.pending_text(list(grads))
+    assert text.count(FUSED) == 1, text
+    assert text.count(FUSED_BACKWARD) == 1, text
+    for op in ("bmm", "_softmax", "_safe_softmax", "matmul", "masked_fill", "bernoulli"):
+        assert f"aten.{op}." not in text, text
+
+
+def test_broadcast_kv_heads_without_enable_gqa_take_atens_composite():
+    # One key/value head broadcast over four query heads without enable_gqa is the math form's
+    # broadcasting, which the fused op does not take: ATen's composite runs, as in eager.
+    q, k, v = _qkv(kv_shape=(2, 1, 10, 16))
+    text = graph.pending_text([F.scaled_dot_product_attention(q.to(dev), k.to(dev), v.to(dev))])
+    assert FUSED not in text and "aten.bmm." in text, text
+    assert_matches_eager(F.scaled_dot_product_attention, q, k, v, grad=True)
+
+
+# --- dropout -------------------------------------------------------------------------------------
+
+
+def _dropout_reference(q, k, v, kept, p):
+    """Attention with the given keep mask: softmax(q k^T / sqrt(E)) * kept / (1 - p) @ v."""
+    probs = torch.softmax(q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5, -1)
+    return (probs * kept / (1 - p)) @ v
+
+
+@pytest.mark.parametrize("plain_max_keys", [attention.PLAIN_MAX_KEYS, 0], ids=["plain", "blocks"])
+def test_dropout_uses_one_mask_forward_and_backward(monkeypatch, plain_max_keys):
+    # The mask is read off the forward of a one-hot v (a zero where dropped); with the device key
+    # reset, the same draw then drives a real forward and backward, which must match attention in
+    # float64 with that mask, gradients of q, k and v included. Blockwise: 3 blocks of 4 keys.
+    monkeypatch.setattr(attention, "PLAIN_MAX_KEYS", plain_max_keys)
+    monkeypatch.setattr(attention, "BLOCK", 4)
+    p, seq = 0.3, 11 + (plain_max_keys == 0)  # a shape per form: no program shared between them
+    q, k, v = _qkv((2, 2, 6, 8), (2, 2, seq, 8))
+    spmd_torch.manual_seed(7)
+    one_hot = torch.eye(seq).expand(2, 2, seq, seq).to(dev)
+    kept = F.scaled_dot_product_attention(q.to(dev), k.to(dev), one_hot, dropout_p=p).cpu() != 0
+    assert 0.5 < kept.float().mean() < 0.9
+
+    spmd_torch.manual_seed(7)
+    leaves = [t.to(dev).requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*leaves, dropout_p=p)
+    cotangent = _randn(*out.shape, seed=9)
+    grads = torch.autograd.grad(out, leaves, cotangent.to(dev))
+
+    wide = [t.double().requires_grad_() for t in (q, k, v)]
+    expected = _dropout_reference(*wide, kept.double(), p)
+    expected_grads = torch.autograd.grad(expected, wide, cotangent.double())
+    assert_close(out, expected.float())
+    assert_close(list(grads), [g.float() for g in expected_grads], kind="grad")
+
+
+def test_dropout_draws_a_new_mask_each_step():
+    q, k, v = (t.to(dev) for t in _qkv())
+    first = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5).cpu()
+    second = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5).cpu()
+    assert not torch.equal(first, second)
+
+
+# --- the blockwise form --------------------------------------------------------------------------
+
+
+def _jax(t: torch.Tensor) -> jax.Array:
+    return jnp.asarray(t.numpy())
+
+
+@pytest.mark.parametrize(
+    "case", ["causal", "gqa", "bias_per_key", "bias_broadcast_keys", "bool_mask"]
+)
+def test_blockwise_equals_plain_with_partial_blocks(case):
+    # 37 keys in blocks of 5 (a partial block last) against one block of 37; 7 queries.
+    q, k, v = _qkv((2, 4, 7, 8), (2, 2 if case == "gqa" else 4, 37, 8))
+    v = torch.cat([v, v[..., :3]], -1)  # a head dim of v's own
+    bias = {
+        "bias_per_key": _randn(1, 4, 7, 37, seed=6),
+        "bias_broadcast_keys": _randn(2, 1, 7, 1, seed=6),
+        "bool_mask": _bool_mask(7, 37),
+    }.get(case)
+    causal = case == "causal"
+    arrays = [_jax(t) for t in (_randn(2, 4, 7, 11, seed=9), q, k, v)]
+    arrays.append(None if bias is None else _jax(bias))
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def forward_and_backward(block, grad, q, k, v, bias):
+        out, lse = attention.blockwise_forward(q, k, v, bias, causal, 0.4, 0.0, None, block)
+        grads = attention.blockwise_backward(
+            grad, q, k, v, bias, out, lse, causal, 0.4, 0.0, None, block, True
+        )
+        return [x for x in (out, lse, *grads) if x is not None]
+
+    plain, blocks = (forward_and_backward(block, *arrays) for block in (37, 5))
+    for a, b in zip(blocks, plain):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), **tolerance(torch.float32, "grad"))
+
+
+# --- the choice of implementation ----------------------------------------------------------------
+
+_SQUARE = dict(q_shape=(2, 8, 1024, 64), k_shape=(2, 8, 1024, 64), v_shape=(2, 8, 1024, 64))
+
+
+def _choose(platform, dtype=jnp.bfloat16, mask=None, causal=True, dropout=False, **shapes):
+    return attention.choose(
+        platform, dtype, **(_SQUARE | shapes), mask=mask, causal=causal, dropout=dropout
+    )
+
+
+def test_choice_is_cudnn_for_half_precision_on_nvidia_gpus():
+    assert _choose("cuda") == "cudnn"
+    assert _choose("gpu", jnp.float16, causal=False) == "cudnn"
+    assert _choose("cuda", k_shape=(2, 2, 1024, 64), v_shape=(2, 2, 1024, 64)) == "cudnn"  # GQA
+
+
+@pytest.mark.parametrize(
+    "why, arguments",
+    [
+        ("float32", dict(dtype=jnp.float32)),
+        ("a mask tensor", dict(mask="bool")),
+        ("an additive mask", dict(mask="float")),
+        ("dropout", dict(dropout=True)),
+        ("head dim above 128", dict(q_shape=(2, 8, 1024, 256), k_shape=(2, 8, 1024, 256))),
+        ("head dim not a multiple of 8", dict(q_shape=(2, 8, 64, 60), k_shape=(2, 8, 64, 60))),
+        ("causal with q_len != kv_len", dict(q_shape=(2, 8, 512, 64))),
+        ("ROCm", dict(platform="rocm")),
+    ],
+)
+def test_choice_falls_through_cudnn_to_blockwise_on_gpus(why, arguments):
+    platform = arguments.pop("platform", "cuda")
+    if "k_shape" in arguments:
+        arguments["v_shape"] = arguments["k_shape"]
+    assert _choose(platform, **arguments) == "blockwise", why
+
+
+def test_choice_is_pallas_on_tpu_where_it_applies():
+    assert _choose("tpu") == "pallas"
+    assert _choose("tpu", jnp.float32, causal=False) == "pallas"
+    assert _choose("tpu", mask="float") == "blockwise"
+    assert _choose("tpu", dropout=True) == "blockwise"
+    assert _choose("tpu", q_shape=(2, 8, 1000, 64)) == "blockwise"  # not whole 128-blocks
+    no_pallas = attention.choose("tpu", jnp.bfloat16, **_SQUARE, mask=None, causal=True,
+                                 dropout=False, has_pallas=False)  # fmt: skip
+    assert no_pallas == "blockwise"
+
+
+def test_choice_on_cpu_is_plain_for_short_keys_and_blockwise_for_long():
+    short = attention.PLAIN_MAX_KEYS
+    kv = dict(k_shape=(2, 8, short, 64), v_shape=(2, 8, short, 64))
+    assert _choose("cpu", jnp.float32, **kv) == "plain"
+    assert _choose("cpu", jnp.float32, mask="bool", dropout=True, **kv) == "plain"
+    assert _choose("cpu", jnp.float32) == "blockwise"  # 1024 keys
+    assert _choose("cpu") == "blockwise"
+
+
+# --- the fused kernels' wiring, on CPU ----------------------------------------------------------
+
+
+def _xla_in_place_of_cudnn(monkeypatch):
+    """Programs lowered as on an NVIDIA GPU, JAX's XLA attention standing in for cuDNN's (same
+    layout, same log-sum-exp residual)."""
+    dot_product_attention = jax.nn.dot_product_attention
+
+    def xla_attention(q, k, v, implementation=None, **kwargs):
+        assert implementation == "cudnn" and q.shape[2] % k.shape[2] == 0  # (B, L, H, E)
+        wide = (x.astype(jnp.float32) for x in (q, k, v))
+        out, lse = dot_product_attention(*wide, implementation="xla", **kwargs)
+        return out.astype(q.dtype), lse
+
+    monkeypatch.setattr(attention, "_platform", lambda: "cuda")
+    monkeypatch.setattr(jax.nn, "dot_product_attention", xla_attention)
+
+
+def _reference_in_place_of_pallas(monkeypatch):
+    """Programs lowered as on a TPU, plain attention standing in for the Pallas kernel (which
+    takes equal head counts: grouped heads must arrive repeated)."""
+
+    def flash_attention(q, k, v, *, causal, sm_scale):
+        assert q.shape[1] == k.shape[1] == v.shape[1]
+        q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+        s = jnp.einsum("bhle,bhse->bhls", q, k) * sm_scale
+        if causal:
+            s = jnp.where(jnp.tri(s.shape[-2], s.shape[-1], dtype=bool), s, -jnp.inf)
+        return jnp.einsum("bhls,bhse->bhle", jax.nn.softmax(s), v)
+
+    monkeypatch.setattr(attention, "_platform", lambda: "tpu")
+    monkeypatch.setattr(attention, "_pallas_flash", lambda: flash_attention)
+
+
+@pytest.mark.parametrize("kernel", ["cudnn", "pallas"])
+def test_fused_kernels_are_wired_as_the_op_expects(monkeypatch, kernel):
+    # Shapes of each kernel's own: programs are cached by structure, not by platform.
+    {"cudnn": _xla_in_place_of_cudnn, "pallas": _reference_in_place_of_pallas}[kernel](monkeypatch)
+    head_dim = {"cudnn": 8, "pallas": 16}[kernel]
+    q, k, v = _qkv((1, 4, 128, head_dim), (1, 2, 128, head_dim), torch.bfloat16)
+    before = counters.COUNTERS.get(f"Attention::{kernel}", 0)
+    assert_matches_eager(
+        F.scaled_dot_product_attention,
+        *(q, k, v),
+        grad=True,
+        tol="attention",
+        is_causal=True,
+        enable_gqa=True,
+    )
+    assert counters.COUNTERS.get(f"Attention::{kernel}", 0) > before
+    assert counters.COUNTERS.get(f"AttentionBackward::{kernel}", 0) > 0
+
+
+# --- SPMD ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, spec",
+    [((8,), ("data", None, None, None)), ((2, 4), ("data", "model", None, None))],
+)
+def test_sharded_attention_is_one_program_and_matches_eager(mesh_shape, spec):
+    xr.use_spmd()
+    names = ("data", "model")[: len(mesh_shape)]
+    mesh = xs.Mesh(np.arange(8), mesh_shape, names)
+    q, k, v = _qkv((8, 4, 16, 8), (8, 4, 16, 8))
+    leaves = [t.to(dev).requires_grad_() for t in (q, k, v)]
+    for t in leaves:
+        xs.mark_sharding(t, mesh, spec)
+    with assert_compiles(1):
+        out = F.scaled_dot_product_attention(*leaves, is_causal=True)
+        out.sum().backward()
+        spmd_torch.sync()
+    wide = [t.double().requires_grad_() for t in (q, k, v)]
+    expected = F.scaled_dot_product_attention(*wide, is_causal=True)
+    expected.sum().backward()
+    assert_close(out, expected.float())
+    grads = to_cpu([t.grad for t in leaves])
+    assert_close(grads, [t.grad.float() for t in wide], kind="grad")
+    xr.reset()
