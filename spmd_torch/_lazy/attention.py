@@ -7,20 +7,16 @@ bmm, softmax and dropout, forward and backward. Here its AutogradPrivateUse1 ker
 ``SDPBackend.overrideable``, but with a bool mask kept bool (ATen would make it an additive -inf
 bias) and grouped key/value heads kept grouped (ATen drops ``enable_gqa``; the lowering reads the
 groups from the shapes); what the fused op does not take goes through the composite, errors
-included. The fused op's own kernel records its backward op through an autograd Function: ATen's
-generated one cannot take the engine's results, which leave the SymInt outputs empty.
+included. Autograd records the fused op's backward op (ATen's derivative). The dispatcher sends
+the composite here too where autograd is skipped (``torch.inference_mode``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .dispatch import issue
-from .tensor import LazyTensor
-
 aten = torch.ops.aten
 _FUSED = aten._scaled_dot_product_fused_attention_overrideable.default
-_FUSED_BACKWARD = aten._scaled_dot_product_fused_attention_overrideable_backward.default
 
 
 def scaled_dot_product_attention(
@@ -70,51 +66,4 @@ def _fused_applies(query, key, value, mask, dropout_p, is_causal, enable_gqa) ->
     )
 
 
-def fused_attention(
-    query, key, value, attn_bias=None, dropout_p=0.0, is_causal=False, return_debug_mask=False,
-    *, scale=None,
-):  # fmt: skip
-    """The fused op with autograd recording its backward op; its nine results."""
-    out, lse, seed, offset = _FusedAttention.apply(
-        query, key, value, attn_bias, dropout_p, is_causal, return_debug_mask, scale
-    )
-    return out, lse, None, None, query.shape[-2], key.shape[-2], seed, offset, None
-
-
-class _FusedAttention(torch.autograd.Function):
-    """One fused node forward, one backward node reading what the forward saved."""
-
-    @staticmethod
-    def forward(ctx, query, key, value, bias, dropout_p, is_causal, return_debug_mask, scale):
-        arguments = (query, key, value, bias, dropout_p, is_causal, return_debug_mask)
-        if type(query) is LazyTensor:  # straight to the engine, which leaves the SymInts empty
-            results = issue(_FUSED, arguments, {"scale": scale})
-        else:  # torch.compile's fake tensors: the meta kernel
-            with torch._C._AutoDispatchBelowAutograd():
-                results = _FUSED(*arguments, scale=scale)
-        out, lse, seed, offset = results[0], results[1], results[6], results[7]
-        ctx.save_for_backward(query, key, value, bias, out, lse, seed, offset)
-        ctx.arguments = (query.shape[-2], key.shape[-2], dropout_p, is_causal, scale)
-        ctx.mark_non_differentiable(lse, seed, offset)
-        ctx.set_materialize_grads(False)
-        return out, lse, seed, offset
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out, *_):
-        if grad_out is None:
-            return (None,) * 8
-        query, key, value, bias, out, lse, seed, offset = ctx.saved_tensors
-        needed = list(ctx.needs_input_grad[:4])
-        q_len, kv_len, dropout_p, is_causal, scale = ctx.arguments
-        grads = _FUSED_BACKWARD(
-            grad_out, query, key, value, bias, needed, out, lse, None, None, q_len, kv_len,
-            dropout_p, is_causal, seed, offset, scale=scale,
-        )  # fmt: skip
-        return *(g if n else None for g, n in zip(grads, needed)), None, None, None, None
-
-
-ABOVE_AUTOGRAD = {
-    aten.scaled_dot_product_attention.default: scaled_dot_product_attention,
-    _FUSED: fused_attention,
-}
+ABOVE_AUTOGRAD = {aten.scaled_dot_product_attention.default: scaled_dot_product_attention}

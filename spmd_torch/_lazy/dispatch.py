@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch._decomp import decomposition_table
 
-from . import collective, counters, placement, rng, views
+from . import attention, collective, counters, placement, rng, views
 from .engine import FORKED_AFTER_JAX, current, refuse_in_bad_fork
 from .execute import sync, to_cpu
 from .graph import Aval, Node, Value
@@ -163,8 +163,10 @@ def _lowered_handler(func) -> Callable | None:
         return _as_strided
     if func.is_view:
         return _view
-    if lowering.random:
+    if lowering.random is True:
         return _record_random
+    if lowering.random:
+        return partial(_record_random_when, lowering.random)
     if torch.Tag.pointwise not in func.tags or lowering.static_scalars:
         return _record
     return _record_pointwise if _lifts_ints(func) else _record_pointwise_floats
@@ -215,6 +217,14 @@ def _record_pointwise_floats(func, args: tuple, kwargs: dict) -> Any:
 
 def _record_random(func, args: tuple, kwargs: dict) -> Any:
     node, structure = emit(func, args, kwargs, key=rng.next_key())
+    return _wrap_outputs(node, structure)
+
+
+def _record_random_when(draws: Callable, func, args: tuple, kwargs: dict) -> Any:
+    """An op that draws numbers for some calls only (attention with dropout): the others leave
+    the engine's random stream where it was."""
+    key = rng.next_key() if draws(args, kwargs) else rng.current_key()
+    node, structure = emit(func, args, kwargs, key=key)
     return _wrap_outputs(node, structure)
 
 
@@ -634,6 +644,10 @@ SPECIALS: dict = {
     aten.nonzero.default: _cpu_fallback,  # data-dependent output shapes
     aten.masked_select.default: _cpu_fallback,
     aten._unique2.default: _cpu_fallback,
+    # reached where autograd is skipped (inference mode): the fused op, not the math form
+    aten.scaled_dot_product_attention.default: lambda func, args, kwargs: (
+        attention.scaled_dot_product_attention(*args, **kwargs)
+    ),
 }
 
 connect(issue)

@@ -49,6 +49,11 @@ def state() -> Storage:
     return engine.rng
 
 
+def current_key() -> Ref:
+    """The engine's key as it is, not advanced: for a random op's call that draws nothing."""
+    return state().ref
+
+
 def next_key() -> Ref:
     """A fresh subkey for one random op; advances the threaded state."""
     storage = state()

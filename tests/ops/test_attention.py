@@ -338,3 +338,16 @@ def test_sharded_attention_is_one_program_and_matches_eager(mesh_shape, spec):
     grads = to_cpu([t.grad for t in leaves])
     assert_close(grads, [t.grad.float() for t in wide], kind="grad")
     xr.reset()
+
+
+def test_inference_mode_records_the_fused_op_and_no_dropout_call_keeps_the_random_stream():
+    q, k, v = (torch.randn(1, 2, 8, 4).to(spmd_torch.device()) for _ in range(3))
+    with torch.inference_mode():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        ops = [str(n.op) for n in graph.pending_program([out]).nodes]
+    assert ops == ["aten._scaled_dot_product_fused_attention_overrideable.default"], ops
+    spmd_torch.manual_seed(3)
+    F.scaled_dot_product_attention(q, k, v).sum().cpu()
+    after_attention = torch.rand(4, device=spmd_torch.device()).cpu()
+    spmd_torch.manual_seed(3)
+    assert torch.equal(torch.rand(4, device=spmd_torch.device()).cpu(), after_attention)

@@ -345,7 +345,12 @@ def _block(impl: str, k) -> int:
     return k.shape[2] if impl == "plain" else BLOCK
 
 
-@lowers(aten._scaled_dot_product_fused_attention_overrideable.default, random=True)
+def _drops_out(args: tuple, kwargs: dict) -> bool:
+    """Whether a call draws dropout masks (one without leaves the random stream as it was)."""
+    return (args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)) > 0
+
+
+@lowers(aten._scaled_dot_product_fused_attention_overrideable.default, random=_drops_out)
 def _attention(
     key,
     q,

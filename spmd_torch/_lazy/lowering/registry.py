@@ -40,7 +40,9 @@ class EngineOp:
 @dataclass(frozen=True)
 class Lowering:
     fn: Callable
-    random: bool = False
+    # Takes a jax.random key first: True, or a predicate of the call's (args, kwargs) saying
+    # whether this call draws numbers (one that does not reads the key without advancing it).
+    random: bool | Callable = False
     static_scalars: bool = False  # Python number Scalars arrive as numbers (else: lifted data)
 
 
@@ -48,7 +50,9 @@ LOWERINGS: dict[torch._ops.OpOverload | EngineOp, Lowering] = {}
 
 
 def lowers(
-    *overloads: torch._ops.OpOverload | EngineOp, random: bool = False, static_scalars: bool = False
+    *overloads: torch._ops.OpOverload | EngineOp,
+    random: bool | Callable = False,
+    static_scalars: bool = False,
 ) -> Callable:
     """Register the decorated function as the lowering of ``overloads``; registering one twice
     raises. ``static_scalars``: the lowering builds a different program per value (``x ** 2``
