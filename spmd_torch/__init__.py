@@ -19,6 +19,7 @@ from ._lazy import engine as _engine
 from ._lazy import rng as _rng
 from ._lazy.tensor import DEVICE as _DEVICE
 from ._regions import compile, step  # noqa: F401  (public: spmd_torch.compile, .step)
+from .core.auto_capture import auto_capture  # noqa: F401  (public: spmd_torch.auto_capture)
 from .distributed import _dtensor_route
 from .distributed import xla_multiprocessing as _xmp
 
@@ -28,6 +29,8 @@ _device.register()
 _dtensor_route.register()  # DTensor on an 'xla' DeviceMesh reaches spmd_torch.distributed.spmd
 if _config.USE_SPMD.value:  # XLA_USE_SPMD=1 in the environment
     _runtime.use_spmd()
+if _config.AUTO_CAPTURE.value:  # SPMD_TORCH_AUTO_CAPTURE=1
+    auto_capture(True)
 
 __version__ = "0.1.0"
 

@@ -21,11 +21,17 @@ from spmd_torch._lazy import compile as compiler
 from spmd_torch._lazy import counters, engine, execute
 from spmd_torch.debug import graph, metrics, metrics_saver
 
+# Called at each barrier before its program runs, on the barrier's thread: automatic capture's
+# look at the step (core/auto_capture.py) while it is on. Empty otherwise.
+BEFORE_RUN: list[Callable[[], None]] = []
+
 
 def barrier(wait: bool = False) -> None:
     """End the step: compile (once) and dispatch every pending computation, then the step's
     side effects, in every mode alike."""
     counters.bump("MarkStep")
+    for watcher in BEFORE_RUN:
+        watcher()
     own = engine.current()
     if config.SAVE_TENSORS_FILE.value:  # one file per process or replica, as PyTorch/XLA's
         path = f"{config.SAVE_TENSORS_FILE.value}.{own.mode.ordinal}"

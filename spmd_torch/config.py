@@ -217,6 +217,19 @@ FREEZE_HEAP = _flag(
     "Once warm-up ends (a compiled program runs again), collect and gc.freeze() the Python heap "
     "and collect the young generation every 50,000 net allocations instead of 700.",
 )
+AUTO_CAPTURE = _flag(
+    "SPMD_TORCH_AUTO_CAPTURE",
+    False,
+    "Automatic capture (opt-in): once a lazy training step repeats, the forward of each module "
+    "called from user code and each optimizer.step run through torch.compile's spmd_torch "
+    "backend, falling back to lazy tracing where Dynamo breaks or fails (core/auto_capture.py).",
+)
+AUTO_CAPTURE_RECOMPILES = _flag(
+    "SPMD_TORCH_AUTO_CAPTURE_RECOMPILES",
+    4,
+    "How many times Dynamo may compile a captured callable again (new shapes, a train/eval or "
+    "grad-mode switch, a value a graph break hands on) before it goes back to lazy tracing.",
+)
 ALWAYS_ALLREDUCE = _flag(
     "XLA_ALWAYS_ALLREDUCE",
     False,

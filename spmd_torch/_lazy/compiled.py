@@ -44,7 +44,9 @@ class Template:
     key; else a constant's ref); where each output leaf comes from (``("out", k)``: the program's
     output k; ``("arg", k)``, ``("cpu", node)``, ``("value", v)``); the arguments written in place,
     whose new values follow the outputs, and then the next PRNG key if it draws random numbers.
-    Equal only to itself: it is a node's static argument, and so part of the program's key."""
+    It is a node's static argument, and so part of the program's key: equal to another recording
+    of the same computation (the same graph recorded by each replica of ``launch``, whose steps
+    must then be one program), else only to itself."""
 
     def __init__(self, program, sources, results, tree, writes, key_out: bool, layouts: list):
         self.program = program
@@ -70,6 +72,31 @@ class Template:
             for source, (node, i) in zip(sources, program.leaves)
         ]
         self._function = None
+        # What the computation is: the program's structure, its input and output avals, its
+        # baked-in scalars (as lower() packs them), and where its inputs and outputs go (nodes of
+        # the graph by name; a constant by identity). Hashed once, on a part that is always
+        # hashable (a value the graph returns need not be): a program's key hashes node args.
+        name = lambda where: tuple(x.name if type(x) is fx.Node else x for x in where)  # noqa: E731
+        self._same = (
+            program.identity,
+            tuple(node.avals[i] for node, i in program.leaves),
+            self.avals,
+            np.array([n.args[0] for n in program.scalars], dtype=np.float64).tobytes(),
+            tuple(map(name, sources)),
+            tuple(map(name, results)),
+            tuple(writes),
+            key_out,
+            tuple(layouts),
+        )
+        self._hash = hash(self._same[:3])
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (
+            type(other) is Template and self._same == other._same and self.tree == other.tree
+        )
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def lower(self, inputs: tuple) -> list:
         """The template's JAX function on the node's inputs (built once: every program holding

@@ -19,6 +19,7 @@ the programs compiled (``CompileTime``'s samples), and the metric
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from spmd_torch._lazy import counters as _store
 
@@ -49,6 +50,9 @@ ALIASES = {**COUNTED_METRICS, **SAME_METRICS}
 # Per counted metric, its samples object and count when the counters were last cleared: a
 # counter restarts from zero then, though the metric keeps its samples.
 _COUNTED_SINCE: dict[str, tuple[object, int]] = {}
+# Sections a layer above adds to the full report while it is on, by name: each gives its text
+# (automatic capture's callables, their states and graph breaks: core/auto_capture.py).
+SECTIONS: dict[str, Callable[[], str]] = {}
 _DEFAULT_METRICS = (
     "CompileTime",
     "ExecuteTime",
@@ -235,7 +239,8 @@ def _sites(name: str) -> str:
 
 
 def metrics_report() -> str:
-    """Every metric, then every counter, as PyTorch/XLA prints them.
+    """Every metric, then every counter, as PyTorch/XLA prints them, then the sections of
+    features that are on (``AutoCapture:`` lines per callable automatic capture saw).
 
     Each metric lists its sample count, the sum of its samples and percentiles (times human
     readable, e.g. ``093ms462.052us``); each counter its value.
@@ -249,7 +254,8 @@ def metrics_report() -> str:
         Counter: MarkStep
           Value: 1
     """
-    return _report(metric_names(), counter_names())
+    sections = "".join(section() for section in list(SECTIONS.values()))
+    return _report(metric_names(), counter_names()) + sections
 
 
 def short_metrics_report(
