@@ -81,7 +81,7 @@ class Template:
             program.identity,
             tuple(node.avals[i] for node, i in program.leaves),
             self.avals,
-            np.array([n.args[0] for n in program.scalars], dtype=np.float64).tobytes(),
+            program.scalar_values().tobytes(),
             tuple(map(name, sources)),
             tuple(map(name, results)),
             tuple(writes),

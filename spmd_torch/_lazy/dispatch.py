@@ -26,6 +26,7 @@ from .graph import Aval, Node, Value
 from .lowering import LOWERINGS, amp, ctc, factories, optim
 from .lowering.foreach import element_overload, element_packet
 from .record import (
+    NESTED,
     TENSOR,
     DeviceMismatchError,
     NoStaticShape,
@@ -192,9 +193,12 @@ def _wrap_outputs(node, structure) -> Any:
         if entry is TENSOR:
             outputs.append(wrap((node, k), node.avals[k]))
             k += 1
+        elif container is NESTED:  # a list of tensors, ``entry`` long
+            outputs.append([wrap((node, i), node.avals[i]) for i in range(k, k + entry)])
+            k += entry
         else:
             outputs.append(entry)
-    return container(outputs)
+    return tuple(outputs) if container is NESTED else container(outputs)
 
 
 def _record(func, args: tuple, kwargs: dict) -> Any:
@@ -485,11 +489,12 @@ def _through_functional(functional, writes: tuple, func, args: tuple, kwargs: di
     """An op writing lists in place (a fused optimizer step, the scaler's check) as one node:
     its functional overload, whose results are written back to the arguments it updates (a
     step's gradients too when it unscales them)."""
-    node, (_, lengths) = emit(functional, args, kwargs, lift_floats=True)
+    node, (_, entries) = emit(functional, args, kwargs, lift_floats=True)
     if kwargs.get("grad_scale") is not None:
         writes += (1,)
     start = 0
-    for position, length in enumerate(lengths):
+    for position, entry in enumerate(entries):
+        length = 1 if entry is TENSOR else entry
         if position in writes:
             targets = (
                 args[position] if isinstance(args[position], (list, tuple)) else [args[position]]

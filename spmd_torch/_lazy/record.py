@@ -249,7 +249,7 @@ def _infer(func, args: tuple, kwargs: dict) -> tuple:
         structure, tensors = None, [out]
     elif isinstance(out, (tuple, list)) and any(type(o) is list for o in out):
         # lists of tensors (fused optimizer steps, the scaler's check): each list's length
-        structure = (NESTED, tuple(len(o) if type(o) is list else 1 for o in out))
+        structure = (NESTED, tuple(len(o) if type(o) is list else TENSOR for o in out))
         tensors = [t for o in out for t in (o if type(o) is list else [o])]
     elif isinstance(out, (tuple, list)):  # non-tensor results (SymInts from shapes) kept
         structure = (type(out), tuple(TENSOR if isinstance(o, torch.Tensor) else o for o in out))
