@@ -67,6 +67,10 @@ Workloads:
       step and sync lazy as usual. Opt-in: it runs
       only where --impls names it; where that backend is not registered, its child fails before
       its first step (a reported error row).
+  spmd_capture  (W2, W3, W6, W7cpu) the spmd_torch implementation, unchanged, with automatic
+      capture on (SPMD_TORCH_AUTO_CAPTURE=1: once the step repeats, the model's forward and the
+      optimizer's step run through the spmd_torch backend by themselves); at least 5 warm-up
+      steps, so the timed ones are captured. Opt-in, as spmd_compile.
   Pods (tools/bench/pods.py): jobs of ``spmd_torch.distributed.run``, 2 hosts x 4 virtual CPU
   devices against 1 host x 8 (``--hosts 1``: one process, as W4 and W2mp run), side by side in
   one run; each host prints its BENCH_RESULT, gathered from the launcher's ``[host i]`` lines.

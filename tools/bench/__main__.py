@@ -52,6 +52,8 @@ def run_child(args: argparse.Namespace) -> int:
 def _run_one(workload: str, impl: str, tree: str, args: argparse.Namespace) -> dict[str, Any]:
     """One child; an error entry too where an spmd_torch run imported another tree's package."""
     warmup, steps = workloads.steps_for(workload, args)
+    if impl == "spmd_capture" and not args.check:  # the timed steps are the captured ones
+        warmup = max(warmup, workloads.CAPTURE_WARMUP)
     argv = ["--only", f"{workload}:{impl}", "--warmup", str(warmup), "--steps", str(steps)]
     argv += ["--tree", tree] + ["--gpu"] * args.gpu + ["--check"] * args.check
     argv += ["--tiny"] * args.tiny
@@ -61,6 +63,8 @@ def _run_one(workload: str, impl: str, tree: str, args: argparse.Namespace) -> d
         argv += ["--matmul-precision", args.matmul_precision]
     print(f"... {workload}:{impl} ({tree})", file=sys.stderr, flush=True)
     env = harness.child_env(args.gpu, workloads.cpu_devices(workload), tree)
+    if impl == "spmd_capture":
+        env["SPMD_TORCH_AUTO_CAPTURE"] = "1"
     result = harness.spawn(argv, env, args.timeout)
     result.update(workload=workload, impl=impl, tree=tree)
     where = os.path.realpath(result.get("spmd_file") or "/nowhere")

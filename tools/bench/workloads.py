@@ -22,19 +22,24 @@ WORKLOADS = (
     + POD_WORKLOADS
 )
 # jax_plain: hand-written JAX with XLA's plain attention, beside jax's cuDNN attention.
-IMPLS = ("eager", "jax", "jax_plain", "spmd_torch", "mp", "inductor", "spmd_compile")
+IMPLS = (
+    "eager", "jax", "jax_plain", "spmd_torch", "mp", "inductor", "spmd_compile", "spmd_capture"
+)  # fmt: skip
 # The implementations that import spmd_torch: the ones --against runs in the other checkout too.
-SPMD_IMPLS = ("spmd_torch", "mp", "spmd_compile")
-# Implementations that run only where --impls names them: spmd_compile, on spmd_torch's new
-# torch.compile backend (tools/bench/compiled.py), until it is enabled by default.
-OPT_IN_IMPLS = ("spmd_compile",)
+SPMD_IMPLS = ("spmd_torch", "mp", "spmd_compile", "spmd_capture")
+# Implementations that run only where --impls names them: spmd_compile, on spmd_torch's
+# torch.compile backend (tools/bench/compiled.py), and spmd_capture, spmd_torch's unchanged lazy
+# loop with automatic capture on (SPMD_TORCH_AUTO_CAPTURE=1), until they are the default.
+OPT_IN_IMPLS = ("spmd_compile", "spmd_capture")
+# Automatic capture arms after two equal steps and compiles at the third: its warm-up covers them.
+CAPTURE_WARMUP = 5
 # The implementations of each workload (default: eager, jax, spmd_torch). W4 is about sharding,
 # which eager PyTorch has no say in; W2mp sets spmd_torch's two ways of data parallelism apart.
 WORKLOAD_IMPLS = {
-    "W2": ("eager", "jax", "spmd_torch", "spmd_compile"),
-    "W3": ("eager", "jax", "spmd_torch", "spmd_compile"),
-    "W6": ("eager", "jax", "spmd_torch", "spmd_compile"),
-    "W7cpu": ("eager", "jax", "spmd_torch", "spmd_compile"),
+    "W2": ("eager", "jax", "spmd_torch", "spmd_compile", "spmd_capture"),
+    "W3": ("eager", "jax", "spmd_torch", "spmd_compile", "spmd_capture"),
+    "W6": ("eager", "jax", "spmd_torch", "spmd_compile", "spmd_capture"),
+    "W7cpu": ("eager", "jax", "spmd_torch", "spmd_compile", "spmd_capture"),
     "W7gpu": ("eager", "inductor", "jax", "jax_plain", "spmd_torch", "spmd_compile"),
     "Wattn": ("eager", "inductor", "jax", "jax_plain", "spmd_torch"),
     "W3amp": ("eager", "spmd_torch"),
@@ -57,6 +62,7 @@ IMPL_ALIASES = {
     "mp": "mp",
     "inductor": "inductor",
     "spmd_compile": "spmd_compile",
+    "spmd_capture": "spmd_capture",
 }
 # Workloads whose CPU runs need FSDP.mesh_devices virtual devices (meshes, W2mp's replicas).
 _MESH_WORKLOADS = ("W4", "W2mp", "W5")
@@ -123,6 +129,10 @@ RUNNERS: dict[tuple[str, str], Runner] = {
     ("W7cpu", "jax"): cpu.w7cpu_jax,
     ("W7cpu", "spmd_torch"): cpu.w7cpu_spmd,
     ("W7cpu", "spmd_compile"): cpu.w7cpu_spmd_compile,
+    ("W2", "spmd_capture"): training.w2_spmd,
+    ("W3", "spmd_capture"): training.w3_spmd,
+    ("W6", "spmd_capture"): llama.w6_spmd,
+    ("W7cpu", "spmd_capture"): cpu.w7cpu_spmd,
     ("Wattn", "eager"): attention.wattn_eager,
     ("Wattn", "inductor"): attention.wattn_inductor,
     ("Wattn", "jax"): attention.wattn_jax,
