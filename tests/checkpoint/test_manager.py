@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -118,6 +119,27 @@ def test_async_save_holds_the_values_of_its_step_whatever_runs_next(tmp_path):
         w = sharded(torch.zeros(512, 256))
         manager.restore(step, {"w": w})
         assert torch.equal(w.cpu(), expected[step]), step
+
+
+def test_async_save_finishes_its_checkpoint_on_the_background_thread(tmp_path):
+    """save_async returns while ``_save`` (what finishes a checkpoint) waits on another thread;
+    the step counts once it is done, as PyTorch/XLA's manager does it."""
+    manager = xc.CheckpointManager(tmp_path, save_interval=10)
+    release, entered = threading.Event(), threading.Event()
+    finish = manager._save
+
+    def held_save(*args, **kwargs):
+        entered.set()
+        release.wait(60)
+        finish(*args, **kwargs)
+
+    manager._save = held_save
+    assert manager.save_async(10, {"w": sharded(torch.ones(16, 4))})
+    assert entered.wait(60) and threading.current_thread() is threading.main_thread()
+    assert manager.all_steps() == []  # written or not, it is not complete until _save ends
+    release.set()
+    manager.join()
+    assert manager.all_steps() == [10]
 
 
 def test_restore_names_a_missing_step_and_the_complete_ones(tmp_path):

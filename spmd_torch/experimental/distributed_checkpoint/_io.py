@@ -49,7 +49,10 @@ def start_write(writer: ocp.AbstractCheckpointer, path: str, saved: _tree.Saved)
 
 
 def finish_write(writer: ocp.AbstractCheckpointer, path: str) -> None:
-    """Wait for a background write; a failure removes the partial directory and names ``path``."""
+    """Wait for a background write (a synchronous one is done); a failure removes the partial
+    directory and names ``path``."""
+    if not isinstance(writer, ocp.AsyncCheckpointer):
+        return
     try:
         writer.wait_until_finished()
     except Exception as error:

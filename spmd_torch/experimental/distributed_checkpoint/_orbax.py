@@ -35,14 +35,10 @@ def _handler() -> ocp.CompositeCheckpointHandler:
     )
 
 
-def checkpointer(background: bool, on_commit=None) -> ocp.AbstractCheckpointer:
+def checkpointer(background: bool) -> ocp.AbstractCheckpointer:
     """An orbax checkpointer for our layout; ``background`` writes after ``save`` returns (the
-    device-to-host copies are done before it returns, so later steps cannot change the data)
-    and calls ``on_commit`` on its thread once the checkpoint is complete."""
-    if not background:
-        return ocp.Checkpointer(_handler())
-    options = ocp.options.AsyncOptions(post_finalization_callback=on_commit)
-    return ocp.AsyncCheckpointer(_handler(), async_options=options)
+    device-to-host copies are done before it returns, so later steps cannot change the data)."""
+    return ocp.AsyncCheckpointer(_handler()) if background else ocp.Checkpointer(_handler())
 
 
 def write(writer: ocp.AbstractCheckpointer, path: str, saved: _tree.Saved) -> None:

@@ -8,6 +8,7 @@ import shutil
 import signal
 import threading
 from collections import deque
+from concurrent import futures
 
 import jax
 import orbax.checkpoint as ocp
@@ -79,7 +80,9 @@ class CheckpointManager:
         self.max_to_keep = max_to_keep or 0
         self.max_pending_async = max_pending_async or 1
         self.chkpt_on_preemption = chkpt_on_preemption
-        self._pending: deque = deque()  # (step, writer, committed Event), oldest first
+        self._pending: deque = deque()  # (step, future of its _save), oldest first
+        # Finishes save_async's writes, one at a time; joined at exit, so none is cut short.
+        self._worker = futures.ThreadPoolExecutor(1, thread_name_prefix="CheckpointManager")
         self._preempted = threading.Event()
         _make_directory(self.base_path)
         if jax.process_index() == 0:  # the path is shared by every host: one of them tidies it
@@ -120,47 +123,70 @@ class CheckpointManager:
         Returns:
             Whether a checkpoint was taken.
         """
-        return self._save(step, state_dict, force, background=False)
+        saved = self._due(step, state_dict, force, "CheckpointManager.save")
+        if saved is None:
+            return False
+        self._save(step, self._start(step, saved, background=False))
+        self._exit_if_preempted(step)
+        return True
 
     def save_async(self, step: int, state_dict: dict, force: bool = False) -> bool:
         """Like :meth:`save`, but returns once the values are copied off the devices; the write
-        goes on in the background (later steps may change the tensors freely).
+        is finished on a background thread (later steps may change the tensors freely), as in
+        PyTorch/XLA. At most ``max_pending_async`` writes are in flight: the next one waits.
 
         Returns:
             Whether a checkpoint was taken.
         """
-        return self._save(step, state_dict, force, background=True)
-
-    def _save(self, step: int, state_dict: dict, force: bool, background: bool) -> bool:
-        if not isinstance(step, int) or step < 0:
-            raise ValueError(
-                f"CheckpointManager: step must be a non-negative integer, got {step!r}"
-            )
-        preempted = self.chkpt_on_preemption and self.reached_preemption(step)
-        if not (force or preempted or step % self.save_interval == 0):
+        saved = self._due(step, state_dict, force, "CheckpointManager.save_async")
+        if saved is None:
             return False
-        saved = _io.prepare(state_dict, "CheckpointManager.save")
         self._reap()
         while len(self._pending) >= self.max_pending_async:
             self._finish_oldest()
+        writer = self._start(step, saved, background=True)
+        self._pending.append((step, self._worker.submit(self._save, step, writer)))
+        self._exit_if_preempted(step)
+        return True
+
+    def _due(self, step: int, state_dict: dict, force: bool, api: str):
+        """``state_dict`` split for writing if ``step`` is due a checkpoint, else None."""
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"{api}: step must be a non-negative integer, got {step!r}")
+        if not (force or self.should_save(step)):
+            return None
+        return _io.prepare(state_dict, api)
+
+    def _start(self, step: int, saved, background: bool):
+        """Begin the checkpoint of ``step``; returns its writer. A background writer has copied
+        the values off the devices when this returns. A step saved again replaces its
+        checkpoint, as in PyTorch/XLA."""
         path = self._path(step)
-        if os.path.exists(path):  # a step saved again replaces its checkpoint, as in PyTorch/XLA
+        if os.path.exists(path) or any(pending == step for pending, _ in self._pending):
             self.join()
             if jax.process_index() == 0:
-                shutil.rmtree(path)
+                shutil.rmtree(path, ignore_errors=True)
             _every_host_here(f"CheckpointManager.save replacing step {step}")
-        finalizing = threading.Event()  # set on the writer's thread just before its commit
-        writer = _orbax.checkpointer(background, on_commit=finalizing.set)
+        writer = _orbax.checkpointer(background)
         _io.start_write(writer, path, saved)
-        if background:
-            self._pending.append((step, writer, finalizing))
-        else:
-            self._release_oldest()
-        if preempted:
+        return writer
+
+    def _save(self, step: int, writer) -> None:
+        """Finish the checkpoint of ``step`` that ``writer`` writes: wait for it, then delete the
+        oldest beyond ``max_to_keep``. On the background thread for :meth:`save_async` (until
+        it returns, the step is not among :meth:`all_steps`)."""
+        try:
+            _io.finish_write(writer, self._path(step))
+        finally:
+            writer.close()
+        self._release_oldest()
+
+    def _exit_if_preempted(self, step: int) -> None:
+        """After the checkpoint a preemption triggered is written, the process exits (0)."""
+        if self.chkpt_on_preemption and self.reached_preemption(step):
             self.join()
             logger.warning("preemption checkpoint of step %d written; exiting", step)
             raise SystemExit(0)
-        return True
 
     def _release_oldest(self) -> None:
         """Delete the oldest checkpoints beyond ``max_to_keep``, by the time their save began (as
@@ -181,16 +207,13 @@ class CheckpointManager:
             return 0
 
     def _reap(self) -> None:
-        """Finish background writes that are done or about to be, raising the error of a failed
-        one."""
-        while self._pending and self._pending[0][2].is_set():
+        """Forget the background writes that finished, raising the error of a failed one."""
+        while self._pending and self._pending[0][1].done():
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:
-        step, writer, _ = self._pending.popleft()
-        _io.finish_write(writer, self._path(step))
-        writer.close()
-        self._release_oldest()
+        _, done = self._pending.popleft()
+        done.result()  # raises the background write's error
 
     def restore(self, step: int, state_dict: dict) -> None:
         """Fill ``state_dict`` in place from the checkpoint of ``step``.
@@ -202,7 +225,7 @@ class CheckpointManager:
         Raises:
             FileNotFoundError: No complete checkpoint of ``step`` (the valid steps are listed).
         """
-        if any(pending_step == step for pending_step, _, _ in self._pending):
+        if any(pending_step == step for pending_step, _ in self._pending):
             self.join()
         steps = self.all_steps()
         if step not in steps:
@@ -212,9 +235,11 @@ class CheckpointManager:
         _io.restore(state_dict, self._path(step), "CheckpointManager.restore")
 
     def all_steps(self) -> list[int]:
-        """The steps of every complete checkpoint, ascending."""
+        """The steps of every complete checkpoint, ascending (a background write counts once
+        its thread finished it)."""
         self._reap()
-        return self._complete_steps()
+        pending = {step for step, _ in self._pending}
+        return [step for step in self._complete_steps() if step not in pending]
 
     def _complete_steps(self) -> list[int]:
         if not os.path.isdir(self.base_path):
