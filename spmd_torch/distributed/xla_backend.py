@@ -686,13 +686,24 @@ def _mesh_of(ranks: list[int], world_size: int, options: dict) -> list[list[int]
 
 
 _c10d_new_group = dist.new_group
+_c10d_init_process_group = dist.init_process_group
+
+
+@functools.wraps(_c10d_init_process_group)
+def _init_process_group(*args: Any, **kwargs: Any) -> None:
+    """``dist.init_process_group``, which a replica runs stepped away from its world's turns:
+    with ``env://`` or ``tcp://`` every replica meets the others in one TCP store, waiting there
+    for all of them at once, as processes do (holding its turn, it would wait forever)."""
+    with engine.current().mode.away():
+        _c10d_init_process_group(*args, **kwargs)
 
 
 @functools.wraps(_c10d_new_group)
 def _new_group(*args: Any, **kwargs: Any) -> dist.ProcessGroup:
     """``dist.new_group`` as PyTorch/XLA overrides it: ``pg_options={'xla_pg_options': {...}}``
     chooses the replica groups of an ``xla`` group's collectives (``_mesh_of``); an invalid choice
-    is a ValueError in every replica, before any group is created."""
+    is a ValueError in every replica, before any group is created. Its store barrier waits for
+    the other replicas stepped away, as ``_init_process_group`` does."""
     bound = inspect.signature(_c10d_new_group).bind(*args, **kwargs)
     ranks, pg_options = bound.arguments.get("ranks"), bound.arguments.get("pg_options")
     options = pg_options.get("xla_pg_options", {}) if isinstance(pg_options, dict) else {}
@@ -700,7 +711,8 @@ def _new_group(*args: Any, **kwargs: Any) -> dist.ProcessGroup:
     if ranks and isinstance(c10d._world.default_pg, ProcessGroupXla):
         ranks = sorted(ranks) if bound.arguments.get("sort_ranks", True) else list(ranks)
         mesh = _mesh_of(ranks, dist.get_world_size(), options)
-    group = _c10d_new_group(*args, **kwargs)
+    with engine.current().mode.away():
+        group = _c10d_new_group(*args, **kwargs)
     if mesh is not None and isinstance(group, ProcessGroupXla):
         group._mesh = mesh
     return group
@@ -710,6 +722,7 @@ def _install() -> None:
     _check_replica_world(c10d._world)
     c10d._world = _WorldPerReplica(c10d._world)
     dist.new_group = _new_group
+    dist.init_process_group = c10d.init_process_group = _init_process_group
     # devices as a list: register_backend iterates a string's characters.
     dist.Backend.register_backend("xla", _create_process_group, devices=["xla"])
     dist.register_rendezvous_handler("xla", _rendezvous_handler)

@@ -17,6 +17,8 @@ from torch.nn.parallel import DistributedDataParallel
 import spmd_torch
 import spmd_torch.core.xla_model as xm
 import spmd_torch.distributed.xla_backend  # noqa: F401  (registers 'xla' and 'xla://')
+import spmd_torch.distributed.xla_multiprocessing as xmp
+import spmd_torch.utils.utils
 from tests.helpers import assert_close
 from tests.mp._training import STEPS, averaged_gradient_reference, batch, net, train_replica
 
@@ -71,6 +73,28 @@ def test_init_process_group_gives_each_replica_its_ordinal_and_the_replica_count
     expected = [(i, REPLICAS, "xla", True) for i in range(REPLICAS)]
     assert _launch(fn) == expected
     assert not dist.is_initialized()
+
+
+def _env_init(index, port):
+    """init_process_group over env:// as PyTorch/XLA's test_ddp does: one TCP store all meet in."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MASTER_ADDR", "127.0.0.1")
+        patch.setenv("MASTER_PORT", str(port))
+        dist.init_process_group("xla", init_method="env://", rank=index, world_size=4)
+    try:
+        total = torch.tensor([float(index)], device=xm.xla_device())
+        dist.all_reduce(total)
+        return dist.get_rank(), dist.get_world_size(), total.cpu().item()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_env_init_method_meets_every_replica_in_its_store():
+    """Each replica waits in the TCP store stepped away from the world's turns (holding its
+    turn, replica 0 waited for the others forever)."""
+    port = spmd_torch.utils.utils.get_free_tcp_ports()[0]
+    results = xmp.spawn(_env_init, args=(port,), nprocs=4)
+    assert [results[k] for k in range(4)] == [(k, 4, 6.0) for k in range(4)]
 
 
 def test_each_replica_has_its_own_world_and_the_main_thread_keeps_its_group():
