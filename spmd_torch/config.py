@@ -16,14 +16,10 @@ TRUE_WORDS = ("1", "on", "yes", "true", "y")
 FALSE_WORDS = ("0", "off", "no", "false", "n", "")
 
 
-def truthy(text: str) -> bool:
-    """Whether a variable's text reads as on: 1, on, yes, true or y, in any case."""
-    return text.strip().lower() in TRUE_WORDS
-
-
 def parse(text: str, kind: type, name: str) -> object:
-    """``text`` as ``kind``; booleans also read integers (``'2'``: on). Bad text raises an error
-    naming the variable."""
+    """``text`` as ``kind``; booleans read on/off words and integers (``'2'``: on, as
+    PyTorch/XLA's runtime reads its switches). Bad text raises an error naming the variable;
+    every switch spmd_torch declares is read through here."""
     try:
         if kind is bool:
             word = text.strip().lower()
@@ -51,7 +47,7 @@ class Flag:
         raw = next((os.environ[n] for n in (self.name, *self.aliases) if n in os.environ), None)
         if raw is None:
             return self.default
-        return truthy(raw) if self.kind is bool else parse(raw, self.kind, self.name)
+        return parse(raw, self.kind, self.name)
 
 
 FLAGS: dict[str, Flag] = {}

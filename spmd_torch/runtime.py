@@ -33,8 +33,6 @@ from ._lazy import engine, modes
 _PLATFORM_NAMES = {"cpu": "CPU", "tpu": "TPU", "gpu": "CUDA", "cuda": "CUDA", "rocm": "ROCM"}
 _JAX_PLATFORMS = {"CPU": "cpu", "TPU": "tpu", "CUDA": "cuda", "GPU": "cuda", "ROCM": "rocm"}
 _XLA_DEVICE = re.compile(r"xla(?::(\d+))?$")
-# Whether use_spmd() wrote XLA_USE_SPMD (so reset() takes it back) rather than the user.
-_SPMD_VARIABLE_SET_BY_USE_SPMD = False
 
 
 def device_type() -> str:
@@ -397,28 +395,35 @@ def use_spmd(auto: bool = False) -> None:
             "mark_sharding instead"
         )
     modes.use_spmd()
-    global _SPMD_VARIABLE_SET_BY_USE_SPMD
-    if "XLA_USE_SPMD" not in os.environ:
-        _SPMD_VARIABLE_SET_BY_USE_SPMD = True
     os.environ["XLA_USE_SPMD"] = "1"  # as PyTorch/XLA does; read by scripts and subprocesses
 
 
 def is_spmd() -> bool:
-    """Whether SPMD is on, by :func:`use_spmd` (or ``mark_sharding``) or the ``XLA_USE_SPMD``
-    variable.
+    """Whether the calling engine runs its programs over the SPMD mesh: its mode says so.
+
+    ``XLA_USE_SPMD`` is PyTorch/XLA's switch (:func:`use_spmd` sets it, :func:`reset` removes
+    it): a script that sets or deletes it turns SPMD on or off for this engine here, where
+    PyTorch/XLA's ``is_spmd`` reads it (a replica of ``launch`` is never in SPMD mode).
 
     Example:
         >>> xr.is_spmd()
         False
     """
-    return engine.current().mode.replicated is not None or config.USE_SPMD.read()
+    own = engine.current()
+    wanted = config.USE_SPMD.read()
+    if own.mode.follows_spmd_variable and wanted != (own.mode.replicated is not None):
+        if wanted:
+            use_spmd()
+        else:
+            own.mode = own.home
+    return own.mode.replicated is not None
 
 
 def reset() -> None:
     """Start the calling thread's engine over; no PyTorch/XLA counterpart (tests, notebooks).
 
     Pending computations are dropped (tensors whose values were computed keep them), SPMD mode
-    ends (``XLA_USE_SPMD`` is removed again if :func:`use_spmd` set it), and so do open profiler
+    ends (``XLA_USE_SPMD``, its switch, is removed), and so do open profiler
     ``Trace`` names, compile regions, a ``StepTrace``'s marked step, the global mesh and queued
     step closures; eager mode goes back to ``XLA_USE_EAGER_DEBUG_MODE``, manual-region
     bookkeeping is forgotten and the device RNG goes back to its default seed. Compiled programs
@@ -431,12 +436,9 @@ def reset() -> None:
         False
     """
     own = engine.current()
-    was_spmd = own.mode.replicated is not None
     own.reset()
-    global _SPMD_VARIABLE_SET_BY_USE_SPMD
-    if was_spmd and _SPMD_VARIABLE_SET_BY_USE_SPMD:
+    if own.mode.follows_spmd_variable:  # SPMD off: its switch too, whoever set it
         os.environ.pop("XLA_USE_SPMD", None)
-        _SPMD_VARIABLE_SET_BY_USE_SPMD = False
 
 
 def initialize_cache(path: str, readonly: bool = False) -> None:

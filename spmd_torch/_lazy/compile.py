@@ -91,6 +91,7 @@ class CacheKey(NamedTuple):
     n_scalars: int
     out_shardings: tuple | None
     replicas: tuple | None  # the replicas' devices, for a program each of them runs
+    mesh: tuple | None  # the SPMD mesh's devices, for a program over them (even with no input)
     flags: tuple
 
 
@@ -110,16 +111,16 @@ def inputs_by_layout(run) -> tuple:
 
 def cache_key(run) -> CacheKey:
     """The program's identity and what of its inputs the engine's mode says matters."""
-    program = run.program
-    inputs = current().mode.input_key(run)
+    program, mode = run.program, current().mode
     replicas = None if run.replicas is None else tuple(d.id for d in run.replicas.devices.flat)
     return CacheKey(
         program.identity,
-        inputs,
+        mode.input_key(run),
         run.donated,
         len(program.scalars),
         run.out_shardings,
         replicas,
+        mode.mesh_key,
         config.cache_key(),
     )
 
@@ -390,7 +391,7 @@ def _named(rows: tuple, ops: dict) -> list:
 # The parts of a CacheKey, as a recompilation's reason names them.
 _KEY_PARTS = (
     "graph|input shapes/dtypes/shardings|donated inputs|lifted scalars|output shardings|"
-    "replica devices|flags"
+    "replica devices|SPMD mesh|flags"
 ).split("|")
 
 

@@ -48,6 +48,8 @@ class OneDevice:
     ordinal = property(lambda self: jax.process_index())
 
     spans = ""  # what xla:0 stands for, where it is the only xla device
+    follows_spmd_variable = True  # XLA_USE_SPMD switches it to SPMD and back (runtime.is_spmd)
+    mesh_key = None  # the SPMD mesh's device ids, in compile-cache keys: none here
 
     def device_count(self) -> int:
         """How many xla devices the process has: one per device it drives."""
@@ -166,6 +168,12 @@ class SpmdMesh(OneDevice):
     def landing(self) -> NamedSharding:
         return self.replicated
 
+    @functools.cached_property
+    def mesh_key(self) -> tuple:
+        """A program over the mesh is another executable than the same one on one device, even
+        with no input telling them apart (a factory's)."""
+        return tuple(d.id for d in self.replicated.mesh.devices.flat)
+
     def __repr__(self) -> str:
         return f"SpmdMesh({self.replicated.num_devices} devices)"
 
@@ -231,6 +239,7 @@ class Replica(OneDevice):
         return self.world.stepped_away(self)  # the other replicas run meanwhile
 
     spans = " (a replica of launch/spawn owns one device)"
+    follows_spmd_variable = False  # a replica is never in SPMD mode, whatever the process says
 
     def local_devices(self) -> list:
         return [self.landing.device]

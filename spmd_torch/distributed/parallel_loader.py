@@ -384,6 +384,15 @@ class _Plan:
         the host's part of the batch (a minibatch), else None."""
         if self.per_key is None:
             fits = self.spec is not None and len(self.spec) == leaf.dim()
+            if not fits and self.minibatch is not None and jax.process_count() > 1:
+                raise ValueError(
+                    f"input_sharding {self.minibatch} (minibatch=True) does not fit "
+                    f"batch{pytree.keystr(path)} of shape {tuple(leaf.shape)}: on "
+                    f"{jax.process_count()} hosts each host's part of it would be taken as the "
+                    "whole tensor. Give each input its own spec: input_sharding={'input': "
+                    "ShardingSpec(mesh, ('data', None), minibatch=True), 'label': "
+                    "ShardingSpec(mesh, ('data',), minibatch=True)} with dict batches"
+                )
             return (self.sharding, self.minibatch) if fits else (None, None)
         spec, sharding, minibatch = self.per_key[path[0].key]
         try:

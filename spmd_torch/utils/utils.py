@@ -255,14 +255,18 @@ def getenv_as(name: str, type: type, defval: Any = None) -> Any:
 
 def check_env_flag(name: str, default: str = "") -> bool:
     """Whether the environment variable ``name`` (or ``default`` when unset) reads as on:
-    ``1``, ``ON``, ``YES``, ``TRUE`` or ``Y``, in any case.
+    ``1``, ``ON``, ``YES``, ``TRUE`` or ``Y`` in any case, or another nonzero integer, as every
+    switch spmd_torch reads (text that is neither reads as off).
 
     Example:
         >>> os.environ['XLA_USE_SPMD'] = '1'
         >>> xu.check_env_flag('XLA_USE_SPMD')
         True
     """
-    return config.truthy(os.environ.get(name, default))
+    try:
+        return bool(config.parse(os.environ.get(name, default), bool, name))
+    except ValueError:
+        return False
 
 
 _ATOMS = (str, bytes, int, float, complex, bool, type(None), torch.Tensor)

@@ -10,8 +10,12 @@ import sys
 import pytest
 import torch
 
+import spmd_torch
 import spmd_torch.core.xla_model as xm
 import spmd_torch.runtime as xr
+import spmd_torch.utils.utils as xu
+from spmd_torch import config
+from spmd_torch._lazy.execute import global_array
 
 
 def test_use_spmd_sets_the_variable_and_reset_takes_it_back(monkeypatch):
@@ -23,11 +27,45 @@ def test_use_spmd_sets_the_variable_and_reset_takes_it_back(monkeypatch):
     assert xr.is_spmd() is False
 
 
-def test_reset_keeps_a_variable_the_user_set(monkeypatch):
+def test_reset_turns_spmd_off_whoever_set_its_switch(monkeypatch):
+    """One truth: the mode. reset() ends SPMD, and the switch a user set goes with it (it was
+    left on, and is_spmd() answered True for programs running on one device)."""
     monkeypatch.setenv("XLA_USE_SPMD", "1")
     xr.use_spmd()
     xr.reset()
-    assert os.environ["XLA_USE_SPMD"] == "1"
+    assert "XLA_USE_SPMD" not in os.environ and xr.is_spmd() is False
+    x = torch.ones(2, device=spmd_torch.device()) + 1
+    assert global_array(x).sharding.num_devices == 1
+
+
+def test_the_spmd_switch_turns_the_mode_on_and_off(monkeypatch):
+    """PyTorch/XLA's is_spmd() reads XLA_USE_SPMD: deleting it after use_spmd() ends SPMD, and
+    setting it starts SPMD, for the programs that follow too (an input lands on one device, then
+    on the whole mesh)."""
+    xr.use_spmd()
+    x = torch.ones(2, device=spmd_torch.device())
+    spmd_torch.sync()
+    monkeypatch.delenv("XLA_USE_SPMD")
+    assert xr.is_spmd() is False
+    assert global_array(x * 2).sharding.num_devices == 1
+    monkeypatch.setenv("XLA_USE_SPMD", "1")
+    assert xr.is_spmd() is True
+    assert global_array(x * 2).sharding.num_devices == 8
+    xr.reset()
+
+
+def test_one_reading_of_every_boolean_switch(monkeypatch):
+    """XLA_USE_BF16=2 is on wherever it is read (it was off through one parser, on through the
+    other), as PyTorch/XLA's runtime reads it."""
+    monkeypatch.setenv("XLA_USE_BF16", "2")
+    assert config.USE_BF16.read() is True
+    assert xu.check_env_flag("XLA_USE_BF16") is True
+    assert xu.getenv_as("XLA_USE_BF16", bool) is True
+    monkeypatch.setenv("XLA_USE_BF16", "off")
+    assert not config.USE_BF16.read() and not xu.check_env_flag("XLA_USE_BF16")
+    monkeypatch.setenv("XLA_USE_BF16", "maybe")
+    with pytest.raises(ValueError, match="XLA_USE_BF16='maybe' is not a valid bool"):
+        config.USE_BF16.read()
 
 
 def test_set_device_type_sets_pjrt_device(monkeypatch):

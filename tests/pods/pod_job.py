@@ -232,6 +232,20 @@ def hello() -> None:
     report(processes=xr.process_count())
 
 
+def one_spec_for_two_inputs() -> None:
+    """A minibatch spec for 2-d features given (features, labels) batches: the 1-d labels
+    cannot take it, and each host's labels are only its part of them."""
+    xr.use_spmd()
+    n = xr.global_runtime_device_count()
+    spec = xs.ShardingSpec(xs.Mesh(np.arange(n), (n,), ("data",)), ("data", None), minibatch=True)
+    _, features, labels = dataset(8)
+    loader = pl.MpDeviceLoader([(features, labels)], xm.xla_device(), input_sharding=spec)
+    try:
+        next(iter(loader))
+    except ValueError as error:
+        report(error=str(error))
+
+
 if __name__ == "__main__":
     scenario, *rest = sys.argv[1:]
     {
@@ -243,4 +257,5 @@ if __name__ == "__main__":
         "preempt": preempt,
         "fault": fault,
         "hello": hello,
+        "one-spec-for-two-inputs": one_spec_for_two_inputs,
     }[scenario](*rest)

@@ -73,6 +73,16 @@ def by_host(job: subprocess.CompletedProcess, key: str) -> dict:
 # --- the same job on 2 x 4 and on 1 x 8 ---------------------------------------------------------
 
 
+def test_a_minibatch_spec_that_does_not_fit_an_input_is_refused_naming_it():
+    """On 2 hosts, 1-d labels under a 2-d minibatch spec would be taken whole from each host's
+    half (PyTorch's batch-size mismatch much later, or different values on every host)."""
+    errors = by_host(launch(2, 4, "one-spec-for-two-inputs"), "error")
+    assert sorted(errors) == [0, 1]
+    for result in errors.values():
+        assert "does not fit batch[1] of shape (8,)" in result["error"]
+        assert "minibatch=True" in result["error"] and "its own spec" in result["error"]
+
+
 def test_two_hosts_train_as_one_host_of_eight_devices():
     two = by_host(launch(2, 4, "train"), "losses")
     one = by_host(launch(1, 8, "train"), "losses")[0]
