@@ -6,8 +6,9 @@ Two ways to capture, as in PyTorch/XLA:
 - in the process: ``start_trace(logdir)`` ... ``stop_trace()``;
 - from a profiler server: ``start_server(port)`` in the training process, then
   ``trace('localhost:port', logdir, duration_ms)`` from anything that reaches the port (another
-  process, a thread, TensorBoard's "capture profile" button). The request goes over gRPC
-  (``grpcio``) to the server JAX runs, which writes the capture itself.
+  process, a thread, TensorBoard's "capture profile" button). xprof's client (the ``profile``
+  extra; ``python -m jax.collect_profile`` uses it too) asks the server JAX runs, which writes the
+  capture itself.
 
 Either way a capture is ``<logdir>/plugins/profile/<run>/<host>.xplane.pb`` (TensorBoard's profile
 plugin, ``tensorboard --logdir <logdir>``) and ``<host>.trace.json.gz`` beside it (Chrome trace
@@ -22,7 +23,6 @@ skips its own. The device program of a barrier is the XLA module ``jit_SyncTenso
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import functools
 import gzip
@@ -42,11 +42,6 @@ import jax
 import spmd_torch.core.xla_model as xm
 from spmd_torch._lazy import engine as _engine
 
-try:
-    import grpc
-except ImportError:  # only trace() talks to a server; everything else works without grpcio
-    grpc = None
-
 __all__ = [
     "ProfilerServer",
     "StepTrace",
@@ -63,10 +58,7 @@ __all__ = [
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
-_PROFILE_METHOD = "/tensorflow.ProfilerService/Profile"
-_MAX_EVENTS = 1_000_000  # what TensorFlow's profiler client asks a server for
-_GRACE_S = 60.0  # how long past its window a server may take to collect and write a capture
-_RETRY_CODES = ("UNAVAILABLE", "ALREADY_EXISTS")  # worth another attempt: not up yet, or busy
+_RETRY_CODES = ("UNAVAILABLE", "ALREADY_EXISTS")  # worth another attempt: nothing collected, busy
 
 
 # ---- the step the tracer marked -----------------------------------------------------------------
@@ -216,7 +208,7 @@ def trace(
 
     Raises:
         RuntimeError: No server captured anything (the reason of each attempt is in the message),
-            an argument is invalid, or ``grpcio`` is not installed.
+            an argument is invalid, or xprof (the ``profile`` extra) is not installed.
 
     Example:
         >>> server = xp.start_server(9012)
@@ -233,37 +225,43 @@ def trace(
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise RuntimeError(f"trace: {name} must be an int >= {least}, got {value!r}")
-    if grpc is None:
-        raise RuntimeError(
-            "trace: capturing from a profiler server needs the grpcio package (pip install "
-            "grpcio); in-process captures (start_trace/stop_trace) do not"
-        )
+    capture = _xprof_trace()
     logdir = os.fspath(logdir)
-    root = os.path.join(
-        logdir if "://" in logdir else os.path.abspath(logdir), "plugins", "profile"
-    )
+    if "://" not in logdir:  # a server in another directory reads a relative path otherwise
+        logdir = os.path.abspath(logdir)
     run = time.strftime("%Y_%m_%d_%H_%M_%S")
+    options = {
+        "host_tracer_level": host_tracer_level,
+        "device_tracer_level": device_tracer_level,
+        "delay_ms": delay_ms,
+        "session_id": run,  # the run directory, so that the files written can be found
+    }
     give_up_at = time.monotonic() + timeout_s
     reasons = []
     for attempt in range(1, num_tracing_attempts + 1):
-        options = _profile_options(host_tracer_level, device_tracer_level, delay_ms, duration_ms)
-        outcomes = _capture(addresses, root, run, options, duration_ms, delay_ms)
-        captured = [address for address, failure in outcomes.items() if failure is None]
-        if captured:
-            for address, failure in outcomes.items():
-                if failure is not None:
-                    warnings.warn(f"trace: {address} captured nothing: {failure[1]}", stacklevel=2)
-            for address in captured:
-                _write_trace_json(pathlib.Path(root, run, _host_name(address) + ".xplane.pb"))
-            return
-        reasons.append(
-            f"attempt {attempt}: " + "; ".join(f"{a}: {f[1]}" for a, f in outcomes.items())
-        )
-        retry = all(failure[0] in _RETRY_CODES for failure in outcomes.values())
-        if not retry or time.monotonic() + interval_s > give_up_at:
-            break
-        if attempt < num_tracing_attempts:
-            time.sleep(interval_s)
+        try:  # one attempt each: the wait between attempts and the deadline are ours
+            capture(",".join(addresses), logdir, "", False, duration_ms, 1, options)
+        except RuntimeError as error:  # xprof's status: 'UNAVAILABLE: No trace event was ...'
+            reasons.append(f"attempt {attempt}: {error}")
+            retry = str(error).partition(":")[0] in _RETRY_CODES
+            if not retry or time.monotonic() + interval_s > give_up_at:
+                break
+            if attempt < num_tracing_attempts:
+                time.sleep(interval_s)
+            continue
+        run_dir = pathlib.Path(logdir, "plugins", "profile", run)
+        xplanes = {a: run_dir / f"{_host_name(a)}.xplane.pb" for a in addresses}
+        written = {a for a, path in xplanes.items() if path.is_file()}
+        for address in addresses:
+            if address in written:
+                _write_trace_json(xplanes[address])
+            elif written:  # logdir is in this process's reach, and this server wrote nothing
+                warnings.warn(
+                    f"trace: {address} captured nothing (no {xplanes[address].name} in "
+                    f"{run_dir}; xprof's log on stderr says why)",
+                    stacklevel=2,
+                )
+        return
     raise RuntimeError(f"trace: no profile captured from {service_addr}: " + " | ".join(reasons))
 
 
@@ -311,116 +309,21 @@ def _host_name(address: str) -> str:
     return address.replace(":", "_")
 
 
-def _capture(
-    addresses: list[str], root: str, run: str, options: bytes, duration_ms: int, delay_ms: int
-) -> dict[str, tuple[str, str] | None]:
-    """Ask every server for the same window at once; per address, None or (status, why)."""
-    timeout = (delay_ms + duration_ms) / 1000 + _GRACE_S
-    outcomes: dict[str, tuple[str, str] | None] = {}
-    with contextlib.ExitStack() as channels:
-        calls = {}
-        for address in addresses:
-            channel = channels.enter_context(grpc.insecure_channel(address))
-            request = _profile_request(root, run, _host_name(address), options, duration_ms)
-            profile = channel.unary_unary(_PROFILE_METHOD)
-            calls[address] = profile.future(request, timeout=timeout)
-        for address, call in calls.items():
-            try:
-                response = call.result()
-            except grpc.RpcError as error:
-                outcomes[address] = (error.code().name, f"{error.code().name} {error.details()}")
-                continue
-            empty = _read_varint_field(response, _EMPTY_TRACE_FIELD)
-            outcomes[address] = ("UNAVAILABLE", "no trace event was collected") if empty else None
-    return outcomes
-
-
-# ---- the two protobuf messages a capture needs (tsl/profiler/protobuf), encoded by hand ----------
-
-_EMPTY_TRACE_FIELD = 7  # ProfileResponse.empty_trace
-
-
-def _profile_options(host_level: int, device_level: int, delay_ms: int, duration_ms: int) -> bytes:
-    """A ProfileOptions message; ``version`` 1 makes a server use these levels, not its own."""
-    start_ns = time.time_ns() + delay_ms * 1_000_000 if delay_ms else 0
-    return b"".join(
-        [
-            _field(5, 1),  # version
-            _field(2, host_level),  # host_tracer_level
-            _field(3, device_level),  # device_tracer_level
-            _field(8, start_ns),  # start_timestamp_ns
-            _field(9, duration_ms),  # duration_ms
-        ]
-    )
-
-
-def _profile_request(root: str, run: str, host: str, options: bytes, duration_ms: int) -> bytes:
-    """A ProfileRequest: the server captures, then writes ``<root>/<run>/<host>.xplane.pb``."""
-    return b"".join(
-        [
-            _field(1, duration_ms),  # duration_ms
-            _field(2, _MAX_EVENTS),  # max_events
-            _field(3, b"xplane.pb"),  # tools
-            _field(4, options),  # opts
-            _field(5, root.encode()),  # repository_root
-            _field(6, run.encode()),  # session_id
-            _field(7, host.encode()),  # host_name
-        ]
-    )
-
-
-def _field(number: int, value: int | bytes) -> bytes:
-    """One field: a varint, or length-delimited bytes (strings and messages)."""
-    if isinstance(value, int):
-        return _varint(number << 3) + _varint(value)
-    return _varint(number << 3 | 2) + _varint(len(value)) + value
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _read_varint_field(message: bytes, number: int) -> int:
-    """The value of varint field ``number`` at the top level of ``message`` (0 when absent)."""
-    pos = 0
-
-    def varint() -> int:
-        nonlocal pos
-        value = shift = 0
-        while True:
-            byte = message[pos]
-            pos += 1
-            value |= (byte & 0x7F) << shift
-            shift += 7
-            if byte < 0x80:
-                return value
-
-    while pos < len(message):
-        key = varint()
-        wire_type = key & 7
-        if wire_type == 0:
-            value = varint()
-            if key >> 3 == number:
-                return value
-        elif wire_type == 2:
-            pos += varint()
-        elif wire_type in (1, 5):
-            pos += 8 if wire_type == 1 else 4
-        else:
-            raise RuntimeError(f"trace: the profiler server answered a malformed message ({key=})")
-    return 0
+def _xprof_trace() -> Callable[..., None]:
+    """xprof's capture client, imported when a capture is asked for: it loads a large library."""
+    try:
+        import xprof.convert._pywrap_profiler_plugin as plugin
+    except ImportError as error:
+        raise RuntimeError(
+            "trace: capturing from a profiler server needs the xprof package (pip install "
+            "'spmd_torch[profile]'); in-process captures (start_trace/stop_trace) do not"
+        ) from error
+    return plugin.trace
 
 
 def _write_trace_json(xplane: pathlib.Path) -> None:
-    """``<host>.trace.json.gz`` beside a capture the server wrote (when this process can read it):
-    the Chrome trace events Perfetto opens, as ``start_trace`` writes for its own captures."""
-    if not xplane.is_file():
-        return
+    """``<host>.trace.json.gz`` beside a capture a server wrote: the Chrome trace events Perfetto
+    opens, as ``start_trace`` writes for its own captures."""
     profile = jax.profiler.ProfileData.from_file(str(xplane))
     events: list[dict] = []
     for pid, plane in enumerate(profile.planes):
@@ -441,8 +344,8 @@ def _write_trace_json(xplane: pathlib.Path) -> None:
                 for event in line.events
             ]
     path = xplane.with_name(xplane.name.removesuffix(".xplane.pb") + ".trace.json.gz")
-    with gzip.open(path, "wt") as out:
-        json.dump({"displayTimeUnit": "ns", "traceEvents": events}, out)
+    with gzip.open(path, "wt") as out:  # dumps, not dump: dump encodes in Python, token by token
+        out.write(json.dumps({"displayTimeUnit": "ns", "traceEvents": events}))
 
 
 # ---- capturing in the process -------------------------------------------------------------------

@@ -1,14 +1,16 @@
-"""spmd_torch.debug.profiler: captures written by JAX's profiler, read back (the xplane protobuf
-through jax.profiler.ProfileData, the trace-event JSON with gzip + json), and the engine's side of
-Trace (named ops, compile cache) and StepTrace (barriers)."""
+"""spmd_torch.debug.profiler: captures written by JAX's profiler (from a server, asked by xprof's
+client), read back (the xplane protobuf through jax.profiler.ProfileData, the trace-event JSON with
+gzip + json), and the engine's side of Trace (named ops, compile cache) and StepTrace (barriers)."""
 
 from __future__ import annotations
 
 import gc
 import gzip
+import importlib
 import json
 import pathlib
 import socket
+import sys
 import threading
 
 import jax
@@ -92,6 +94,26 @@ def server():
     server = xp.start_server(_free_port())
     yield server
     server.stop()
+
+
+@pytest.fixture
+def busy():
+    """Something to capture while the test runs, a jitted program inside a host region (a window
+    where nothing ran is an empty trace); yields the region's name."""
+    name = "busy_region"
+    done = threading.Event()
+    work = jax.jit(lambda a: a @ a)
+
+    def run() -> None:
+        while not done.is_set():
+            with jax.profiler.TraceAnnotation(name):
+                work(jax.numpy.ones((32, 32))).block_until_ready()
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    yield name
+    done.set()
+    worker.join()
 
 
 # ---- a capture of a training run --------------------------------------------------------------
@@ -328,31 +350,42 @@ def test_trace_from_a_thread_captures_the_running_steps(tmp_path, server):
     assert any(e["name"] == STEP for e in json_events)
 
 
-def test_trace_of_several_servers_warns_about_the_one_that_captured_nothing(tmp_path, server):
+def test_trace_asks_xprof_for_the_capture_with_the_options_given(
+    tmp_path, server, busy, monkeypatch
+):
+    plugin = importlib.import_module("xprof.convert._pywrap_profiler_plugin")
+    capture, calls = plugin.trace, []
+
+    def spy(*args):
+        calls.append(args)
+        return capture(*args)
+
+    monkeypatch.setattr(plugin, "trace", spy)
+    monkeypatch.chdir(tmp_path)
+    address = f"localhost:{server.port}"
+    xp.trace(address, "logs", duration_ms=300, host_tracer_level=3, device_tracer_level=0)
+    [(service_addr, logdir, _, _, duration_ms, attempts, options)] = calls
+    assert (service_addr, logdir) == (address, str(tmp_path / "logs"))  # made absolute
+    assert (duration_ms, attempts) == (300, 1)  # one attempt a call: the waits between are ours
+    levels = {"host_tracer_level": 3, "device_tracer_level": 0, "delay_ms": 0}
+    assert options.items() >= levels.items()
+    xplane = _xplane(tmp_path / "logs", f"localhost_{server.port}")  # the server wrote it
+    assert xplane.parent.name == options["session_id"]
+    assert busy in {e[0] for e in _xplane_events(xplane)}
+
+
+def test_trace_of_several_servers_warns_about_the_one_that_captured_nothing(tmp_path, server, busy):
     dead = f"localhost:{_free_port()}"
     live = f"localhost:{server.port}"
-    done = threading.Event()
-    work = jax.jit(lambda a: a @ a)
-
-    def busy() -> None:  # something to capture: a window where nothing ran is an empty trace
-        while not done.is_set():
-            work(jax.numpy.ones((32, 32))).block_until_ready()
-
-    worker = threading.Thread(target=busy)
-    worker.start()
-    try:
-        with pytest.warns(UserWarning, match=rf"trace: {dead} captured nothing: UNAVAILABLE"):
-            xp.trace(f"{live},{dead}", tmp_path, duration_ms=300, num_tracing_attempts=1)
-    finally:
-        done.set()
-        worker.join()
+    with pytest.warns(UserWarning, match=rf"trace: {dead} captured nothing \(no localhost_\d+"):
+        xp.trace(f"{live},{dead}", tmp_path, duration_ms=300, num_tracing_attempts=1)
     assert _xplane(tmp_path).name == f"localhost_{server.port}.xplane.pb"
 
 
 def test_trace_without_a_server_fails_naming_address_and_status(tmp_path):
     address = f"localhost:{_free_port()}"
-    expected = rf"no profile captured from {address}: attempt 1: {address}: UNAVAILABLE .*"
-    expected += rf" \| attempt 2: {address}: UNAVAILABLE "
+    expected = rf"no profile captured from {address}: attempt 1: UNAVAILABLE: No trace event .*"
+    expected += r" \| attempt 2: UNAVAILABLE: "
     with pytest.raises(RuntimeError, match=expected):
         xp.trace(address, tmp_path, duration_ms=100, num_tracing_attempts=2, interval_s=0)
     assert not list(tmp_path.iterdir())
@@ -372,6 +405,14 @@ def test_trace_rejects_bad_arguments(tmp_path, arguments, message):
     call = {"service_addr": "localhost:9012", "logdir": tmp_path, **arguments}
     with pytest.raises(RuntimeError, match=message):
         xp.trace(**call)
+
+
+def test_trace_without_xprof_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "xprof.convert._pywrap_profiler_plugin", None)
+    with pytest.raises(
+        RuntimeError, match=r"needs the xprof package \(pip install 'spmd_torch\[profile\]'\)"
+    ):
+        xp.trace("localhost:9012", tmp_path)
 
 
 def test_start_server_on_a_busy_port_raises():
