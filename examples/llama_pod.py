@@ -44,11 +44,12 @@ if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu" and (
     ).strip()
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
@@ -59,10 +60,11 @@ import spmd_torch.debug.metrics as met  # noqa: E402
 import spmd_torch.distributed.spmd as xs  # noqa: E402
 import spmd_torch.experimental.distributed_checkpoint as xc  # noqa: E402
 import spmd_torch.runtime as xr  # noqa: E402
+from spmd_torch.experimental.scan_layers import scan_layers  # noqa: E402
 from spmd_torch.utils.checkpoint import checkpoint  # noqa: E402
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     layers: int
     dim: int
@@ -83,7 +85,7 @@ class LlamaConfig:
 SIZES = {
     # Fast on 8 virtual CPU devices; every split dimension divides by 4 on either mesh axis.
     "small": LlamaConfig(
-        layers=4, dim=128, heads=8, kv_heads=4, ffn=384, vocab=512, seq=64, batch=8
+        layers=2, dim=128, heads=8, kv_heads=4, ffn=384, vocab=512, seq=64, batch=8
     ),
     # TinyLlama-1.1B's shape.
     "1b": LlamaConfig(
@@ -163,8 +165,14 @@ def run_in_loop(layers: nn.ModuleList, inputs: tuple) -> tuple:
     return inputs
 
 
+def run_scanned(layers: nn.ModuleList, inputs: tuple) -> tuple:
+    """The layers as one scan over their stacked weights (the program holds one layer, whatever
+    the depth), each keeping only its input for the backward, which recomputes the rest."""
+    return scan_layers(layers, inputs, partition_fn=jax.checkpoint_policies.nothing_saveable)
+
+
 def run_checkpointed(layers: nn.ModuleList, inputs: tuple) -> tuple:
-    """Each layer keeps only its input for the backward, which recomputes the rest."""
+    """``run_scanned`` unrolled: the program holds every layer (compile time grows with depth)."""
     for layer in layers:
         inputs = checkpoint(layer, *inputs)
     return inputs
@@ -189,7 +197,7 @@ class Llama(nn.Module):
 @torch.no_grad()
 def init_weights(model: Llama) -> None:
     """Llama's initialisation, in place: N(0, 0.02) matrices, unit norm scales."""
-    for name, param in model.named_parameters():
+    for param in model.parameters():
         if param.dim() == 2:
             nn.init.normal_(param, std=0.02)
         else:
@@ -226,14 +234,18 @@ def shard(model: Llama, mesh: xs.Mesh) -> None:
         xs.mark_sharding(param, mesh, MEGATRON_SPECS[rule])
 
 
-def build_sharded(cfg: LlamaConfig, mesh: xs.Mesh) -> Llama:
+def build_sharded(
+    cfg: LlamaConfig, mesh: xs.Mesh, run_layers: Callable = run_scanned, initialise: bool = True
+) -> Llama:
     """The model built on the meta device, allocated on the xla device under its shardings and
-    initialised there by one program: each device only ever holds its own shards."""
+    initialised there by one program: each device only ever holds its own shards. Without
+    ``initialise`` the weights are left for a checkpoint restore to fill."""
     with torch.device("meta"):
-        model = Llama(cfg, run_layers=run_checkpointed)
+        model = Llama(cfg, run_layers)
     model.to_empty(device=xm.xla_device())
     shard(model, mesh)
-    init_weights(model)
+    if initialise:
+        init_weights(model)
     xm.mark_step()
     return model
 
@@ -302,18 +314,54 @@ def eager_losses(model: Llama, steps: int) -> list[float]:
     ]
 
 
+def train(model: Llama, optimizer, mesh: xs.Mesh, steps: range, bf16: bool, say) -> list[float]:
+    """Train ``steps``, each batch split over 'fsdp'; the losses."""
+    losses = []
+    for step in steps:
+        tokens, targets = (t.to(xm.xla_device()) for t in batch(model.cfg))
+        xs.mark_sharding(tokens, mesh, ("fsdp", None))
+        xs.mark_sharding(targets, mesh, ("fsdp", None))
+        started = time.perf_counter()
+        loss = train_step(model, optimizer, tokens, targets, bf16)
+        xm.mark_step()
+        losses.append(loss.item())
+        say(f"step {step} loss {losses[-1]:.9e} ({time.perf_counter() - started:.1f}s)")
+    return losses
+
+
+def save(manager: xc.CheckpointManager, step: int, model: Llama, optimizer) -> int:
+    """Checkpoint ``step`` with the checksum of what it saves; the checksum."""
+    total = checksum(model, optimizer)
+    state = {"model": model.state_dict(), "optim": optimizer.state_dict(), "checksum": total}
+    manager.save(step, state, force=True)
+    return total
+
+
+def restore(manager: xc.CheckpointManager, step: int, model: Llama, optimizer) -> tuple[int, int]:
+    """Fill the model and the fresh optimizer from checkpoint ``step``, each device reading its
+    own shards; (the checksum saved with it, the checksum of what was restored)."""
+    state = {"model": model.state_dict(), "optim": optimizer.state_dict(), "checksum": 0}
+    manager.restore(step, state)
+    optimizer.load_state_dict(state["optim"])
+    return state["checksum"], checksum(model, optimizer)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=SIZES, default="small")
+    for field in ("layers", "seq", "batch"):
+        parser.add_argument(f"--{field}", type=int, help=f"override the size's {field}")
     parser.add_argument("--mesh", default="2x4", help="'fsdp'x'tensor' sizes, e.g. 4x2")
     parser.add_argument("--steps", type=int, default=6, help="train up to this step count")
     parser.add_argument("--ckpt", metavar="DIR", help="resume from and save to this directory")
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     parser.add_argument("--check-eager", type=int, default=0, metavar="N")
+    parser.add_argument("--no-scan", action="store_true", help="unroll the layers instead")
     args = parser.parse_args()
     if args.check_eager and args.precision != "fp32":
         parser.error("--check-eager compares float32 losses: pass --precision fp32")
-    cfg, bf16 = SIZES[args.size], args.precision == "bf16"
+    overrides = {f: getattr(args, f) for f in ("layers", "seq", "batch") if getattr(args, f)}
+    cfg = dataclasses.replace(SIZES[args.size], **overrides)
     master = xm.is_master_ordinal(local=False)
 
     def say(line: str) -> None:
@@ -322,8 +370,13 @@ def main() -> int:
 
     xr.use_spmd()
     mesh = make_mesh(args.mesh)
+    manager = xc.CheckpointManager(args.ckpt, save_interval=1) if args.ckpt else None
+    resume = max(manager.all_steps()) if manager is not None and manager.all_steps() else None
+    if args.check_eager and resume is not None:
+        parser.error(f"--check-eager compares a fresh run; {args.ckpt} holds step {resume}")
     started = time.perf_counter()
-    model = build_sharded(cfg, mesh)
+    run_layers = run_checkpointed if args.no_scan else run_scanned
+    model = build_sharded(cfg, mesh, run_layers, initialise=resume is None)
     optimizer = new_optimizer(model)
     parameters = sum(p.numel() for p in model.parameters())
     say(
@@ -335,43 +388,27 @@ def main() -> int:
 
     failures = []
     expected = eager_losses(model, args.check_eager) if args.check_eager else []
-    manager = xc.CheckpointManager(args.ckpt, save_interval=1) if args.ckpt else None
     start = 0
-    if manager is not None and manager.all_steps():
-        step = max(manager.all_steps())
-        state = {"model": model.state_dict(), "optim": optimizer.state_dict(), "checksum": 0}
-        manager.restore(step, state)
-        optimizer.load_state_dict(state["optim"])
-        restored = checksum(model, optimizer)
-        exact = restored == state["checksum"]
-        say(f"resumed from step {step}: checksum {restored:#x}, bit-exact {exact}")
-        if not exact:
-            failures.append(f"restored checksum {restored:#x}, saved {state['checksum']:#x}")
-        start = step + 1
+    if resume is not None:
+        saved, restored = restore(manager, resume, model, optimizer)
+        say(f"resumed from step {resume}: checksum {restored:#x}, bit-exact {restored == saved}")
+        if restored != saved:
+            failures.append(f"restored checksum {restored:#x}, saved {saved:#x}")
+        start = resume + 1
 
     met.clear_all()
-    losses = []
-    for step in range(start, args.steps):
-        tokens, targets = (t.to(xm.xla_device()) for t in batch(cfg))
-        xs.mark_sharding(tokens, mesh, ("fsdp", None))
-        xs.mark_sharding(targets, mesh, ("fsdp", None))
-        loss = train_step(model, optimizer, tokens, targets, bf16)
-        xm.mark_step()
-        losses.append(loss.item())
-        say(f"step {step} loss {losses[-1]:.9e}")
+    losses = train(model, optimizer, mesh, range(start, args.steps), args.precision == "bf16", say)
     compiles = met.counter_value("UncachedCompile") or 0
     say(f"training compilations {compiles}")
-
     for step, want in enumerate(expected):
         error = abs(losses[step] - want) / abs(want)
         say(f"eager cpu step {step} loss {want:.9e} relative difference {error:.1e}")
         if error > 1e-5:
             failures.append(f"step {step}: loss {losses[step]} here, {want} on eager CPU")
     if manager is not None and args.steps > start:
-        total = checksum(model, optimizer)
-        state = {"model": model.state_dict(), "optim": optimizer.state_dict(), "checksum": total}
-        manager.save(args.steps - 1, state, force=True)
+        total = save(manager, args.steps - 1, model, optimizer)
         say(f"saved step {args.steps - 1}: checksum {total:#x}")
+
     if len(losses) > 1 and not losses[-1] < losses[0]:
         failures.append(f"the loss did not fall: {losses[0]:.4f} -> {losses[-1]:.4f}")
     if compiles > 2:
