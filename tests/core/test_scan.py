@@ -150,10 +150,14 @@ def test_scan_with_pytrees_and_a_closed_over_weight_matches_the_python_loop():
     )
 
 
-def test_scan_layers_under_torch_compile():
-    layers_cpu = _stack("decoder", 2)
+@pytest.mark.parametrize("kind, policy", [("decoder", None), ("mlp", "nothing_saveable")])
+def test_scan_layers_under_torch_compile(kind, policy):
+    layers_cpu = _stack(kind, 2)
     layers = copy.deepcopy(layers_cpu).to(dev)
-    compiled = torch.compile(lambda x: scan_layers(layers, x * 2.0), backend="spmd_torch")
+    partition = _policy(policy)
+    compiled = torch.compile(
+        lambda x: scan_layers(layers, x * 2.0, partition_fn=partition), backend="spmd_torch"
+    )
     for _ in range(2):  # the second call reuses what the first recorded
         layers.zero_grad(set_to_none=True)
         layers_cpu.zero_grad(set_to_none=True)
@@ -171,7 +175,8 @@ def test_scan_layers_under_torch_compile():
             assert_close(p.grad, q.grad, kind="grad")
 
 
-def test_scan_layers_keeps_the_layers_shardings_under_spmd():
+@pytest.mark.parametrize("kind, policy", [("mlp", None), ("decoder", "nothing_saveable")])
+def test_scan_layers_keeps_the_layers_shardings_under_spmd(kind, policy):
     xr.use_spmd()
     mesh = xs.Mesh(np.arange(8), (2, 4), ("data", "model"))
 
@@ -179,12 +184,12 @@ def test_scan_layers_keeps_the_layers_shardings_under_spmd():
         for layer in layers:
             xs.mark_sharding(layer.up.weight, mesh, ("model", None))
             xs.mark_sharding(layer.down.weight, mesh, (None, "model"))
-        out = scan_layers(layers, x)
+        out = scan_layers(layers, x, partition_fn=_policy(policy))
         text = graph.pending_text()
         assert "sharding_constraint(%" in text and "{_,model,_}" in text and "{_,_,model}" in text
         return out
 
-    layers = _compare_with_cpu(_stack("mlp"), run)
+    layers = _compare_with_cpu(_stack(kind, 2), run)
     for layer in layers:
         for p in (layer.up.weight, layer.down.weight):
             assert xs.get_xla_sharding_spec(p.grad) == xs.get_xla_sharding_spec(p)
