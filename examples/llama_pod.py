@@ -295,9 +295,22 @@ def checksum(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     for param in model.parameters():
         state = optimizer.state.get(param, {})
         for tensor in (param, *(state[key] for key in sorted(state))):
-            bits = tensor.detach().to(device).view(torch.int32).flatten().to(torch.int64)
-            total += (bits * torch.arange(1, bits.numel() + 1, device=device)).sum()
+            bits = tensor.detach().to(device).view(torch.int32).to(torch.int64)
+            total += (bits * flat_positions(tensor.shape, device)).sum()
     return total.item()
+
+
+def flat_positions(shape: torch.Size, device) -> torch.Tensor:
+    """1 + each element's row-major position, as a sum of one small range per dimension: it
+    broadcasts to ``shape`` without being flattened, so it splits like the tensor it weighs (a
+    flattened one would be gathered whole onto every device)."""
+    positions, stride = torch.ones((), dtype=torch.int64, device=device), 1
+    for dim in reversed(range(len(shape))):
+        along = [1] * len(shape)
+        along[dim] = shape[dim]
+        positions = positions + torch.arange(shape[dim], device=device).view(along) * stride
+        stride *= shape[dim]
+    return positions
 
 
 def eager_losses(model: Llama, steps: int) -> list[float]:
