@@ -10,7 +10,7 @@ process and compares the checksums of every parameter and AdamW bit. Each runs i
 
     python -m tools.llama_scale memory --size 1b [--layers N --seq N --batch N] [--no-scan]
     python -m tools.llama_scale memory --run
-    python -m tools.llama_scale restore --size 1b --layers 2 --seq 256
+    python -m tools.llama_scale restore --size 1b --layers 2 --seq 128
 """
 
 from __future__ import annotations
@@ -149,6 +149,10 @@ def memory(llama, args, cfg) -> None:
         "  its outputs hold parameters, gradients and AdamW's two moments: "
         f"{stats.output_size_in_bytes / expected_share(model):.2f} x one device's parameter share"
     )
+    devices = xr.global_runtime_device_count()
+    need = devices * (stats.argument_size_in_bytes + stats.output_size_in_bytes)
+    need += devices * stats.temp_size_in_bytes
+    print(f"  running it on this CPU mesh would take about {size(need)} of host memory")
     if args.run:
         run(llama, model, optimizer, mesh)
 
