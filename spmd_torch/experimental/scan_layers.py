@@ -65,7 +65,7 @@ def _scan_layers(layers: list, input_data: Any, partition_fn: Callable | None) -
     first = layers[0]
     states = [{**dict(m.named_parameters()), **dict(m.named_buffers())} for m in layers]
     _check_same_structure(layers, states)
-    indices = _layer_numbers(len(layers), states[0])
+    indices = _layer_numbers(len(layers), states)
     stacked = {name: _stacked(indices, [state[name] for state in states]) for name in states[0]}
 
     def one_layer(carry: Any, state: dict) -> tuple[Any, None]:
@@ -135,18 +135,19 @@ class _Stack(torch.autograd.Function):
         )
 
 
-def _layer_numbers(count: int, state: dict) -> list:
-    """Each layer's number, a device tensor of its own (what ``_Stack`` reads gradients at)."""
-    if not state:
-        return []
-    device = next(iter(state.values())).device
-    return [torch.tensor([k], device=device) for k in range(count)]
+def _layer_numbers(count: int, states: list) -> list | None:
+    """Each layer's number, a device tensor of its own (what ``_Stack`` reads gradients at);
+    None where no gradient will be read (no uploads)."""
+    tensors = [t for state in states for t in state.values()]
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        return None
+    return [torch.tensor([k], device=tensors[0].device) for k in range(count)]
 
 
-def _stacked(indices: list, tensors: list) -> torch.Tensor:
+def _stacked(indices: list | None, tensors: list) -> torch.Tensor:
     """The layers' tensors stacked along a new leading axis, laid out as theirs when they all
     have one sharding over several devices (the new axis unsplit)."""
-    stacked = _Stack.apply(indices, *tensors)
+    stacked = torch.stack(tensors) if indices is None else _Stack.apply(indices, *tensors)
     layouts = {placement.sharding_of(t) for t in tensors}
     if len(layouts) == 1:
         (layout,) = layouts
