@@ -10,7 +10,7 @@ import pathlib
 import sys
 
 ENGINE = pathlib.Path(__file__).resolve().parents[1] / "spmd_torch" / "_lazy"
-BUDGET = 4343  # +100 SPMD stages (placement, manual), +500 replicas (issue 8), +100 issue 10:
+BUDGET = 4350  # +100 SPMD stages (placement, manual), +500 replicas (issue 8), +100 issue 10:
 # autocast, eager mode, compile regions, profiler scopes, metrics (window, LazyTracing, data);
 # issue 16's modes left it at 2791; +50 issue 17, hosts: rendezvous across hosts through the job's
 # key-value store, each host's part of a global batch, reading values that span hosts; +15
@@ -65,7 +65,7 @@ BUDGET = 4343  # +100 SPMD stages (placement, manual), +500 replicas (issue 8), 
 # vector scalar), linear above autograd, the barrier's walk in CPU time too
 # +105 issue 32 item 2: F.scaled_dot_product_attention as one fused op each way, its kernel above
 # autograd and the fused op's autograd Function (attention.py), registered in device.py
-# +434 issue 33 item 1: loops traced once (loop.py): a body recorded on placeholders, its scan or
+# +441 issue 33 item 1: loops traced once (loop.py): a body recorded on placeholders, its scan or
 # while loop one node lowering itself, a scan's backward one node over JAX's pullback residuals
 # +4 issue 33 item 2: a Scalar[] of one value is lifted as one scalar (AdamW's bias corrections:
 # XLA compiles each parameter's update kernel once, not once per parameter; 147 params 26 -> 8 s)
