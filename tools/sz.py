@@ -10,7 +10,7 @@ import pathlib
 import sys
 
 ENGINE = pathlib.Path(__file__).resolve().parents[1] / "spmd_torch" / "_lazy"
-BUDGET = 4350  # +100 SPMD stages (placement, manual), +500 replicas (issue 8), +100 issue 10:
+BUDGET = 4368  # +100 SPMD stages (placement, manual), +500 replicas (issue 8), +100 issue 10:
 # autocast, eager mode, compile regions, profiler scopes, metrics (window, LazyTracing, data);
 # issue 16's modes left it at 2791; +50 issue 17, hosts: rendezvous across hosts through the job's
 # key-value store, each host's part of a global batch, reading values that span hosts; +15
@@ -69,6 +69,8 @@ BUDGET = 4350  # +100 SPMD stages (placement, manual), +500 replicas (issue 8), 
 # while loop one node lowering itself, a scan's backward one node over JAX's pullback residuals
 # +4 issue 33 item 2: a Scalar[] of one value is lifted as one scalar (AdamW's bias corrections:
 # XLA compiles each parameter's update kernel once, not once per parameter; 147 params 26 -> 8 s)
+# +18 issue 33 item 3: a program's replicated inputs restated on its split inputs' mesh (JAX names
+# the outputs' layouts on the first input's mesh; a 2-D split had no name on the uploads' 1-D one)
 
 
 def engine_lines() -> dict[str, int]:

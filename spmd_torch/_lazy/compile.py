@@ -361,7 +361,7 @@ def lookup_or_compile(run) -> tuple[Executable, bool]:
     else:
         function = build_replica_function(program, donated, run.replicas)
     function.__name__ = f"SyncTensorsGraph_{digest}"  # profiles name the program by its key
-    abstract_inputs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in arrays]
+    abstract_inputs = abstract(arrays)
     kept = [a for a, d in zip(abstract_inputs, donated) if not d]
     given = [a for a, d in zip(abstract_inputs, donated) if d]
     jitted = jax.jit(function, donate_argnums=(0,) if any(donated) else ())
@@ -436,8 +436,30 @@ def explain_graph_change(old: tuple, new: tuple, ops: dict) -> str:
 def lowered(program: Program, arrays: list) -> jax.stages.Lowered:
     """The program lowered for ``arrays``' shapes and layouts, nothing compiled or run."""
     function = build_function(program, (False,) * len(arrays))
-    abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in arrays]
-    return jax.jit(function).lower([], abstract, _scalars_aval(len(program.scalar_values())))
+    scalars = _scalars_aval(len(program.scalar_values()))
+    return jax.jit(function).lower([], abstract(arrays), scalars)
+
+
+def abstract(arrays: list) -> list[jax.ShapeDtypeStruct]:
+    """``arrays``' shapes, dtypes and layouts, each replicated one restated on the mesh of the
+    first split input. JAX names the layouts it chose for outputs on the mesh of the first input
+    with a mesh: an output split over a 2-D mesh has no name on the 1-D mesh uploads are
+    replicated over (IndivisibleError at compile)."""
+    shardings = [a.sharding for a in arrays]
+    meshes = [s.mesh for s in shardings if type(s) is NamedSharding and not s.is_fully_replicated]
+    return [
+        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_on(meshes[:1], s))
+        for a, s in zip(arrays, shardings)
+    ]
+
+
+def _on(mesh: list, sharding):
+    """``sharding``, or the same replicated layout on ``mesh`` (a list of none or one) when it
+    has the same devices in the same order."""
+    replicated = mesh and type(sharding) is NamedSharding and sharding.is_fully_replicated
+    if replicated and list(sharding.mesh.devices.flat) == list(mesh[0].devices.flat):
+        return NamedSharding(mesh[0], PartitionSpec())
+    return sharding
 
 
 def clear_cache() -> None:

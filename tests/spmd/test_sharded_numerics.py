@@ -103,6 +103,20 @@ def test_constraint_on_a_pending_value_lays_out_the_result():
     assert_close(y, torch.arange(96.0).reshape(24, 4) * 3)
 
 
+def test_a_replicated_input_read_first_does_not_stop_an_output_split_over_a_2d_mesh():
+    """JAX names the outputs' layouts on the first input's mesh; a replicated upload's 1-D mesh
+    has no name for a split over one axis of a (2, 4) mesh (IndivisibleError at compile)."""
+    mesh = MESHES["2x4"]()
+    offset = torch.ones(2).to(dev)  # replicated, and the program's first input
+    x = torch.arange(32.0).reshape(4, 8).to(dev)
+    xs.mark_sharding(x, mesh, (None, "data"))
+    spmd_torch.sync()
+    y = offset.sum() + x * 2
+    spmd_torch.sync()
+    assert_close(y.cpu(), torch.arange(32.0).reshape(4, 8) * 2 + 2)
+    assert xs.get_xla_sharding_spec(y) == xs.get_xla_sharding_spec(x)
+
+
 def test_uneven_data_is_stored_padded_and_read_back_logically():
     mesh = MESHES["1d"]()
     cpu = torch.arange(30.0).reshape(10, 3)
