@@ -45,6 +45,7 @@ from spmd_torch._lazy.graph import Aval, aval_text
 from spmd_torch._lazy.layout import padded_shape
 from spmd_torch._lazy.lowering.dtypes import to_jax_dtype, to_torch_dtype
 from spmd_torch._lazy.manual import ManualShardingError
+from spmd_torch._lazy.tensor import on_xla
 from spmd_torch.core import xla_model as xm
 from spmd_torch.core.xla_builder import _user_computation as _xla_user_computation
 from spmd_torch.debug.graph import get_tensors_hlo, get_tensors_text, pending_program, program_text
@@ -125,15 +126,7 @@ _PRECISIONS = ("default", "high", "highest")
 def _xla_tensor(t, api: str) -> torch.Tensor:
     """``t`` (unwrapped from an XLAShardedTensor) if on the xla device; RuntimeError otherwise,
     as PyTorch/XLA's bindings raise for a tensor that is not an XLA tensor."""
-    t = xs.unwrap_sharded_tensor(t)
-    if not isinstance(t, torch.Tensor):
-        raise RuntimeError(f"{api} expects a tensor on the xla device, got {type(t).__name__}")
-    if t.device.type != "xla":
-        raise RuntimeError(
-            f"{api}: input tensor is not an XLA tensor: a {t.dtype} tensor of shape "
-            f"{tuple(t.shape)} on {t.device}"
-        )
-    return t
+    return on_xla(xs.unwrap_sharded_tensor(t), api, RuntimeError)
 
 
 def _get_xla_tensors_hlo(tensors: Sequence[torch.Tensor]) -> str:

@@ -38,7 +38,7 @@ from spmd_torch._lazy.graph import Node as _GraphNode
 from spmd_torch._lazy.lowering import LOWERINGS, EngineOp, lowers
 from spmd_torch._lazy.lowering.dtypes import to_jax_dtype, to_torch_dtype
 from spmd_torch._lazy.lowering.xla_ops import JAX_DTYPES, OPS, jax_dtype
-from spmd_torch._lazy.tensor import LazyTensor, wrap
+from spmd_torch._lazy.tensor import LazyTensor, on_xla, wrap
 from spmd_torch.debug.graph import hlo_text
 
 __all__ = [
@@ -1190,13 +1190,6 @@ def _record(opname: str, tensors: Sequence[LazyTensor], callee: Any, avals: list
     return out
 
 
-def _xla_tensor(opname: str, what: str, t: Any) -> LazyTensor:
-    if not isinstance(t, LazyTensor):
-        where = t.device if isinstance(t, torch.Tensor) else type(t).__name__
-        raise RuntimeError(f"{opname}: {what} is not an XLA tensor (it is on {where})")
-    return t
-
-
 def _user_computation(
     opname: str, tensors: Sequence[torch.Tensor], computation: Computation
 ) -> list[torch.Tensor]:
@@ -1207,7 +1200,7 @@ def _user_computation(
             f"{opname}: {computation!r} takes {len(computation.params)} tensors, got {len(tensors)}"
         )
     for k, (t, shape) in enumerate(zip(tensors, computation.param_shapes)):
-        _xla_tensor(opname, f"input {k}", t)
+        on_xla(t, f"{opname} (input {k})", RuntimeError)
         given = tensor_shape(t).shape
         if shape.is_tuple() or given != shape.shape:
             raise ValueError(
@@ -1473,7 +1466,7 @@ def call_jax(
     opname = name if name and "::" in name else f"xla::{name or 'jax_func'}"
     for k, leaf in enumerate(flat):
         if isinstance(leaf, torch.Tensor):
-            _xla_tensor(opname, f"tensor argument {k} (flattened)", leaf)
+            on_xla(leaf, f"{opname} (tensor argument {k} (flattened))", RuntimeError)
     identity = (override_hash if override_hash is not None else id(jax_func),)
     identity += (jax.config.jax_default_matmul_precision, jax.config.jax_enable_x64)
     callable_ = _JAX_TO_XLA_COMPUTATION_CACHE.get(identity)

@@ -130,7 +130,9 @@ def test_clear_sharding_forgets_the_annotation(spmd_mode):
     ids=lambda f: f.__name__,
 )
 def test_cpu_tensors_are_refused_as_pytorch_xla_refuses_them(call):
-    with pytest.raises(RuntimeError, match=r"not an XLA tensor: a torch.float32 tensor of shape"):
+    with pytest.raises(
+        RuntimeError, match=r"needs a tensor on the xla device, got a torch.float32 tensor of shape"
+    ):
         call(torch.zeros(2, 3))
 
 

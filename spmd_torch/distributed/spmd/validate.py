@@ -12,7 +12,6 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 from jax.sharding import PartitionSpec
 
 
@@ -164,15 +163,4 @@ def _check_spec_rank(shape: tuple, partition_spec: tuple) -> None:
         raise ValueError(
             f"partition_spec {partition_spec} has {len(partition_spec)} entries but the tensor of "
             f"shape {shape} has rank {len(shape)}: give one entry (None to replicate) per dimension"
-        )
-
-
-def _check_xla_tensor(t, api: str) -> None:
-    """Sharding applies to tensors on the xla device; name what was passed instead."""
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{api} expects a torch.Tensor on the xla device, got {type(t).__name__}")
-    if t.device.type != "xla":
-        raise ValueError(
-            f"{api} expects a tensor on the xla device, got a tensor of shape {tuple(t.shape)} on "
-            f"{t.device}; move it first with .to(spmd_torch.device())"
         )

@@ -12,8 +12,8 @@ import jax
 import torch
 
 from spmd_torch import runtime
+from spmd_torch._lazy.tensor import on_xla
 
-from . import validate
 from .xla_sharded_tensor import XLAShardedTensor
 from .xla_sharding import get_xla_sharding_spec
 
@@ -78,7 +78,7 @@ def visualize_tensor_sharding(t: torch.Tensor | XLAShardedTensor, use_color: boo
         >>> visualize_tensor_sharding(x)  # 4 rows of 2 blocks: CPU 0 | CPU 1, CPU 2 | CPU 3...
     """
     tensor = t.global_tensor if isinstance(t, XLAShardedTensor) else t
-    validate._check_xla_tensor(tensor, "visualize_tensor_sharding")
+    on_xla(tensor, "visualize_tensor_sharding")
     if tensor.dim() > 2:
         raise ValueError(
             f"visualize_tensor_sharding draws 1-D and 2-D tensors, got shape {tuple(tensor.shape)}"
