@@ -12,7 +12,6 @@ them.
 from __future__ import annotations
 
 import copy
-import itertools
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -84,7 +83,7 @@ class _Dealer:
             return self._queues[index].popleft() if self._queues[index] else None
 
     def _deal_round(self) -> None:
-        batches = list(itertools.islice(self._batches, self._count))
+        batches = _take(self._batches, self._count)
         if len(batches) < self._count or not all(map(self._fits, batches)):
             self._done = True
             return
@@ -104,6 +103,19 @@ class _Dealer:
         if self._batch_size is None:
             self._batch_size = size
         return size == self._batch_size
+
+
+def _take(batches: Iterator, count: int) -> list:
+    """Up to ``count`` batches, by ``next`` alone: ``itertools.islice`` calls ``iter()`` on the
+    iterator, which restarts PyTorch/XLA's ``SampleGenerator`` (its ``__iter__`` makes a new one),
+    so a loop over one would never end."""
+    taken = []
+    for _ in range(count):
+        try:
+            taken.append(next(batches))
+        except StopIteration:
+            break
+    return taken
 
 
 class PerDeviceLoader:

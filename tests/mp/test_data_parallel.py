@@ -11,6 +11,7 @@ import torch
 import spmd_torch.core.xla_model as xm
 import spmd_torch.distributed.data_parallel as dp
 import spmd_torch.distributed.legacy_data_parallel as legacy_dp
+import spmd_torch.utils.utils as xu
 from tests.helpers import assert_close
 
 DEVICES = 8
@@ -88,6 +89,18 @@ def test_batches_are_dealt_in_turn_and_an_incomplete_round_is_dropped():
 
     results = dp.DataParallel(_net(), device_ids=["xla:0", "xla:1", "xla:2"])(loop, batches)
     assert results == [[("xla", 3 * r + i) for r in range(3)] for i in range(3)]
+
+
+def test_a_sample_generator_is_dealt_once_through():
+    """``xu.SampleGenerator`` restarts on every ``iter()`` (as PyTorch/XLA's); its samples are
+    still dealt once each: ``sample_count`` rounds over the devices, as PyTorch/XLA's
+    TestParallelTensorMNIST feeds DataParallel."""
+    loader = xu.SampleGenerator(data=(torch.zeros(2, 6), torch.zeros(2, 3)), sample_count=3 * 2)
+
+    def loop(model, loader, device, context):
+        return sum(1 for _ in loader)
+
+    assert dp.DataParallel(_net(), device_ids=["xla:0", "xla:1"])(loop, loader) == [3, 3]
 
 
 def test_torch_xla_py_data_parallel_numbers_each_devices_batches():
