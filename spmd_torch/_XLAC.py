@@ -350,7 +350,7 @@ def _get_xla_tensors_text(tensors: Sequence[torch.Tensor]) -> str:
 
     Example:
         >>> print(_get_xla_tensors_text([x + 1]))
-        %in0:f32[2] = input
+        %in0:f32[2] = xla::device_data
         %0:f32[2] = aten.add.Tensor(%in0, 1)
         return %0
     """
@@ -375,8 +375,9 @@ def _get_xla_tensor_shape_type(t: torch.Tensor) -> str:
 
 def _get_xla_tensor_debug_info(t: torch.Tensor) -> str:
     """What this runtime holds for the tensor, in PyTorch/XLA's layout: its id, device and shape,
-    its sharding, the pending op computing it (``IR``) or else its device buffer (``XLAData``),
-    or the host copy an SPMD upload waits in. ``'Not a XLATensor'`` for other tensors. In SPMD
+    its sharding, the pending op computing it (``IR``) or else its device buffer (``XLAData``, the
+    IR then PyTorch/XLA's ``xla::device_data``: programs read it as their input), or the host
+    copy an SPMD upload waits in. ``'Not a XLATensor'`` for other tensors. In SPMD
     mode the device is ``SPMD:0``, PyTorch/XLA's virtual device: the mesh every program runs on.
 
     Example:
@@ -406,13 +407,14 @@ def _get_xla_tensor_debug_info(t: torch.Tensor) -> str:
     if not node.is_leaf(index):
         name = node.op.name() if callable(getattr(node.op, "name", None)) else str(node.op)
         return "\n".join(lines + [f"IR: {name}", "XLAData: None", "Tensor on host: None", "}\n"])
-    lines.append("IR: None")
     array = node.arrays[index]
     sharding = getattr(array, "sharding", None)
     if not isinstance(array, jax.Array) or sharding is None:  # an upload waiting on the host
         return "\n".join(
-            lines + ["XLAData: None", f"Tensor on host: with size {list(t.shape)}", "}\n"]
+            lines
+            + ["IR: None", "XLAData: None", f"Tensor on host: with size {list(t.shape)}", "}\n"]
         )
+    lines.append("IR: xla::device_data")
     devices = sorted(sharding.device_set, key=lambda d: d.id)
     data = "XLAData: " if len(devices) == 1 else "XLAShardedData: "
     where = _runtime_name(devices[0]) if len(devices) == 1 else "SPMD:0"

@@ -91,11 +91,11 @@ def _check_hybrid_shapes(ici_mesh_shape: tuple, dcn_mesh_shape: tuple) -> None:
 
 
 def _check_granules(num_granules: int, dcn_mesh_shape: tuple) -> None:
-    """With several processes, each DCN coordinate is one process."""
+    """Each DCN coordinate is one slice (or process, or block of devices on one process)."""
     if math.prod(dcn_mesh_shape) != num_granules:
         raise MeshError(
-            f"dcn_mesh_shape {dcn_mesh_shape} spans {math.prod(dcn_mesh_shape)} hosts but the "
-            f"job has {num_granules} processes (jax.process_count())"
+            f"dcn_mesh_shape {dcn_mesh_shape} spans {math.prod(dcn_mesh_shape)} slices or hosts "
+            f"but the devices form {num_granules} (their slice_index, else their processes)"
         )
 
 
