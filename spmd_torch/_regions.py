@@ -57,7 +57,9 @@ class _Region:
         own = engine.current()
         barrier()  # what came before is not part of the region's graph
         eager, own.eager = own.eager, False
-        one_graph = _execute.one_graph(self.label) if self.full_graph else contextlib.nullcontext()
+        one_graph = contextlib.nullcontext()
+        if self.full_graph:
+            one_graph = _execute.one_graph(f"compile region {self.label!r} (full_graph=True)")
         try:
             with one_graph:
                 yield

@@ -363,19 +363,17 @@ def load_example(name: str):
     return module
 
 
-def run_example(script: str, *args: str) -> str:
-    """Run ``examples/<script>`` on 8 virtual CPU devices; its output, asserting it exited 0."""
+def run_example(script: str, *args: str, hosts: int = 1) -> str:
+    """Run ``examples/<script>`` on 8 virtual CPU devices, as one host or (``hosts``) as a job of
+    that many hosts through ``spmd_torch.distributed.run``; its output, asserting it exited 0."""
     env = dict(
         os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8"
     )
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / script), *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    command = [sys.executable, str(ROOT / "examples" / script), *args]
+    if hosts > 1:
+        launcher = ["-m", "spmd_torch.distributed.run", "--hosts", str(hosts)]
+        command[1:1] = [*launcher, "--devices-per-host", str(8 // hosts)]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"{script} exited with {result.returncode}:\n{output}"
     return output

@@ -13,8 +13,10 @@ uncompiled code is."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -213,24 +215,40 @@ class CompiledGraph:
         """Run the graph once on placeholders, recording its template; None where it cannot be
         recorded (it reads a value, an op's output shape depends on data, or its CPU part needs
         a device value), with a warning: then it runs op by op."""
-        own = current()
-        saved_key, mark, eager = own.rng, len(own.pending), own.eager
-        own.rng, own.eager = Storage(_placeholder((2,), torch.uint32)[0]), False
-        key_in = own.rng.ref
         recorder = _Recorder(self.graph, self.placeholders, args)
         try:
-            with execute.one_graph(self.name), torch.no_grad():
+            with recording(self.name, "the graph cannot be recorded") as key:
+                key_in = key.ref
                 out = recorder.run(*recorder.inputs)
-            return recorder.template(out, key_in, own.rng.ref), recorder.cpu_part
+                return recorder.template(out, key_in, key.ref), recorder.cpu_part
         except (RuntimeError, NotImplementedError) as error:
             warnings.warn(
                 f"torch.compile: {self.name} runs op by op, lazily traced at each call: {error}",
                 stacklevel=3,
             )
             return None
-        finally:
-            own.rng, own.eager = saved_key, eager
-            del own.pending[mark:]  # the placeholders' values are never computed
+
+
+@contextlib.contextmanager
+def recording(name: str, remedy: str) -> Iterator[Storage]:
+    """Ops record onto placeholders inside: the device key is one (yielded: its storage, whose
+    value at the end says whether the ops drew numbers), nothing runs (a read raises, naming
+    ``name`` and the ``remedy``), autograd records nothing, and what the block left pending is
+    dropped (placeholders' values are never computed)."""
+    own = current()
+    saved_key, mark, eager = own.rng, len(own.pending), own.eager
+    own.rng, own.eager = Storage(placeholder((2,), torch.uint32)[0]), False
+    try:
+        with execute.one_graph(name, remedy), torch.no_grad():
+            yield own.rng
+    finally:
+        own.rng, own.eager = saved_key, eager
+        del own.pending[mark:]
+        RECORDINGS_ENDED[0] += 1
+
+
+# How many recordings ended: each shortened the pending list (loop.py's watchers of it look again).
+RECORDINGS_ENDED = [0]
 
 
 class _Recorder(fx.Interpreter):
@@ -254,7 +272,7 @@ class _Recorder(fx.Interpreter):
         self.before = {k: t._storage.ref for k, t in self.xla_inputs.items()}
 
     def _stand_in(self, like: torch.Tensor, source: tuple) -> LazyTensor:
-        ref, aval = _placeholder(like.shape, like.dtype)
+        ref, aval = placeholder(like.shape, like.dtype)
         self.slots[id(ref[0])] = source
         return wrap(ref, aval)
 
@@ -313,7 +331,7 @@ def _on_cpu(value) -> bool:
     return isinstance(value, torch.Tensor) and value.device.type == "cpu"
 
 
-def _placeholder(shape, dtype: torch.dtype) -> tuple:
+def placeholder(shape, dtype: torch.dtype) -> tuple:
     """A leaf standing for an input (its ref and aval): known shape and dtype, no value."""
     aval = Aval(tuple(shape), dtype)
     return (Node.data(jax.ShapeDtypeStruct(aval.shape, to_jax_dtype(dtype)), aval), 0), aval

@@ -129,10 +129,12 @@ def materialize_refs(refs: list, layouts: dict | None = None) -> list[jax.Array]
 
 
 @contextlib.contextmanager
-def one_graph(region: str):
-    """Inside, running a program raises: ``compile(full_graph=True)`` traces one graph."""
+def one_graph(region: str, remedy: str = "move it after the region or pass full_graph=False"):
+    """Inside, running a program raises, naming ``region`` and the ``remedy``:
+    ``compile(full_graph=True)`` traces one graph, and so do recordings (compiled graphs, loop
+    bodies)."""
     engine = current()
-    outer, engine.one_graph = engine.one_graph, region
+    outer, engine.one_graph = engine.one_graph, (region, remedy)
     try:
         yield
     finally:
@@ -141,11 +143,11 @@ def one_graph(region: str):
 
 def _check_may_run(engine) -> None:
     if engine.one_graph is not None:
+        region, remedy = engine.one_graph
         raise RuntimeError(
-            f"compile region {engine.one_graph!r} (full_graph=True) would run a program before "
-            f"its end, at {user_frame()}: a host read (.item(), .cpu(), print), an op whose "
-            "output shape depends on data, or a barrier inside the region; move it after the "
-            "region or pass full_graph=False"
+            f"{region} would run a program before its end, at {user_frame()}: a host read "
+            "(.item(), .cpu(), print), an op whose output shape depends on data, or a barrier "
+            f"inside it; {remedy}"
         )
 
 

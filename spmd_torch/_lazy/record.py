@@ -195,6 +195,11 @@ def _walk(x: Any, src: list, key: list, lift_floats: bool, lift_ints: bool = Fal
         return Arg(len(src) - 1)
     if cls is list or cls is tuple:
         if x and lift_floats and _lifted_as_one(x, lift_ints):  # a foreach op's Scalar[]
+            if x.count(x[0]) == len(x):  # one value (AdamW's bias corrections): one scalar,
+                # so every element's computation is alike and XLA compiles its kernel once
+                src.append((Node.scalar(x[0]), 0))
+                key.append((type(x[0]), len(x), "one value"))
+                return (Arg(len(src) - 1),) * len(x)
             src.append((Node.scalar(tuple(x)), 0))
             key.append((type(x[0]), len(x)))
             return Arg(len(src) - 1)

@@ -26,8 +26,18 @@ from spmd_torch._lazy.compiled import CompiledGraph
 from spmd_torch._lazy.lowering import inductor_prims
 
 # Dynamo must never trace the engine's frames, nor JAX's under them: they run where compiled code
-# breaks its graph (a backward, an eager region), and an op there is an op of the lazy graph.
-for _module in ("spmd_torch._lazy", "jax", "jaxlib", "ml_dtypes"):
+# breaks its graph (a backward, an eager region), and an op there is an op of the lazy graph. A
+# loop traced once is a graph break too: it records its body lazily (Dynamo off inside).
+_NOT_TRACED = (
+    "spmd_torch._lazy",
+    "spmd_torch.experimental.scan",
+    "spmd_torch.experimental.scan_layers",
+    "spmd_torch.experimental.fori_loop",
+    "jax",
+    "jaxlib",
+    "ml_dtypes",
+)
+for _module in _NOT_TRACED:
     trace_rules.add(_module)
 inductor_prims.register()
 

@@ -867,6 +867,33 @@ def check_profiler_capture_from_server(fn, tmp_path):
         fn(address, str(tmp_path), duration_ms=100, num_tracing_attempts=1, interval_s=0)
 
 
+def check_scan(fn):
+    xs = _xla([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    carry, ys = fn(lambda c, x: (c + x, c + x), _xla([0.0, 0.0]), xs)
+    assert carry.cpu().tolist() == [9.0, 12.0]
+    assert ys.cpu().tolist() == [[1.0, 2.0], [4.0, 6.0], [9.0, 12.0]]
+
+
+def check_scan_layers(fn):
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+    x = torch.randn(2, 4)
+    with torch.no_grad():  # a graph holding the weights would keep .to() from swapping them
+        want = layers[2](layers[1](layers[0](x)))
+        got = fn(layers.to(_device()), x.to(_device()))
+    assert_close(got.cpu(), want)
+
+
+def check_fori_loop(fn):
+    left, x = fn(0, 5, lambda v: v * 2, _xla([1.0]))
+    assert (left.item(), x.cpu().tolist()) == (0, [32.0])
+
+
+def check_while_loop(fn):
+    i, x = fn(lambda i, x: i > 0, lambda i, x: (i - 1, x + 1), (_xla(10.0), _xla(3.0)))
+    assert (i.item(), x.item()) == (0.0, 13.0)
+
+
 def check_flash_attention(fn):
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 3, 5, 4, dtype=torch.float64) for _ in range(3))
@@ -1262,6 +1289,10 @@ CHECKS: dict[str, Callable] = {
     "xp.trace_files": check_profiler_trace_files,
     "xp.Trace": check_profiler_trace,
     "flash_attention": check_flash_attention,
+    "scan": check_scan,
+    "scan_layers": check_scan_layers,
+    "fori_loop": check_fori_loop,
+    "while_loop": check_while_loop,
     "xlac.metrics_report": check_xlac_metrics_report,
     "xlac.tensors_text": check_xlac_tensors_text,
     "xlac.tensors_hlo": check_xlac_tensors_hlo,

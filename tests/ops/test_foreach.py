@@ -5,12 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-import spmd_torch  # noqa: F401
+import spmd_torch
+from spmd_torch.debug import graph
 from tests.helpers import assert_close, to_device
 
 CASES = {
     "add_list_alpha": lambda a, b, c: torch._foreach_add_(a, b, alpha=-0.5),
     "add_scalarlist": lambda a, b, c: torch._foreach_add_(a, [0.5, 1.5, 2.5]),
+    "div_scalarlist_of_one_value": lambda a, b, c: torch._foreach_div_(a, [0.7, 0.7, 0.7]),
     "mul_scalar": lambda a, b, c: torch._foreach_mul_(a, 0.9),
     "mul_tensor": lambda a, b, c: torch._foreach_mul_(a, c[0].sum()),
     "addcdiv_scalarlist": lambda a, b, c: torch._foreach_addcdiv_(a, b, c, [0.1, 0.2, 0.3]),
@@ -34,3 +36,14 @@ def test_foreach_matches_eager(name):
     actual = CASES[name](*device_tensors)
     assert_close(actual, expected)
     assert_close(device_tensors, tensors)  # in-place results
+
+
+def test_a_list_of_one_value_is_lifted_as_one_scalar():
+    """AdamW's bias corrections: one value per parameter, all equal. Lifted as one scalar, every
+    element's computation is alike (XLA compiles one kernel for them all, not one each)."""
+    tensors = [torch.ones(2, device=spmd_torch.device()) for _ in range(3)]
+    spmd_torch.sync()
+    torch._foreach_div_(tensors, [0.5, 0.5, 0.5])
+    assert len(graph.pending_program().scalars) == 1
+    assert graph.pending_program().scalar_values().tolist() == [0.5]
+    assert_close(tensors, [torch.full((2,), 2.0)] * 3)

@@ -52,3 +52,29 @@ def test_profile_mnist_example_captures_steps_regions_and_program(tmp_path):
     output = _run("profile_mnist.py", "--logdir", str(tmp_path), "--steps", "4")
     assert "host region train_step: 4" in output and "host region forward: 4" in output
     assert re.search(r"device program jit_SyncTensorsGraph_[0-9a-f]{8}: 4 runs", output)
+
+
+@pytest.mark.slow
+def test_llama_example_matches_eager_cpu_and_resumes_bit_exact_on_another_mesh_and_host_count(
+    tmp_path,
+):
+    """Trained in float32 on one host's (2, 4) mesh, its first losses are eager CPU's; resumed
+    by two hosts on a (4, 2) mesh in bf16, every parameter and AdamW bit is the one saved."""
+    ckpt = str(tmp_path)
+    first = _run(
+        "llama_pod.py", "--precision", "fp32", "--check-eager", "2", "--steps", "3", "--ckpt", ckpt
+    )
+    assert "mesh {'fsdp': 2, 'tensor': 4} over 1 host(s)" in first
+    differences = re.findall(r"eager cpu step \d loss \S+ relative difference (\S+)", first)
+    assert len(differences) == 2 and all(float(d) <= 1e-5 for d in differences), first
+    assert "training compilations 2" in first  # the first step, then the step with AdamW state
+    saved = re.search(r"saved step 2: checksum (\S+)", first).group(1)
+
+    resumed = _run("llama_pod.py", "--steps", "4", "--mesh", "4x2", "--ckpt", ckpt, hosts=2)
+    assert "mesh {'fsdp': 4, 'tensor': 2} over 2 host(s)" in resumed
+    assert f"resumed from step 2: checksum {saved}, bit-exact True" in resumed
+    assert "training compilations 1" in resumed  # AdamW's state came with the checkpoint
+    steps = re.findall(r"^(?:\[host 0\] )?step \d loss (\S+)", first + resumed, re.MULTILINE)
+    losses = [float(loss) for loss in steps]
+    assert len(losses) == 4 and losses == sorted(losses, reverse=True), losses
+    assert "FAILED" not in resumed

@@ -71,6 +71,15 @@ Workloads:
       capture on (SPMD_TORCH_AUTO_CAPTURE=1: once the step repeats, the model's forward and the
       optimizer's step run through the spmd_torch backend by themselves); at least 5 warm-up
       steps, so the timed ones are captured. Opt-in, as spmd_compile.
+  Wscan4, Wscan16, Wscan64  depth against compile time (tools/bench/scan.py): a Llama-style
+      decoder at width 128 (W6's block; 4 heads, 2 kv heads, seq 64, batch 2, vocab 512), 4, 16
+      or 64 layers, W3's AdamW; implementations ``spmd_torch`` (a Python loop over the layers),
+      ``spmd_scan`` (``scan_layers``), ``jax`` (a Python loop under jit) and ``jax_scan``
+      (``lax.scan`` over stacked parameters). Per run: the first step's trace and compile seconds
+      and wall time, the second step's (spmd_torch's second program), the median steady step.
+      Targets: spmd_scan's first step at 64 layers at most 1.5x its first at 4 (when both ran);
+      at 16 layers its steady step at least 0.9x as fast as spmd_torch's and jax_scan's. Only
+      where --workloads names them (64 unrolled layers compile for minutes on a CPU).
   Pods (tools/bench/pods.py): jobs of ``spmd_torch.distributed.run``, 2 hosts x 4 virtual CPU
   devices against 1 host x 8 (``--hosts 1``: one process, as W4 and W2mp run), side by side in
   one run; each host prints its BENCH_RESULT, gathered from the launcher's ``[host i]`` lines.
@@ -117,5 +126,6 @@ Usage (from the repository root):
   python -m tools.bench --workloads Wattn            # seq 4096 fp32 on CPU (--gpu: 8192 bf16)
   python -m tools.bench --workloads W2,W2mp --against /work/base --rounds 3  # vs another checkout
   python -m tools.bench --workloads W4pod,W2mppod,PodStart,PodFault  # pods: 2x4 against 1x8
+  python -m tools.bench --workloads Wscan4,Wscan16,Wscan64  # depth: scan_layers vs loops, JAX
   python -m tools.bench --only W2:jax            # one run in this process (what the parent runs)
 """

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from . import __doc__ as DOC
-from . import harness, report, workloads
+from . import harness, report, scan, workloads
 from .compiled import BACKEND
 from .workloads import (
     CHECK_STEPS,
@@ -187,6 +187,9 @@ def run_parent(args: argparse.Namespace) -> int:
         if other and not args.check:
             against = report.report_against(workload, entries, own, other)
             summary.setdefault("against", {})[workload] = against
+    if not args.check:
+        depths = {w: e for w, e in summary["results"].items() if w in scan.WORKLOADS}
+        summary["scan_depths"] = scan.report_depths(depths)
     print()
     print("BENCH_JSON " + json.dumps(summary), flush=True)
     if args.json:

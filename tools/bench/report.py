@@ -11,7 +11,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from . import attention, pods
+from . import attention, pods, scan
 from .cpu import BASE
 from .cpu import TARGETS as W7CPU_TARGETS
 from .cpu import config as w7cpu_config
@@ -806,6 +806,8 @@ def report_round(workload: str, results: Results, check: bool, gpu: bool) -> dic
         entry["ratios"] = report_w7cpu(results, gpu)
     elif workload == "Wattn":
         entry["ratios"] = report_wattn(results, gpu)
+    elif workload in scan.WORKLOADS:
+        entry["ratios"] = scan.report(workload, results, _table)
     elif workload == "W5":
         ratios = {label: report_w5(label, r) for label, r in results.items()}
         entry["ratios"] = ratios.get("spmd_torch", {})

@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from . import attention, chain, checkpoint, compiled, cpu, gpu, llama, mp, pods, training
+from . import attention, chain, checkpoint, compiled, cpu, gpu, llama, mp, pods, scan, training
 from .models import FSDP
 
 # Workloads run as jobs of spmd_torch.distributed.run (tools/bench/pods.py): always on the
@@ -16,17 +16,23 @@ POD_WORKLOADS = ("W4pod", "W2mppod", "PodStart", "PodFault")
 GPU_WORKLOADS = ("W7gpu",)
 # Workloads with a small config under --tiny (what tests run); Wattn's other forms: --gpu or not.
 TINY_WORKLOADS = GPU_WORKLOADS + ("W7cpu", "Wattn")
+# Workloads that run only where --workloads names them: depth against compile time (scan.py),
+# whose unrolled 64 layers take minutes to compile on a CPU.
+DEPTH_WORKLOADS = scan.WORKLOADS
 WORKLOADS = (
     ("W1", "W2", "W3", "W3amp", "W4", "W2mp", "W5", "W6", "W7cpu", "Wattn")
     + GPU_WORKLOADS
     + POD_WORKLOADS
+    + DEPTH_WORKLOADS
 )
-# jax_plain: hand-written JAX with XLA's plain attention, beside jax's cuDNN attention.
+# jax_plain: hand-written JAX with XLA's plain attention, beside jax's cuDNN attention; the _scan
+# ones loop over layers with scan_layers and lax.scan (DEPTH_WORKLOADS).
 IMPLS = (
-    "eager", "jax", "jax_plain", "spmd_torch", "mp", "inductor", "spmd_compile", "spmd_capture"
+    "eager", "jax", "jax_plain", "spmd_torch", "mp", "inductor", "spmd_compile", "spmd_capture",
+    "jax_scan", "spmd_scan",
 )  # fmt: skip
 # The implementations that import spmd_torch: the ones --against runs in the other checkout too.
-SPMD_IMPLS = ("spmd_torch", "mp", "spmd_compile", "spmd_capture")
+SPMD_IMPLS = ("spmd_torch", "mp", "spmd_compile", "spmd_capture", "spmd_scan")
 # Implementations that run only where --impls names them: spmd_compile, on spmd_torch's
 # torch.compile backend (tools/bench/compiled.py), and spmd_capture, spmd_torch's unchanged lazy
 # loop with automatic capture on (SPMD_TORCH_AUTO_CAPTURE=1), until they are the default.
@@ -50,6 +56,7 @@ WORKLOAD_IMPLS = {
     "W2mppod": ("mp",),
     "PodStart": ("spmd_torch",),
     "PodFault": ("spmd_torch",),
+    **dict.fromkeys(DEPTH_WORKLOADS, scan.IMPLS),
 }
 _DEFAULT_IMPLS = ("eager", "jax", "spmd_torch")
 IMPL_ALIASES = {
@@ -63,6 +70,8 @@ IMPL_ALIASES = {
     "inductor": "inductor",
     "spmd_compile": "spmd_compile",
     "spmd_capture": "spmd_capture",
+    "jax_scan": "jax_scan",
+    "spmd_scan": "spmd_scan",
 }
 # Workloads whose CPU runs need FSDP.mesh_devices virtual devices (meshes, W2mp's replicas).
 _MESH_WORKLOADS = ("W4", "W2mp", "W5")
@@ -84,6 +93,7 @@ DEFAULT_STEPS = {
     "W2mppod": (5, 50),
     "PodStart": (0, 3),
     "PodFault": (0, 1),
+    **dict.fromkeys(DEPTH_WORKLOADS, (3, 5)),
 }
 CHECK_STEPS = 3
 # Losses of the three implementations must agree to this relative tolerance under --check.
@@ -142,6 +152,7 @@ RUNNERS: dict[tuple[str, str], Runner] = {
     ("W2mppod", "mp"): pods.w2mppod,
     ("PodStart", "spmd_torch"): pods.pod_start,
     ("PodFault", "spmd_torch"): pods.pod_fault,
+    **scan.RUNNERS,
 }
 
 
@@ -150,9 +161,13 @@ def impls_of(workload: str) -> tuple[str, ...]:
 
 
 def default_workloads(with_gpu_sized: bool) -> tuple[str, ...]:
-    """What runs without --workloads: every workload, the GPU-sized ones only where asked (--gpu,
-    or --tiny for their small configs)."""
-    return tuple(w for w in WORKLOADS if with_gpu_sized or w not in GPU_WORKLOADS)
+    """What runs without --workloads: every workload but the depth ones, the GPU-sized ones only
+    where asked (--gpu, or --tiny for their small configs)."""
+    return tuple(
+        w
+        for w in WORKLOADS
+        if (with_gpu_sized or w not in GPU_WORKLOADS) and w not in DEPTH_WORKLOADS
+    )
 
 
 def refuse_gpu_only(names: list[str], gpu: bool, tiny: bool) -> None:

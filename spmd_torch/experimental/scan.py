@@ -1,0 +1,180 @@
+"""torch_xla.experimental.scan: a loop over the leading axis of tensors, traced and lowered once.
+
+``scan(fn, init, xs)`` is ``jax.lax.scan`` for xla tensors: ``fn(carry, x) -> (carry, y)`` runs
+once per call on placeholders (one iteration's ops, whatever the length), and the loop is one node
+of the lazy graph lowered as one ``lax.scan``, so a program holding it compiles in the time of one
+iteration. Autograd goes through it (the backward is one scan too). ``partition_fn`` chooses what
+each iteration keeps for the backward: PyTorch/XLA's ``default_partition`` (everything it needs)
+and ``min_cut_rematerialization_partition`` (matmul results only, the rest recomputed), or any
+``jax.checkpoint_policies`` policy (``nothing_saveable``: each iteration's carry only, as
+checkpointing every layer does).
+
+Where it differs from PyTorch/XLA: ``fn`` is traced at each call (one iteration's ops), so
+``is_fn_pure`` changes nothing and ``fn`` may close over tensors, which get gradients like the
+arguments; random ops draw new numbers in each iteration, the same ones as the unrolled loop.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import torch
+import torch.utils._pytree as pytree
+
+from spmd_torch._lazy import loop
+from spmd_torch._lazy.graph import Aval, aval_text
+from spmd_torch._lazy.tensor import LazyTensor
+
+__all__ = ["scan"]
+
+
+def scan(
+    fn: Callable[[Any, Any], tuple[Any, Any]],
+    init: Any,
+    xs: Any,
+    partition_fn: Callable | None = None,
+    is_fn_pure: bool = False,
+) -> tuple[Any, Any]:
+    """Apply ``fn`` over the leading dimension of ``xs``, carrying state; like ``jax.lax.scan``.
+
+    For one tensor ``xs``, the same as::
+
+        carry, ys = init, []
+        for i in range(xs.size(0)):
+            carry, y = fn(carry, xs[i])
+            ys.append(y)
+        return carry, torch.stack(ys)
+
+    ``init``, ``xs`` and what ``fn`` returns may be pytrees of xla tensors; every leaf of ``xs``
+    is sliced along dimension 0 (they must agree on its length), each leaf of the ys ``fn``
+    returns is stacked. The carry ``fn`` returns keeps ``init``'s structure, shapes and dtypes.
+
+    Args:
+        fn: ``fn(carry, x) -> (new_carry, y)``; may read tensors it closes over, not write them.
+        init: The first carry.
+        xs: The pytree to scan over.
+        partition_fn: What each iteration keeps for the backward: ``None`` or
+            ``functorch.compile.default_partition`` (all it needs),
+            ``min_cut_rematerialization_partition`` (matmul results), or a
+            ``jax.checkpoint_policies`` policy (``nothing_saveable``: only the carry).
+        is_fn_pure: PyTorch/XLA's tracing cache switch; ``fn`` is traced at each call here.
+
+    Returns:
+        ``(carry, ys)``: the last carry, and the ys stacked along a new dimension 0.
+
+    Example:
+        >>> from spmd_torch.experimental.scan import scan
+        >>> xs = torch.arange(6.0, device='xla').reshape(3, 2)
+        >>> carry, ys = scan(lambda c, x: (c + x, c + x), torch.zeros(2, device='xla'), xs)
+        >>> ys.cpu()  # the running sums
+        tensor([[0., 1.], [2., 4.], [6., 9.]])
+    """
+    return without_dynamo(_scan)(fn, init, xs, partition_fn)
+
+
+def without_dynamo(function: Callable) -> Callable:
+    """``function``, run with Dynamo off: under torch.compile a loop is a graph break and its body
+    is traced lazily (Dynamo would compile the body's frames on their own otherwise)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    return function if dynamo is None else dynamo.disable(function, recursive=True)
+
+
+def checkpoint_policy(partition_fn: Callable | None, api: str) -> Callable | None:
+    """The ``jax.checkpoint`` policy a PyTorch/XLA partition function stands for (None: keep
+    every residual, no checkpoint)."""
+    module = getattr(partition_fn, "__module__", None) or ""
+    name = getattr(partition_fn, "__name__", None)
+    if partition_fn is None or (module, name) == (_PARTITIONERS, "default_partition"):
+        return None
+    if (module, name) == (_PARTITIONERS, "min_cut_rematerialization_partition"):
+        return jax.checkpoint_policies.dots_saveable
+    if callable(partition_fn) and module.split(".")[0] == "jax":
+        return partition_fn
+    raise ValueError(
+        f"{api}: partition_fn {partition_fn!r} is not one spmd_torch knows: pass None or "
+        "default_partition (keep what the backward needs), min_cut_rematerialization_partition "
+        "(keep matmul results, recompute the rest) or a jax.checkpoint_policies policy"
+    )
+
+
+_PARTITIONERS = "torch._functorch.partitioners"
+
+
+def _scan(fn: Callable, init: Any, xs: Any, partition_fn: Callable | None) -> tuple[Any, Any]:
+    if not callable(fn):
+        raise ValueError(f"scan: fn {fn!r} is not callable")
+    policy = checkpoint_policy(partition_fn, "scan")
+    init_leaves, init_tree, init_names = _flatten(init, "init")
+    xs_leaves, xs_tree, xs_names = _flatten(xs, "xs")
+    names = init_names + xs_names
+    length = _length(xs_leaves, xs_names)
+    ys_structure: list = []
+
+    def body(carry: list, x: list) -> tuple[list, list]:
+        out = fn(_unflatten(carry, init_tree), _unflatten(x, xs_tree))
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise ValueError(f"scan: fn must return (carry, y), not {type(out).__name__}")
+        new, y = out
+        leaves, tree = pytree.tree_flatten(new)
+        if tree != init_tree[1] or [t is None for t in leaves] != [t is None for t in init_tree[0]]:
+            raise ValueError(
+                f"scan: fn returned a carry of structure {tree}, init is {init_tree[1]}"
+            )
+        leaves = [t for t in leaves if t is not None]
+        for name, before, after in zip(names, carry, leaves):
+            after = _xla_tensor(f"the carry's {name}", after)
+            if (after.shape, after.dtype) != (before.shape, before.dtype):
+                raise ValueError(
+                    f"scan: fn changed the carry's {name} from {_text(before)} to {_text(after)}; "
+                    "a scan's carry keeps its shape and dtype"
+                )
+        ys, ys_tree, _ = _flatten(y, "fn's y")
+        ys_structure.append(ys_tree)
+        return leaves, ys
+
+    carry, ys = loop.scan("scan", body, init_leaves, xs_leaves, length, names, policy=policy)
+    return _unflatten(carry, init_tree), _unflatten(ys, ys_structure[0])
+
+
+def _flatten(tree: Any, name: str) -> tuple[list, tuple, list]:
+    """The xla tensors of a pytree (its None leaves are left out), how to put them back, and
+    their names (``init[0]``, ``xs['w']``)."""
+    paths, spec = pytree.tree_flatten_with_path(tree)
+    named = [(f"{name}{pytree.keystr(p)}", t) for p, t in paths if t is not None]
+    tensors = [_xla_tensor(n, t) for n, t in named]
+    return tensors, ([t for _, t in paths], spec), [n for n, _ in named]
+
+
+def _unflatten(tensors: list, tree: tuple) -> Any:
+    leaves, spec = tree
+    tensors = iter(tensors)
+    return pytree.tree_unflatten([None if t is None else next(tensors) for t in leaves], spec)
+
+
+def _length(xs: list, names: list) -> int:
+    """The number of iterations: the leading dimension every leaf of ``xs`` shares."""
+    if not xs:
+        raise ValueError("scan: xs is an empty pytree; nothing says how many iterations to run")
+    for name, x in zip(names, xs):
+        if x.dim() == 0:
+            raise ValueError(f"scan: {name} is a 0-dim tensor; there is no dimension to scan")
+        if x.shape[0] != xs[0].shape[0]:
+            raise ValueError(
+                f"scan: the leaves of xs differ in length: {names[0]} has {xs[0].shape[0]}, "
+                f"{name} has {x.shape[0]}"
+            )
+    return xs[0].shape[0]
+
+
+def _xla_tensor(name: str, t: Any) -> LazyTensor:
+    if not isinstance(t, LazyTensor):
+        where = f"on {t.device}" if isinstance(t, torch.Tensor) else f"a {type(t).__name__}"
+        raise ValueError(f"{name} must be an xla tensor, it is {where}")
+    return t
+
+
+def _text(t: torch.Tensor) -> str:
+    return aval_text(Aval(tuple(t.shape), t.dtype))

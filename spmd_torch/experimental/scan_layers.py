@@ -1,0 +1,126 @@
+"""torch_xla.experimental.scan_layers: layers of one structure run as one scan.
+
+``scan_layers(layers, x)`` is ``nn.Sequential(*layers)(x)`` whose program holds one layer's ops
+whatever the depth: each parameter and buffer is stacked across the layers along a new leading
+axis (one ``stack`` op each, recorded lazily like any op), and the first layer, called with
+``torch.func.functional_call`` on one slice of each stack, is the body of a ``scan`` over them.
+The parameters stay the layers' own: autograd takes each gradient back through its stack to the
+layer's parameter, so optimizers, ``state_dict`` and checkpoints see the usual per-layer names.
+A parameter marked with ``mark_sharding`` lays its stack out the same way, the stacked axis
+unsplit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from jax.sharding import NamedSharding, PartitionSpec
+
+from spmd_torch._lazy import placement
+
+from .scan import _scan, _text, _xla_tensor, without_dynamo
+
+__all__ = ["scan_layers"]
+
+
+def scan_layers(
+    layers: Iterable[torch.nn.Module],
+    input_data: Any,
+    partition_fn: Callable | None = None,
+    is_layer_pure: bool = False,
+) -> Any:
+    """Run ``layers`` one after another on ``input_data``, as one scan over their stacked weights.
+
+    Equivalent to ``torch.nn.Sequential(*layers)(input_data)`` (a tuple ``input_data`` is passed
+    as the arguments, and each layer returns the next tuple); compiles in about the time of one
+    layer. The layers must have the same structure: the same module types, parameter and buffer
+    names, shapes and dtypes, and training mode; the first layer's code runs for all of them.
+
+    Args:
+        layers: The layers (an ``nn.ModuleList``, a list...).
+        input_data: The first layer's input: an xla tensor or a pytree of them.
+        partition_fn: What each layer keeps for the backward, as in
+            :func:`spmd_torch.experimental.scan.scan`
+            (``jax.checkpoint_policies.nothing_saveable`` checkpoints every layer).
+        is_layer_pure: PyTorch/XLA's tracing cache switch; the layer is traced at each call here.
+
+    Returns:
+        The last layer's output.
+
+    Example:
+        >>> from spmd_torch.experimental.scan_layers import scan_layers
+        >>> layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(10)).to('xla')
+        >>> out = scan_layers(layers, torch.randn(4, 16, device='xla'))
+        >>> out.shape
+        torch.Size([4, 16])
+    """
+    return without_dynamo(_scan_layers)(list(layers), input_data, partition_fn)
+
+
+def _scan_layers(layers: list, input_data: Any, partition_fn: Callable | None) -> Any:
+    if not layers:
+        return input_data
+    first = layers[0]
+    states = [{**dict(m.named_parameters()), **dict(m.named_buffers())} for m in layers]
+    _check_same_structure(layers, states)
+    stacked = {name: _stacked(name, [state[name] for state in states]) for name in states[0]}
+
+    def one_layer(carry: Any, state: dict) -> tuple[Any, None]:
+        args = carry if isinstance(carry, tuple) else (carry,)
+        return torch.func.functional_call(first, state, args), None
+
+    return _scan(one_layer, input_data, stacked, partition_fn)[0]
+
+
+def _check_same_structure(layers: list, states: list) -> None:
+    """Every layer like the first: its modules' types and training modes, its tensors' names,
+    shapes and dtypes (one layer's code runs for all of them)."""
+    modules = [(name, type(m), m.training) for name, m in layers[0].named_modules()]
+    names = set(states[0])
+    for k, (layer, state) in enumerate(zip(layers, states)):
+        theirs = [(name, type(m), m.training) for name, m in layer.named_modules()]
+        if theirs != modules:
+            at = next(
+                i
+                for i, pair in enumerate(zip(theirs + [None], modules + [None]))
+                if pair[0] != pair[1]
+            )
+            raise ValueError(
+                f"scan_layers: layer {k} differs from layer 0 at module "
+                f"{_module_text(theirs, at)} (layer 0: {_module_text(modules, at)}); scanned layers "
+                "must have the same structure"
+            )
+        if set(state) != names:
+            raise ValueError(
+                f"scan_layers: layer {k} has mismatched keys: missing {sorted(names - set(state))}"
+                f", extra {sorted(set(state) - names)}"
+            )
+        for name, t in state.items():
+            _xla_tensor(f"scan_layers: layer {k}'s {name}", t)
+            ref = states[0][name]
+            if (t.shape, t.dtype) != (ref.shape, ref.dtype):
+                raise ValueError(
+                    f"scan_layers: Shape mismatch for {name!r} in layer {k}: {_text(t)}, layer 0's "
+                    f"is {_text(ref)}"
+                )
+
+
+def _module_text(modules: list, at: int) -> str:
+    if at >= len(modules):
+        return "none"
+    name, kind, training = modules[at]
+    return f"{name or '(itself)'!r}, a {kind.__name__}{'' if training else ' in eval mode'}"
+
+
+def _stacked(name: str, tensors: list) -> torch.Tensor:
+    """The layers' tensors stacked along a new leading axis, laid out as theirs when they all
+    have one sharding over several devices (the new axis unsplit)."""
+    stacked = torch.stack(tensors)
+    layouts = {placement.sharding_of(t) for t in tensors}
+    if len(layouts) == 1:
+        (layout,) = layouts
+        if type(layout) is NamedSharding and not layout.is_fully_replicated:
+            placement.mark(stacked, NamedSharding(layout.mesh, PartitionSpec(None, *layout.spec)))
+    return stacked

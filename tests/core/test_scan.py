@@ -1,0 +1,425 @@
+"""scan, scan_layers, fori_loop and while_loop against the Python loops they replace (eager CPU,
+outputs and gradients): lazily traced, under torch.compile, under SPMD with sharded layers and
+in launch's replicas; the program holds one iteration whatever the trip count; bad input raises
+naming the layer or the shape."""
+
+from __future__ import annotations
+
+import copy
+
+import jax
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._higher_order_ops.while_loop import while_loop as torch_while_loop
+
+import spmd_torch
+import spmd_torch.distributed.spmd as xs
+import spmd_torch.distributed.xla_multiprocessing as xmp
+import spmd_torch.runtime as xr
+from spmd_torch.debug import graph
+from spmd_torch.experimental.fori_loop import fori_loop, while_loop
+from spmd_torch.experimental.scan import scan
+from spmd_torch.experimental.scan_layers import scan_layers
+from tests.helpers import assert_close, assert_compiles
+
+dev = spmd_torch.device()
+D, HEADS = 16, 2
+
+
+class MLP(nn.Module):
+    def __init__(self, dropout: float = 0.0):
+        super().__init__()
+        self.up, self.down = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return x + self.dropout(self.down(torch.tanh(self.up(x))))
+
+
+class Decoder(nn.Module):
+    """A pre-norm transformer block: causal attention (SDPA), layer norms, an MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.up, self.down = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        qkv = self.qkv(self.ln1(x)).view(b, s, 3, HEADS, D // HEADS).permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(*qkv.unbind(0), is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(b, s, D))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+def _stack(kind: str, layers: int = 3) -> nn.ModuleList:
+    torch.manual_seed(0)
+    return nn.ModuleList((MLP if kind == "mlp" else Decoder)() for _ in range(layers))
+
+
+def _unrolled(layers, x):
+    for layer in layers:
+        x = layer(x)
+    return x
+
+
+def _loss(out):
+    return (out * out).sum()
+
+
+def _compare_with_cpu(layers_cpu, run, x=None):
+    """``run(xla_layers, x)`` against the unrolled loop on CPU: output, input and weight grads."""
+    x = torch.randn(2, 4, D) if x is None else x
+    layers = copy.deepcopy(layers_cpu).to(dev)
+    xd = x.to(dev).requires_grad_()
+    out = run(layers, xd)
+    _loss(out).backward()
+    want_x = x.clone().requires_grad_()
+    want = _unrolled(layers_cpu, want_x)
+    _loss(want).backward()
+    spmd_torch.sync()
+    assert_close(out, want.detach())
+    assert_close(xd.grad, want_x.grad, kind="grad")
+    for (name, p), q in zip(layers.named_parameters(), layers_cpu.parameters()):
+        assert_close(p.grad, q.grad, kind="grad"), name
+    return layers
+
+
+def _policy(name: str | None):
+    if name == "min_cut":
+        from functorch.compile import min_cut_rematerialization_partition
+
+        return min_cut_rematerialization_partition
+    return None if name is None else getattr(jax.checkpoint_policies, name)
+
+
+@pytest.mark.parametrize(
+    "kind, policy",
+    [("mlp", None), ("mlp", "nothing_saveable"), ("decoder", None), ("decoder", "min_cut")],
+)
+def test_scan_layers_matches_the_unrolled_loop(kind, policy):
+    partition = _policy(policy)
+    _compare_with_cpu(
+        _stack(kind), lambda layers, x: scan_layers(layers, x, partition_fn=partition)
+    )
+
+
+def test_scan_with_pytrees_and_a_closed_over_weight_matches_the_python_loop():
+    torch.manual_seed(1)
+    w_cpu = (torch.randn(D, D) / 4).requires_grad_()
+    init_cpu = (torch.randn(3, D, requires_grad=True), torch.zeros(3, D))
+    xs_cpu = {"w": (torch.randn(5, D, D) / 4).requires_grad_(), "b": torch.randn(5, D)}
+
+    def step(w):
+        def fn(carry, x):
+            h, total = carry
+            h = torch.tanh(h @ x["w"] + x["b"]) @ w * 0.5
+            return (h, total + h), (h.sum(-1), None)
+
+        return fn
+
+    def to_xla(t):
+        return t.detach().to(dev).requires_grad_(t.requires_grad)
+
+    w, init, xs_ = (
+        to_xla(w_cpu),
+        [to_xla(t) for t in init_cpu],
+        {k: to_xla(v) for k, v in xs_cpu.items()},
+    )
+    (h, total), (ys, none) = scan(step(w), tuple(init), xs_)
+    assert none is None
+    (_loss(h) + _loss(total) + _loss(ys)).backward()
+
+    carry, ys_cpu = init_cpu, []
+    for i in range(5):
+        carry, (y, _) = step(w_cpu)(carry, {k: v[i] for k, v in xs_cpu.items()})
+        ys_cpu.append(y)
+    (_loss(carry[0]) + _loss(carry[1]) + _loss(torch.stack(ys_cpu))).backward()
+    spmd_torch.sync()
+    assert_close(
+        (h, total, ys), (carry[0].detach(), carry[1].detach(), torch.stack(ys_cpu).detach())
+    )
+    assert_close(
+        (w.grad, init[0].grad, xs_["w"].grad),
+        (w_cpu.grad, init_cpu[0].grad, xs_cpu["w"].grad),
+        kind="grad",
+    )
+
+
+@pytest.mark.parametrize("kind, policy", [("decoder", None), ("mlp", "nothing_saveable")])
+def test_scan_layers_under_torch_compile(kind, policy):
+    layers_cpu = _stack(kind, 2)
+    layers = copy.deepcopy(layers_cpu).to(dev)
+    partition = _policy(policy)
+    compiled = torch.compile(
+        lambda x: scan_layers(layers, x * 2.0, partition_fn=partition), backend="spmd_torch"
+    )
+    for _ in range(2):  # the second call reuses what the first recorded
+        layers.zero_grad(set_to_none=True)
+        layers_cpu.zero_grad(set_to_none=True)
+        x = torch.randn(2, 4, D)
+        xd = x.to(dev).requires_grad_()
+        out = compiled(xd)
+        _loss(out).backward()
+        want_x = x.clone().requires_grad_()
+        want = _unrolled(layers_cpu, want_x * 2.0)
+        _loss(want).backward()
+        spmd_torch.sync()
+        assert_close(out, want.detach())
+        assert_close(xd.grad, want_x.grad, kind="grad")
+        for p, q in zip(layers.parameters(), layers_cpu.parameters()):
+            assert_close(p.grad, q.grad, kind="grad")
+
+
+@pytest.mark.parametrize("kind, policy", [("mlp", None), ("decoder", "nothing_saveable")])
+def test_scan_layers_keeps_the_layers_shardings_under_spmd(kind, policy):
+    xr.use_spmd()
+    mesh = xs.Mesh(np.arange(8), (2, 4), ("data", "model"))
+
+    def run(layers, x):
+        for layer in layers:
+            xs.mark_sharding(layer.up.weight, mesh, ("model", None))
+            xs.mark_sharding(layer.down.weight, mesh, (None, "model"))
+        out = scan_layers(layers, x, partition_fn=_policy(policy))
+        text = graph.pending_text()
+        assert "sharding_constraint(%" in text and "{_,model,_}" in text and "{_,_,model}" in text
+        return out
+
+    layers = _compare_with_cpu(_stack(kind, 2), run)
+    for layer in layers:
+        for p in (layer.up.weight, layer.down.weight):
+            assert xs.get_xla_sharding_spec(p.grad) == xs.get_xla_sharding_spec(p)
+    xr.reset()
+
+
+def test_scan_layers_in_launch_replicas():
+    layers_cpu = _stack("mlp")
+    x = torch.randn(2, 4, D)
+
+    def replica(index):
+        layers = copy.deepcopy(layers_cpu).to(dev)
+        xd = (x * (index + 1)).to(dev).requires_grad_()
+        out = scan_layers(layers, xd)
+        _loss(out).backward()
+        spmd_torch.sync()
+        return out.cpu(), xd.grad.cpu(), [p.grad.cpu() for p in layers.parameters()]
+
+    for index, (out, x_grad, grads) in xmp.spawn(replica, nprocs=4).items():
+        layers = copy.deepcopy(layers_cpu)
+        want_x = (x * (index + 1)).requires_grad_()
+        want = _unrolled(layers, want_x)
+        _loss(want).backward()
+        assert_close(out, want.detach())
+        assert_close(
+            (x_grad, grads), (want_x.grad, [p.grad for p in layers.parameters()]), kind="grad"
+        )
+
+
+def _program_size(run, layers: int) -> tuple[int, int]:
+    """(nodes, dot_generals in the StableHLO) of a forward and backward over ``layers`` layers."""
+    stack = _stack("mlp", layers).to(dev)
+    _loss(run(stack, torch.randn(2, 4, D, device=dev))).backward()
+    return len(graph.pending_program().nodes), graph.pending_stablehlo().count("dot_general")
+
+
+def test_the_program_for_8_layers_is_not_larger_than_for_2():
+    assert _program_size(scan_layers, 8) == _program_size(scan_layers, 2)
+    # The measure sees an unrolled loop: it grows with the layers.
+    nodes, dots = _program_size(_unrolled, 2)
+    more_nodes, more_dots = _program_size(_unrolled, 8)
+    assert more_nodes > 3 * nodes and more_dots >= 4 * dots
+
+
+def test_optimizer_steps_and_state_dict_see_each_layers_own_parameters():
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            # Not attention: the gradient of its key bias is 0 but for rounding, which Adam's
+            # normalized steps would amplify into different updates.
+            self.layers = _stack("mlp", 2)
+
+        def forward(self, x, scanned: bool):
+            return scan_layers(self.layers, x) if scanned else _unrolled(self.layers, x)
+
+    model_cpu = Model()
+    model = copy.deepcopy(model_cpu).to(dev)
+    assert list(model.state_dict()) == list(model_cpu.state_dict())  # layers.0.up.weight ...
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, model_cpu)]
+    for step in range(3):
+        x = torch.randn(2, 4, D, generator=torch.Generator().manual_seed(step))
+        for m, optimizer, scanned in zip((model, model_cpu), optimizers, (True, False)):
+            optimizer.zero_grad()
+            _loss(m(x.to(next(m.parameters()).device), scanned)).backward()
+            optimizer.step()
+        spmd_torch.sync()
+    assert_close(
+        {k: v.cpu() for k, v in model.state_dict().items()},
+        dict(model_cpu.state_dict()),
+        tol="training",
+    )
+    reloaded = Model().to(dev)
+    reloaded.load_state_dict(model.state_dict())
+    x = torch.randn(2, 4, D)
+    assert_close(reloaded(x.to(dev), True).detach(), model_cpu(x, False).detach(), tol="training")
+
+
+def test_random_ops_draw_new_numbers_each_iteration_as_the_unrolled_loop():
+    torch.manual_seed(0)
+    layers = nn.ModuleList(MLP(dropout=0.5) for _ in range(3)).to(dev)
+    x = torch.randn(2, 4, D, device=dev)
+    outs = []
+    for run in (scan_layers, _unrolled):
+        spmd_torch.manual_seed(7)
+        outs.append(run(layers, x).cpu())
+    assert_close(outs[0], outs[1])
+    _, ys = scan(
+        lambda c, x: (c, x + torch.rand(2, device=dev)),
+        torch.zeros(2, device=dev),
+        torch.zeros(3, 2, device=dev),
+    )
+    ys = ys.cpu()
+    assert not torch.equal(ys[0], ys[1]) and not torch.equal(ys[1], ys[2])
+
+
+def test_a_python_number_in_the_body_is_lifted_and_compiles_once():
+    xs_ = torch.randn(4, 3, device=dev)
+
+    def run(scale: float):
+        carry, _ = scan(lambda c, x: (c * scale + x, None), torch.ones(3, device=dev), xs_)
+        return carry.cpu()
+
+    run(0.5)
+    with assert_compiles(0):
+        got = run(0.25)
+    want = torch.ones(3)
+    for x in xs_.cpu():
+        want = want * 0.25 + x
+    assert_close(got, want)
+
+
+def test_a_checkpoint_policy_keeps_only_each_iterations_carry():
+    layers = _stack("decoder", 4).to(dev)
+    x = torch.randn(2, 4, D, device=dev).requires_grad_()
+    sizes = []
+    for policy in (None, jax.checkpoint_policies.nothing_saveable):
+        out = scan_layers(layers, x, partition_fn=policy)
+        (scan_node,) = [n for n in graph.pending_program([out]).nodes if str(n.op) == "scan"]
+        residuals = scan_node.avals[1:]  # after the carry: what the backward reads
+        sizes.append(sum(np.prod(a.shape) for a in residuals))
+        del out
+    kept, weights = sizes[1], sum(p.numel() for p in layers.parameters())
+    assert kept <= weights + 4 * x.numel() + 8  # the stacked weights, each layer's input, the key
+    assert sizes[0] > 2 * kept
+
+
+def test_fori_loop_with_int_bounds_is_a_differentiable_python_loop():
+    x_cpu = torch.randn(4, requires_grad=True)
+    w_cpu = torch.randn(4, 4, requires_grad=True)
+    x, w = x_cpu.detach().to(dev).requires_grad_(), w_cpu.detach().to(dev).requires_grad_()
+    left, out = fori_loop(2, 7, lambda v: torch.sin(w @ v), x)
+    _loss(out).backward()
+    want = x_cpu
+    for _ in range(5):
+        want = torch.sin(w_cpu @ want)
+    _loss(want).backward()
+    assert left.item() == 0
+    assert_close(out, want.detach())
+    assert_close((x.grad, w.grad), (x_cpu.grad, w_cpu.grad), kind="grad")
+
+
+def test_while_loops_and_tensor_bounded_fori_loops_match_python_loops():
+    linear = nn.Linear(3, 3)
+    linear_xla = copy.deepcopy(linear).to(dev)
+    x = torch.randn(2, 3)
+    with torch.no_grad():
+        count, out = while_loop(
+            lambda i, h: i > 0,
+            lambda i, h: (i - 1, linear_xla(h)),
+            (torch.tensor(4, device=dev), x.to(dev)),
+        )
+        want = x
+        for _ in range(4):
+            want = linear(want)
+        assert count.item() == 0
+        assert_close(out, want)
+    i, total = torch_while_loop(  # PyTorch's op runs here on xla tensors
+        lambda i, t: i < 10,
+        lambda i, t: (i + 1, t + i),
+        (torch.tensor(0, device=dev), torch.tensor(0, device=dev)),
+    )
+    assert (i.item(), total.item()) == (10, 45)
+    left, doubled = fori_loop(
+        torch.tensor(1, device=dev),
+        torch.tensor(6, device=dev),
+        lambda v: v * 2,
+        torch.ones(3, device=dev),
+    )
+    assert left.item() == 0 and doubled.cpu().tolist() == [32.0] * 3
+
+
+def test_layers_of_different_structure_raise_naming_the_layer():
+    different = [MLP(), MLP(), Decoder()]
+    with pytest.raises(
+        ValueError, match="layer 2 differs from layer 0 at module '\\(itself\\)', a Decoder"
+    ):
+        scan_layers(nn.ModuleList(different).to(dev), torch.zeros(2, D, device=dev))
+    wider = _stack("mlp", 2)
+    wider[1].up = nn.Linear(D, 3 * D)
+    wider[1].down = nn.Linear(3 * D, D)
+    with pytest.raises(
+        ValueError, match=r"Shape mismatch for 'up.weight' in layer 1: f32\[48,16\]"
+    ):
+        scan_layers(wider.to(dev), torch.zeros(2, D, device=dev))
+    no_bias = _stack("mlp", 2)
+    no_bias[1].up.bias = None
+    with pytest.raises(ValueError, match=r"layer 1 has mismatched keys: missing \['up.bias'\]"):
+        scan_layers(no_bias.to(dev), torch.zeros(2, D, device=dev))
+
+
+def test_a_body_changing_shapes_raises_naming_the_shape():
+    xs_ = torch.zeros(3, 2, device=dev)
+    with pytest.raises(ValueError, match=r"changed the carry's init from f32\[2\] to f32\[4\]"):
+        scan(lambda c, x: (torch.cat([c, x]), None), torch.zeros(2, device=dev), xs_)
+    with pytest.raises(
+        ValueError, match=r"body_fn changed carried_inputs\[1\] from f32\[2\] to f64\[2\]"
+    ):
+        while_loop(
+            lambda i, h: i > 0,
+            lambda i, h: (i - 1, h.double()),
+            (torch.tensor(3, device=dev), xs_[0]),
+        )
+    with pytest.raises(
+        ValueError, match="the leaves of xs differ in length: xs\\[0\\] has 3, xs\\[1\\] has 2"
+    ):
+        scan(lambda c, x: (c, None), torch.zeros(2, device=dev), (xs_, xs_[:2]))
+
+
+def test_a_data_dependent_trip_count_with_gradients_raises():
+    x = torch.ones(3, device=dev).requires_grad_()
+    bound = torch.tensor(3, device=dev)
+    with pytest.raises(
+        RuntimeError, match="fori_loop with tensor bounds: input_value\\[0\\] .* requires grad"
+    ):
+        fori_loop(0, bound, lambda v: v * 2, x)
+
+
+def test_a_body_may_neither_write_its_inputs_nor_read_values():
+    xs_ = torch.zeros(3, 2, device=dev)
+    outside = torch.zeros(2, device=dev)
+
+    def writes(c, x):
+        c.add_(x)
+        return c, None
+
+    with pytest.raises(RuntimeError, match=r"an in-place operation on init \(f32\[2\]\)"):
+        scan(writes, torch.zeros(2, device=dev), xs_)
+    with pytest.raises(RuntimeError, match=r"on a f32\[2\] tensor from outside it"):
+        scan(lambda c, x: (c + outside.add_(1), None), torch.zeros(2, device=dev), xs_)
+    with pytest.raises(
+        RuntimeError, match="scan's body would run a program .* a loop body is one graph"
+    ):
+        scan(lambda c, x: (c * c.sum().item(), None), torch.zeros(2, device=dev), xs_)
