@@ -26,7 +26,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import torch
-import torch.utils._pytree as pytree
 from torch.autograd.function import once_differentiable
 from torch.overrides import TorchFunctionMode
 
@@ -115,8 +114,17 @@ class _Outside(TorchFunctionMode):
         self.captured: dict = {}  # id(tensor from outside) -> (the tensor, its placeholder)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        args, kwargs = pytree.tree_map_only(LazyTensor, self.stand_in, (args, kwargs or {}))
-        return func(*args, **kwargs)
+        kwargs = {k: self.swap(v) for k, v in kwargs.items()} if kwargs else {}
+        return func(*self.swap(args), **kwargs)
+
+    def swap(self, x: Any) -> Any:
+        """``x`` with each xla tensor in it stood in for (lists and tuples walked: a call's
+        arguments; pytree's general walk costs more than the op it wraps)."""
+        if isinstance(x, LazyTensor):
+            return self.stand_in(x)
+        if type(x) is tuple or type(x) is list:
+            return type(x)(self.swap(v) for v in x)
+        return x
 
     def stand_in(self, t: LazyTensor) -> LazyTensor:
         node, i = t._storage.ref

@@ -65,7 +65,8 @@ def _scan_layers(layers: list, input_data: Any, partition_fn: Callable | None) -
     first = layers[0]
     states = [{**dict(m.named_parameters()), **dict(m.named_buffers())} for m in layers]
     _check_same_structure(layers, states)
-    stacked = {name: _stacked(name, [state[name] for state in states]) for name in states[0]}
+    indices = _layer_numbers(len(layers), states)
+    stacked = {name: _stacked(indices, [state[name] for state in states]) for name in states[0]}
 
     def one_layer(carry: Any, state: dict) -> tuple[Any, None]:
         args = carry if isinstance(carry, tuple) else (carry,)
@@ -114,10 +115,39 @@ def _module_text(modules: list, at: int) -> str:
     return f"{name or '(itself)'!r}, a {kind.__name__}{'' if training else ' in eval mode'}"
 
 
-def _stacked(name: str, tensors: list) -> torch.Tensor:
+class _Stack(torch.autograd.Function):
+    """``torch.stack`` of one tensor of each layer; its backward reads layer k's gradient at
+    ``indices[k]``, a device tensor of its own, instead of at a constant offset (``unbind``).
+    Every layer's gradient, and the optimizer kernels it fuses into, are then one XLA kernel,
+    compiled once for all the layers: with constant offsets, one per layer, and the first step's
+    compile would grow with the depth."""
+
+    @staticmethod
+    def forward(ctx, indices: list, *tensors: torch.Tensor) -> torch.Tensor:
+        ctx.indices = indices
+        return torch.stack(tensors)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:
+        needed = ctx.needs_input_grad[1:]
+        return None, *(
+            grad.index_select(0, k).squeeze(0) if n else None for k, n in zip(ctx.indices, needed)
+        )
+
+
+def _layer_numbers(count: int, states: list) -> list | None:
+    """Each layer's number, a device tensor of its own (what ``_Stack`` reads gradients at);
+    None where no gradient will be read (no uploads)."""
+    tensors = [t for state in states for t in state.values()]
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        return None
+    return [torch.tensor([k], device=tensors[0].device) for k in range(count)]
+
+
+def _stacked(indices: list | None, tensors: list) -> torch.Tensor:
     """The layers' tensors stacked along a new leading axis, laid out as theirs when they all
     have one sharding over several devices (the new axis unsplit)."""
-    stacked = torch.stack(tensors)
+    stacked = torch.stack(tensors) if indices is None else _Stack.apply(indices, *tensors)
     layouts = {placement.sharding_of(t) for t in tensors}
     if len(layouts) == 1:
         (layout,) = layouts

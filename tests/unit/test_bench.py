@@ -131,3 +131,13 @@ def test_probe_figures_absent_in_a_checkout_are_none(monkeypatch):
     assert (probe["graphs"], probe["traced"], probe["recorded"]) == (None, None, None)
     window = {"host_s": [0.1], "before": probe, "after": probe}
     assert set(harness.graph_per_step(window).values()) == {None}
+
+
+def test_depth_workloads_run_only_where_named():
+    """Wscan4/16/64 (tools/bench/scan.py): a runner per implementation, not in the default run."""
+    from tools.bench import scan, workloads
+
+    for workload in scan.WORKLOADS:
+        assert workload not in workloads.default_workloads(True)
+        assert all((workload, impl) in workloads.RUNNERS for impl in workloads.impls_of(workload))
+    assert workloads.parse_only("wscan16:spmd_scan") == ("Wscan16", "spmd_scan")
