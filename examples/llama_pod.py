@@ -6,10 +6,10 @@ grouped-query attention through ``F.scaled_dot_product_attention``. It is built 
 there, so no host ever holds a whole copy of the weights. Every weight matrix is split over both
 mesh axes: Megatron-style over 'tensor' (q/k/v, gate and up by their output features, o and down
 by their input features, so each tensor-parallel group needs one all-reduce per block), FSDP-style
-over 'fsdp' along the other dimension; the batch is split over 'fsdp'. The layers run one after
-another with each layer's activations recomputed in the backward (per-layer gradient
-checkpointing); the forward runs under bf16 autocast; AdamW's state is laid out like its
-parameters, so it is split over all devices too.
+over 'fsdp' along the other dimension; the batch is split over 'fsdp'. The layers run as one
+``scan_layers`` loop (the program holds one layer, whatever the depth), each layer's activations
+recomputed in the backward (per-layer gradient checkpointing); the forward runs under bf16
+autocast; AdamW's state is laid out like its parameters, so it is split over all devices too.
 
 With ``--ckpt DIR`` the run starts from the newest checkpoint in DIR, if any, on whatever mesh and
 host count it is given, and saves its last step there (``CheckpointManager``: every host writes its
@@ -61,7 +61,6 @@ import spmd_torch.distributed.spmd as xs  # noqa: E402
 import spmd_torch.experimental.distributed_checkpoint as xc  # noqa: E402
 import spmd_torch.runtime as xr  # noqa: E402
 from spmd_torch.experimental.scan_layers import scan_layers  # noqa: E402
-from spmd_torch.utils.checkpoint import checkpoint  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,13 +170,6 @@ def run_scanned(layers: nn.ModuleList, inputs: tuple) -> tuple:
     return scan_layers(layers, inputs, partition_fn=jax.checkpoint_policies.nothing_saveable)
 
 
-def run_checkpointed(layers: nn.ModuleList, inputs: tuple) -> tuple:
-    """``run_scanned`` unrolled: the program holds every layer (compile time grows with depth)."""
-    for layer in layers:
-        inputs = checkpoint(layer, *inputs)
-    return inputs
-
-
 class Llama(nn.Module):
     def __init__(self, cfg: LlamaConfig, run_layers: Callable = run_in_loop) -> None:
         super().__init__()
@@ -195,9 +187,9 @@ class Llama(nn.Module):
 
 
 @torch.no_grad()
-def init_weights(model: Llama) -> None:
+def init_weights(parameters) -> None:
     """Llama's initialisation, in place: N(0, 0.02) matrices, unit norm scales."""
-    for param in model.parameters():
+    for param in parameters:
         if param.dim() == 2:
             nn.init.normal_(param, std=0.02)
         else:
@@ -238,15 +230,19 @@ def build_sharded(
     cfg: LlamaConfig, mesh: xs.Mesh, run_layers: Callable = run_scanned, initialise: bool = True
 ) -> Llama:
     """The model built on the meta device, allocated on the xla device under its shardings and
-    initialised there by one program: each device only ever holds its own shards. Without
-    ``initialise`` the weights are left for a checkpoint restore to fill."""
+    initialised there: each device only ever holds its own shards. Each layer is initialised by
+    one program (compiled once, run per layer), so the random numbers in flight are one layer's.
+    Without ``initialise`` the weights are left for a checkpoint restore to fill."""
     with torch.device("meta"):
         model = Llama(cfg, run_layers)
     model.to_empty(device=xm.xla_device())
     shard(model, mesh)
     if initialise:
-        init_weights(model)
-    xm.mark_step()
+        for layer in model.layers:
+            init_weights(layer.parameters())
+            xm.mark_step()
+        init_weights(p for name, p in model.named_parameters() if not name.startswith("layers."))
+        xm.mark_step()
     return model
 
 
@@ -299,9 +295,22 @@ def checksum(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     for param in model.parameters():
         state = optimizer.state.get(param, {})
         for tensor in (param, *(state[key] for key in sorted(state))):
-            bits = tensor.detach().to(device).view(torch.int32).flatten().to(torch.int64)
-            total += (bits * torch.arange(1, bits.numel() + 1, device=device)).sum()
+            bits = tensor.detach().to(device).view(torch.int32).to(torch.int64)
+            total += (bits * flat_positions(tensor.shape, device)).sum()
     return total.item()
+
+
+def flat_positions(shape: torch.Size, device) -> torch.Tensor:
+    """1 + each element's row-major position, as a sum of one small range per dimension: it
+    broadcasts to ``shape`` without being flattened, so it splits like the tensor it weighs (a
+    flattened one would be gathered whole onto every device)."""
+    positions, stride = torch.ones((), dtype=torch.int64, device=device), 1
+    for dim in reversed(range(len(shape))):
+        along = [1] * len(shape)
+        along[dim] = shape[dim]
+        positions = positions + torch.arange(shape[dim], device=device).view(along) * stride
+        stride *= shape[dim]
+    return positions
 
 
 def eager_losses(model: Llama, steps: int) -> list[float]:
@@ -356,7 +365,6 @@ def main() -> int:
     parser.add_argument("--ckpt", metavar="DIR", help="resume from and save to this directory")
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     parser.add_argument("--check-eager", type=int, default=0, metavar="N")
-    parser.add_argument("--no-scan", action="store_true", help="unroll the layers instead")
     args = parser.parse_args()
     if args.check_eager and args.precision != "fp32":
         parser.error("--check-eager compares float32 losses: pass --precision fp32")
@@ -375,8 +383,7 @@ def main() -> int:
     if args.check_eager and resume is not None:
         parser.error(f"--check-eager compares a fresh run; {args.ckpt} holds step {resume}")
     started = time.perf_counter()
-    run_layers = run_checkpointed if args.no_scan else run_scanned
-    model = build_sharded(cfg, mesh, run_layers, initialise=resume is None)
+    model = build_sharded(cfg, mesh, initialise=resume is None)
     optimizer = new_optimizer(model)
     parameters = sum(p.numel() for p in model.parameters())
     say(
