@@ -45,6 +45,7 @@ from spmd_torch._lazy.graph import Aval, aval_text
 from spmd_torch._lazy.layout import padded_shape
 from spmd_torch._lazy.lowering.dtypes import to_jax_dtype, to_torch_dtype
 from spmd_torch._lazy.manual import ManualShardingError
+from spmd_torch._lazy.tensor import on_xla
 from spmd_torch.core import xla_model as xm
 from spmd_torch.core.xla_builder import _user_computation as _xla_user_computation
 from spmd_torch.debug.graph import get_tensors_hlo, get_tensors_text, pending_program, program_text
@@ -125,15 +126,7 @@ _PRECISIONS = ("default", "high", "highest")
 def _xla_tensor(t, api: str) -> torch.Tensor:
     """``t`` (unwrapped from an XLAShardedTensor) if on the xla device; RuntimeError otherwise,
     as PyTorch/XLA's bindings raise for a tensor that is not an XLA tensor."""
-    t = xs.unwrap_sharded_tensor(t)
-    if not isinstance(t, torch.Tensor):
-        raise RuntimeError(f"{api} expects a tensor on the xla device, got {type(t).__name__}")
-    if t.device.type != "xla":
-        raise RuntimeError(
-            f"{api}: input tensor is not an XLA tensor: a {t.dtype} tensor of shape "
-            f"{tuple(t.shape)} on {t.device}"
-        )
-    return t
+    return on_xla(xs.unwrap_sharded_tensor(t), api, RuntimeError)
 
 
 def _get_xla_tensors_hlo(tensors: Sequence[torch.Tensor]) -> str:
@@ -357,7 +350,7 @@ def _get_xla_tensors_text(tensors: Sequence[torch.Tensor]) -> str:
 
     Example:
         >>> print(_get_xla_tensors_text([x + 1]))
-        %in0:f32[2] = input
+        %in0:f32[2] = xla::device_data
         %0:f32[2] = aten.add.Tensor(%in0, 1)
         return %0
     """
@@ -382,8 +375,9 @@ def _get_xla_tensor_shape_type(t: torch.Tensor) -> str:
 
 def _get_xla_tensor_debug_info(t: torch.Tensor) -> str:
     """What this runtime holds for the tensor, in PyTorch/XLA's layout: its id, device and shape,
-    its sharding, the pending op computing it (``IR``) or else its device buffer (``XLAData``),
-    or the host copy an SPMD upload waits in. ``'Not a XLATensor'`` for other tensors. In SPMD
+    its sharding, the pending op computing it (``IR``) or else its device buffer (``XLAData``, the
+    IR then PyTorch/XLA's ``xla::device_data``: programs read it as their input), or the host
+    copy an SPMD upload waits in. ``'Not a XLATensor'`` for other tensors. In SPMD
     mode the device is ``SPMD:0``, PyTorch/XLA's virtual device: the mesh every program runs on.
 
     Example:
@@ -413,13 +407,14 @@ def _get_xla_tensor_debug_info(t: torch.Tensor) -> str:
     if not node.is_leaf(index):
         name = node.op.name() if callable(getattr(node.op, "name", None)) else str(node.op)
         return "\n".join(lines + [f"IR: {name}", "XLAData: None", "Tensor on host: None", "}\n"])
-    lines.append("IR: None")
     array = node.arrays[index]
     sharding = getattr(array, "sharding", None)
     if not isinstance(array, jax.Array) or sharding is None:  # an upload waiting on the host
         return "\n".join(
-            lines + ["XLAData: None", f"Tensor on host: with size {list(t.shape)}", "}\n"]
+            lines
+            + ["IR: None", "XLAData: None", f"Tensor on host: with size {list(t.shape)}", "}\n"]
         )
+    lines.append("IR: xla::device_data")
     devices = sorted(sharding.device_set, key=lambda d: d.id)
     data = "XLAData: " if len(devices) == 1 else "XLAShardedData: "
     where = _runtime_name(devices[0]) if len(devices) == 1 else "SPMD:0"

@@ -37,7 +37,7 @@ OLDER_NAMES = ("lazy_tensor_core", "torch_xla_py")
 # torch_xla_py.<module> -> the module it became (torch_xla.core.xla_model...), spmd_torch's.
 _TORCH_XLA_PY = {
     "xla_model": "spmd_torch.core.xla_model",
-    "data_parallel": "spmd_torch.distributed.data_parallel",
+    "data_parallel": "spmd_torch.distributed.legacy_data_parallel",
     "utils": "spmd_torch.utils.utils",
 }
 

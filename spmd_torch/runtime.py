@@ -395,7 +395,6 @@ def use_spmd(auto: bool = False) -> None:
             "mark_sharding instead"
         )
     modes.use_spmd()
-    os.environ["XLA_USE_SPMD"] = "1"  # as PyTorch/XLA does; read by scripts and subprocesses
 
 
 def is_spmd() -> bool:
@@ -409,14 +408,7 @@ def is_spmd() -> bool:
         >>> xr.is_spmd()
         False
     """
-    own = engine.current()
-    wanted = config.USE_SPMD.read()
-    if own.mode.follows_spmd_variable and wanted != (own.mode.replicated is not None):
-        if wanted:
-            use_spmd()
-        else:
-            own.mode = own.home
-    return own.mode.replicated is not None
+    return modes.in_spmd()
 
 
 def reset() -> None:

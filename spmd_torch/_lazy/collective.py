@@ -22,7 +22,7 @@ from .lowering.collectives import (
     COLLECTIVE_PERMUTE,
     REDUCE_SCATTER,
 )
-from .tensor import LazyTensor, wrap
+from .tensor import LazyTensor, on_xla, wrap
 
 REDUCE_TYPES = ("sum", "mul", "and", "or", "min", "max")
 # The ops whose programs a replica runs only with every other replica's (compiled graphs add theirs).
@@ -41,7 +41,7 @@ def all_reduce(
     """Each tensor reduced over its replica's group, times ``scale`` (one node for the list)."""
     check_reduce_type("all_reduce", reduce_type)
     groups = _groups("all_reduce", groups, equal_sizes=False)
-    tensors = [_checked("all_reduce", t) for t in tensors]
+    tensors = [on_xla(t, "all_reduce") for t in tensors]
     args = (tuple(Arg(i) for i in range(len(tensors))), reduce_type, float(scale), groups)
     avals = tuple(Aval(tuple(t.shape), t.dtype) for t in tensors)
     return _record("all_reduce", ALL_REDUCE, tensors, args, avals)
@@ -49,7 +49,7 @@ def all_reduce(
 
 def all_gather(value: torch.Tensor, dim: int, groups) -> LazyTensor:
     """The group's values concatenated along ``dim``, in group order."""
-    value = _checked("all_gather", value)
+    value = on_xla(value, "all_gather")
     groups = _groups("all_gather", groups)
     dim = _dim("all_gather", dim, value)
     shape = list(value.shape)
@@ -65,7 +65,7 @@ def reduce_scatter(
     """The group's reduction times ``scale``, split in ``shard_count`` along ``dim``: this
     replica's chunk (its rank in the group)."""
     check_reduce_type("reduce_scatter", reduce_type)
-    value = _checked("reduce_scatter", value)
+    value = on_xla(value, "reduce_scatter")
     groups = _groups("reduce_scatter", groups)
     dim = _dim("reduce_scatter", dim, value)
     _check_split("reduce_scatter", value, dim, shard_count, groups, "shard_count")
@@ -83,7 +83,7 @@ def all_to_all(
 ) -> LazyTensor:
     """Chunk r of each member's value (split along ``split_dim``) concatenated along
     ``concat_dim`` on the member of rank r."""
-    value = _checked("all_to_all", value)
+    value = on_xla(value, "all_to_all")
     groups = _groups("all_to_all", groups)
     split_dim = _dim("all_to_all", split_dim, value)
     concat_dim = _dim("all_to_all", concat_dim, value)
@@ -99,7 +99,7 @@ def all_to_all(
 def collective_permute(value: torch.Tensor, pairs) -> LazyTensor:
     """Each (source, target) pair sends the source's value to the target; replicas no pair
     targets receive zeros."""
-    value = _checked("collective_permute", value)
+    value = on_xla(value, "collective_permute")
     size = world_size()
     pairs = tuple((int(s), int(t)) for s, t in pairs)
     for name, column in (("source", 0), ("target", 1)):
@@ -120,13 +120,6 @@ def _record(api: str, op, tensors: list, args: tuple, avals: tuple) -> list[Lazy
     args += (current().mode.collective_axis(api),)
     node = Node(op, tuple(t._ref() for t in tensors), args, {}, avals)
     return [wrap((node, i), aval) for i, aval in enumerate(avals)]
-
-
-def _checked(api: str, t) -> LazyTensor:
-    if not isinstance(t, LazyTensor):
-        device = getattr(t, "device", type(t).__name__)
-        raise ValueError(f"{api} needs tensors on the xla device, got one on {device}")
-    return t
 
 
 def check_reduce_type(api: str, reduce_type: str) -> None:

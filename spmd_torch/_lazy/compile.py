@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmd_torch import config
 
-from . import counters, manual, placement
+from . import counters, manual
 from .engine import current
 from .graph import STRUCTURES, Program, substitute
 from .layout import crop, padded
@@ -93,20 +93,6 @@ class CacheKey(NamedTuple):
     replicas: tuple | None  # the replicas' devices, for a program each of them runs
     mesh: tuple | None  # the SPMD mesh's devices, for a program over them (even with no input)
     flags: tuple
-
-
-def inputs_by_aval(run) -> tuple:
-    """On one device an input is its aval (shape and dtype): nothing else can differ."""
-    return tuple([node.avals[i] for node, i in run.program.leaves])
-
-
-def inputs_by_layout(run) -> tuple:
-    """Over several devices an input is (stored shape, dtype, sharding, logical shape): uneven
-    ones are stored padded."""
-    return tuple(
-        (a.shape, a.dtype, placement.key_of(a.sharding), node.avals[i].shape)
-        for a, (node, i) in zip(run.arrays, run.program.leaves)
-    )
 
 
 def cache_key(run) -> CacheKey:

@@ -63,8 +63,9 @@ class Template:
         self.computed = sum(kind == "out" for kind, _ in results)
         self.placeholders = tuple(Arg(k) for k in range(len(sources)))  # the node's static args
         self.op = GRAPH_WITH_COLLECTIVES if _has_collectives(program) else GRAPH
-        # id(engine) -> (weak ref to its last call, its step, calls in that step, calls not run)
-        self.calls: dict = {}
+        # engine -> (weak ref to its last call, its step, calls in that step, calls not run); weak,
+        # so a replica's finished engine takes its count with it (an id may be reused)
+        self.calls = weakref.WeakKeyDictionary()
         self.calls_per_step = 1  # the most calls seen in a step a barrier ended, at least 1
         # CPU scalars arrive as lifted float64 scalars: each is cast back to its tensor's dtype.
         self.casts = [
@@ -115,7 +116,7 @@ class Template:
         outputs, new tensors. The node waits for the barrier with the rest of the step, unless
         ``at_once`` (or in eager mode): then what is pending runs now."""
         engine = current()
-        last, step, in_step, unrun = self.calls.get(id(engine), (_no_call, engine.steps, 0, 0))
+        last, step, in_step, unrun = self.calls.get(engine, (_no_call, engine.steps, 0, 0))
         if step != engine.steps:  # a barrier ended the step of its last call
             self.calls_per_step, in_step, unrun = max(self.calls_per_step, in_step), 0, 0
         elif (node := last()) is None or node.arrays is not None:
@@ -144,7 +145,7 @@ class Template:
             args[position]._write((node, k))
         if self.key_out:
             key.set((node, len(self.avals) - 1))
-        self.calls[id(engine)] = (weakref.ref(node), engine.steps, in_step + 1, unrun + 1)
+        self.calls[engine] = (weakref.ref(node), engine.steps, in_step + 1, unrun + 1)
         if at_once or engine.eager:
             execute.sync()
         return pytree.tree_unflatten(outputs, self.tree)

@@ -59,6 +59,9 @@ OP_NAMES: dict[int, str] = {}
 # the debugging tool's analysis names: each compile and CPU fallback, host reads when debugging).
 SITES: dict[str, Counter] = defaultdict(Counter)
 _LOCK = threading.Lock()
+# A scalar read to the host (``.item()``, ``if t:``), under PyTorch/XLA's name for it: its
+# troubleshooting guide finds host syncs by this counter. Not a CPU fallback here.
+HOST_SCALAR_READ = "aten::_local_scalar_dense"
 
 
 def bump(name: str, amount: int = 1) -> None:

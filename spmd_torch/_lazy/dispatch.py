@@ -541,7 +541,16 @@ def _mm(func, args: tuple, kwargs: dict) -> LazyTensor:
 
 
 def _local_scalar_dense(func, args: tuple, kwargs: dict) -> Any:
+    """``.item()``: counted under PyTorch/XLA's name, which its troubleshooting guide finds host
+    syncs by, though the value is computed on the device and only the scalar transferred."""
+    counters.bump(counters.HOST_SCALAR_READ)
     return to_cpu(args[0]).item()
+
+
+def _is_nonzero(func, args: tuple, kwargs: dict) -> bool:
+    """``bool(t)``, ``if t:``: a host read of one scalar, counted as ``.item()``."""
+    counters.bump(counters.HOST_SCALAR_READ)
+    return _materialising(func, args, kwargs)
 
 
 def _materialising(func, args: tuple, kwargs: dict) -> Any:
@@ -645,7 +654,7 @@ SPECIALS: dict = {
     aten.equal.default: _materialising,
     aten.allclose.default: _allclose,
     aten._linalg_check_errors.default: _materialising,  # raises PyTorch's error from `info`
-    aten.is_nonzero.default: _materialising,
+    aten.is_nonzero.default: _is_nonzero,
     aten.nonzero.default: _cpu_fallback,  # data-dependent output shapes
     aten.masked_select.default: _cpu_fallback,
     aten._unique2.default: _cpu_fallback,

@@ -42,7 +42,7 @@ SWITCHES = ("mode", "scope", "one_graph", "eager", "marked_step", "global_mesh",
 class Engine:
     __slots__ = tuple(
         "home mode cache pending rng seed manual_used in_flight step_closures scope one_graph eager "
-        "eager_depth marked_step global_mesh steps".split()
+        "eager_depth marked_step global_mesh steps __weakref__".split()
     )
 
     def __init__(self, mode=None, cache: CompileCache | None = None):

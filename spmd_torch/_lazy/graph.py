@@ -276,13 +276,14 @@ def _arg_text(arg: Any, rank: int) -> str:
 
 def to_text(program: Program) -> str:
     """One line per node: ``%3:f32[4,8] = aten.addmm.default(%0, %1, %2)  # file.py:12``;
-    inputs show their layout in braces where sharded (``%in0:f32[8,4]{fsdp,_} = input``), and a
-    constrained value reads ``%4:f32[8,4] = sharding_constraint(%3, {fsdp,_})``."""
+    inputs are device data, under PyTorch/XLA's IR name for it, with their layout in braces where
+    sharded (``%in0:f32[8,4]{fsdp,_} = xla::device_data``), and a constrained value reads
+    ``%4:f32[8,4] = sharding_constraint(%3, {fsdp,_})``."""
     lines = []
     for k, (node, i) in enumerate(program.leaves):
         sharding = getattr(node.arrays[i], "sharding", None)  # None: still on the host
         layout = _layout_text(sharding, len(node.avals[i].shape))
-        lines.append(f"%in{k}:{aval_text(node.avals[i])}{layout} = input")
+        lines.append(f"%in{k}:{aval_text(node.avals[i])}{layout} = xla::device_data")
     for k, node in enumerate(program.scalars):
         lines.append(f"%s{k} = scalar")
 

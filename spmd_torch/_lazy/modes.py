@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from collections.abc import Callable
 
 import jax
@@ -20,7 +21,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 from spmd_torch import config
 
 from . import counters, engine, placement, transfer
-from .compile import inputs_by_aval, inputs_by_layout
 from .graph import Program, linearize
 from .lowering.collectives import ALONE_AXIS, REPLICA_AXIS
 from .replicas import across_hosts
@@ -28,14 +28,28 @@ from .run import Run, execute
 from .tensor import SEVERAL_DEVICES, XLA_DEVICES
 
 
-class OneDevice:
-    """Programs run on one device: JAX's default one, where uploads land, unless the tensors are
-    on another of the process's devices (``xla:N`` is JAX's N-th local device, as in PyTorch/XLA
+def _inputs_by_aval(run: Run) -> tuple:
+    """On one device an input is its aval (shape and dtype): nothing else can differ."""
+    return tuple([node.avals[i] for node, i in run.program.leaves])
+
+
+def _inputs_by_layout(run: Run) -> tuple:
+    """Over several devices an input is (stored shape, dtype, sharding, logical shape): uneven
+    ones are stored padded."""
+    return tuple(
+        (a.shape, a.dtype, placement.key_of(a.sharding), node.avals[i].shape)
+        for a, (node, i) in zip(run.arrays, run.program.leaves)
+    )
+
+
+class PerDevice:
+    """Each program runs on one of the process's devices: JAX's default one, where uploads land,
+    unless the tensors are on another (``xla:N`` is JAX's N-th local device, as in PyTorch/XLA
     outside SPMD): a barrier runs one program per device used."""
 
     landing = None  # JAX's default device
     replicated = None  # the layout replicated over the SPMD devices: none here
-    input_key = staticmethod(inputs_by_aval)  # what of an input the compile cache keys on
+    input_key = staticmethod(_inputs_by_aval)  # what of an input the compile cache keys on
     alone_axis = ALONE_AXIS  # XLA_ALWAYS_ALLREDUCE's collectives: over a mesh of the one device
 
     def __init__(self):
@@ -150,12 +164,12 @@ class OneDevice:
         return f"{type(self).__name__}(world of {self.world_size})"
 
 
-class SpmdMesh(OneDevice):
+class SpmdMesh(PerDevice):
     """Programs run over every device, partitioned by GSPMD as tensors are marked; uploads land
     replicated, and data already on one device is replicated the first time a program reads it
     (PyTorch/XLA's one-time replication when SPMD starts)."""
 
-    input_key = staticmethod(inputs_by_layout)
+    input_key = staticmethod(_inputs_by_layout)
     alone_axis = None  # a program spans every device: a one-device collective has no place
 
     @functools.cached_property
@@ -189,15 +203,24 @@ class SpmdMesh(OneDevice):
         return transfer.HostData(host, self.replicated)
 
     def gather(self, program: Program) -> list:
-        arrays = [node.arrays[i] for node, i in program.leaves]
-        return placement.onto_spmd_devices(program.leaves, arrays)
+        """The inputs on the mesh: host-held data uploaded and every single-device array
+        replicated onto it, once (the leaf keeps the replicated array)."""
+        arrays = []
+        for node, i in program.leaves:
+            array = node.arrays[i]
+            if type(array) is transfer.HostData:
+                array = node.arrays[i] = transfer.upload(array.host, self.replicated)
+            elif array.sharding.num_devices != self.replicated.num_devices:
+                array = node.arrays[i] = jax.device_put(array, self.replicated)
+            arrays.append(array)
+        return arrays
 
 
-class Replica(OneDevice):
+class Replica(PerDevice):
     """A replica of ``launch``: a thread tracing its own graph on its own device, standing for one
     process of PyTorch/XLA's multiprocessing. Its world runs all replicas' runs as one program."""
 
-    input_key = staticmethod(inputs_by_layout)  # the replicas' inputs, stacked over their mesh
+    input_key = staticmethod(_inputs_by_layout)  # the replicas' inputs, stacked over their mesh
 
     def __init__(self, world, ordinal: int, cpu_rng):
         super().__init__()
@@ -253,10 +276,38 @@ class Replica(OneDevice):
 
 
 def use_spmd() -> None:
-    """Run every later program of the calling engine over every device."""
+    """Run every later program of the calling engine over every device; ``XLA_USE_SPMD=1`` tells
+    scripts and subprocesses, as PyTorch/XLA sets it."""
     own = engine.current()
     own.mode = own.mode.with_spmd()
+    os.environ["XLA_USE_SPMD"] = "1"
+
+
+def in_spmd() -> bool:
+    """Whether the calling engine runs its programs over the SPMD mesh. ``XLA_USE_SPMD`` is
+    PyTorch/XLA's switch, read where it asks: a script that sets or deletes it turns SPMD on or
+    off here (a replica of ``launch`` is never in SPMD mode)."""
+    own = engine.current()
+    wanted = config.USE_SPMD.read()
+    if own.mode.follows_spmd_variable and wanted != (own.mode.replicated is not None):
+        if wanted:
+            use_spmd()
+        else:
+            own.mode = own.home
+    return own.mode.replicated is not None
+
+
+def ensure_spmd() -> None:
+    """SPMD mode, turned on if it is not yet: what sharding a tensor does, as in PyTorch/XLA."""
+    if not in_spmd():
+        use_spmd()
+
+
+def refuse_in_spmd(what: str, error: type[Exception] = RuntimeError) -> None:
+    """Raise ``error`` naming ``what`` (which cannot run over the SPMD mesh) if SPMD is on."""
+    if in_spmd():
+        raise error(what)
 
 
 # The default engine's home mode: the modes sit above the engine's state, as JAX's traces do.
-engine.DEFAULT.home = engine.DEFAULT.mode = OneDevice()
+engine.DEFAULT.home = engine.DEFAULT.mode = PerDevice()

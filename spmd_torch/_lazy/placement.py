@@ -29,18 +29,7 @@ from .engine import current
 from .graph import Arg, Aval, Node, Ref
 from .layout import canonical, crop, even_part, pad_to, padded, padded_shape
 from .lowering.sharding import CONSTRAIN
-from .tensor import LazyTensor, Storage, wrap, wrap_data
-
-
-def onto_spmd_devices(leaves: list, arrays: list) -> list:
-    """Program inputs with host-held data uploaded and every single-device array replicated
-    onto the SPMD devices, once."""
-    replicated = current().mode.replicated
-    for k, array in enumerate(arrays):
-        if type(array) is transfer.HostData or array.sharding.num_devices != replicated.num_devices:
-            node, index = leaves[k]
-            arrays[k] = node.arrays[index] = _replicate(array, replicated)
-    return arrays
+from .tensor import LazyTensor, Storage, on_xla, wrap, wrap_data
 
 
 def resolve(node: Node, index: int) -> jax.Array:
@@ -51,12 +40,6 @@ def resolve(node: Node, index: int) -> jax.Array:
     elif type(array) is transfer.ReplicaShard:
         return array.local()  # the handle stays: the next program takes the stacked array whole
     return array
-
-
-def _replicate(array, replicated: NamedSharding) -> jax.Array:
-    if type(array) is transfer.HostData:
-        return transfer.upload(array.host, replicated)
-    return jax.device_put(array, replicated)
 
 
 def output_sharding(storage: Storage, aval: Aval):
@@ -91,7 +74,7 @@ def key_of(sharding):
 def mark(t: LazyTensor, sharding: NamedSharding) -> None:
     """Give ``t`` this sharding: data moves onto the mesh, a pending value gets a constraint."""
     sharding = canonical(sharding)
-    _check_device(t, "mark_sharding")
+    on_xla(t, "mark_sharding")
     current().mode.refuse_per_replica("mark_sharding")
     node, index = ref = t._ref()
     if t._view is not None and not node.is_leaf(index):
@@ -167,14 +150,8 @@ def adopt(array: jax.Array, shape: tuple, dtype, sharding=None, device: int = 0)
     return t
 
 
-def _check_device(t, api: str) -> None:
-    if not isinstance(t, LazyTensor):
-        device = getattr(t, "device", type(t).__name__)
-        raise ValueError(f"{api} needs a tensor on the xla device, got one on {device}")
-
-
 def _own_storage(t: LazyTensor, api: str) -> Storage:
-    _check_device(t, api)
+    on_xla(t, api)
     if t._view is not None:
         raise ValueError(
             f"{api}: the tensor of shape {tuple(t.shape)} is a view of another tensor; "

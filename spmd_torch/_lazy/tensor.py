@@ -277,6 +277,22 @@ def live_pending() -> list[Storage]:
 _new_tensor = LazyTensor.__new__
 
 
+def on_xla(t, what: str, error: type[Exception] = ValueError) -> LazyTensor:
+    """``t`` if it is a tensor on the xla device; else ``error``, naming ``what`` (the API and
+    argument) and what ``t`` is instead. The one check every API that needs device data makes."""
+    if isinstance(t, torch.Tensor) and t.device.type == "xla":
+        return t
+    got = (
+        f"a {t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
+        if isinstance(t, torch.Tensor)
+        else f"a {type(t).__name__}"
+    )
+    raise error(
+        f"{what} needs a tensor on the xla device, got {got} (move it first with "
+        ".to(spmd_torch.device()))"
+    )
+
+
 def wrap(ref: Ref, aval: Aval) -> LazyTensor:
     """A fresh tensor (its own storage) whose value is ``ref``."""
     return _new_tensor(LazyTensor, Storage(ref), aval)  # no ``__init__`` call: every op makes one

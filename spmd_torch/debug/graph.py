@@ -17,7 +17,7 @@ from spmd_torch._lazy import compile as _compile
 from spmd_torch._lazy import engine as _engine
 from spmd_torch._lazy import placement as _placement
 from spmd_torch._lazy.graph import Program, linearize, to_text
-from spmd_torch._lazy.tensor import live_pending
+from spmd_torch._lazy.tensor import live_pending, on_xla
 
 
 def pending_text(tensors: list[torch.Tensor] | None = None) -> str:
@@ -127,12 +127,7 @@ def get_tensors_hlo(tensors: list[torch.Tensor]) -> str:
 
 
 def _checked(tensors, api: str) -> list[torch.Tensor]:
-    tensors = list(tensors)
-    for i, t in enumerate(tensors):
-        if not isinstance(t, torch.Tensor) or t.device.type != "xla":
-            where = t.device if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{api}: tensors[{i}] is not an xla tensor ({where})")
-    return tensors
+    return [on_xla(t, f"{api} (tensors[{i}])") for i, t in enumerate(tensors)]
 
 
 def pending_program(tensors: list[torch.Tensor] | None = None) -> Program:

@@ -2,7 +2,8 @@
 
 Counters count events (``MarkStep``, ``CachedCompile``, ``UncachedCompile``, ``TransferToDevice``,
 ``aten::<op>`` for an op run on the CPU because it has no lowering, ``xla::<op>`` for each call of
-an op recorded into the graph...); metrics keep samples with
+an op recorded into the graph, ``aten::_local_scalar_dense`` for each scalar read to the host, as
+PyTorch/XLA names it...); metrics keep samples with
 PyTorch/XLA's names and units: times in nanoseconds (``CompileTime``, ``ExecuteTime``, and
 ``ExecuteReplicatedTime`` for a program over the SPMD devices, ``TransferToDeviceTime``,
 ``TransferFromDeviceTime``), data in bytes (``OutboundData`` per upload, ``InboundData`` per
@@ -188,10 +189,18 @@ def clear_all() -> None:
 def executed_fallback_ops() -> list[str]:
     """The ops that ran on the CPU for lack of a lowering, as ``aten::<op>`` names, sorted.
 
+    ``.item()``'s counter ``aten::_local_scalar_dense`` is not one of them: the value is computed
+    on the device and only the scalar read back, so a loop that logs its loss lists nothing.
+
     Example:
         >>> met.executed_fallback_ops()
         []
     """
+    return [name for name in _aten_counters() if name != _store.HOST_SCALAR_READ]
+
+
+def _aten_counters() -> list[str]:
+    """The ``aten::`` counters that counted something: CPU fallbacks and host scalar reads."""
     return [name for name in counter_names() if name.startswith("aten::")]
 
 
@@ -221,7 +230,7 @@ def performance_report() -> str:
         longest = max(metrics[name], default=0) if name in metrics else 0
         if longest > threshold:
             lines.append(f"{name} too slow: longest instance took {format_time(longest)}")
-    unlowered = [n for n in executed_fallback_ops() if n != "aten::_local_scalar_dense"]
+    unlowered = executed_fallback_ops()
     if unlowered:
         ops = ", ".join(f"{name}{_sites(name)}" for name in unlowered)
         lines.append(
@@ -261,7 +270,8 @@ def metrics_report() -> str:
 def short_metrics_report(
     counter_names: list[str] | None = None, metric_names: list[str] | None = None
 ) -> str:
-    """The report restricted to some counters and metrics (those without data are left out).
+    """The report restricted to some counters and metrics (those without data are left out),
+    then every ``aten::`` counter (CPU fallbacks, host scalar reads), as PyTorch/XLA's.
 
     Args:
         counter_names: Counters to show; default ``['CachedCompile', 'MarkStep']``.
@@ -274,7 +284,7 @@ def short_metrics_report(
     metrics = list(metric_names or _DEFAULT_METRICS)
     return _report(
         [m for m in metrics if metric_data(m) is not None],
-        [c for c in counters if counter_value(c) is not None],
+        [c for c in counters if counter_value(c) is not None] + _aten_counters(),
     )
 
 

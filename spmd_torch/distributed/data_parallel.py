@@ -4,13 +4,14 @@
 loop runs the loop once per device, each on its own copy and its own share of the batches, and
 returns what each loop returned. Here each device's loop is one replica of
 :func:`spmd_torch.distributed.xla_multiprocessing.spawn`, so ``xm.optimizer_step`` inside the loop
-averages the gradients over the devices exactly as it does under ``xmp.spawn``.
+averages the gradients over the devices exactly as it does under ``xmp.spawn``. Each device's
+loader yields batches, as PyTorch/XLA 2.9's; ``legacy_data_parallel`` (``torch_xla_py``'s) numbers
+them.
 """
 
 from __future__ import annotations
 
 import copy
-import itertools
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -82,7 +83,7 @@ class _Dealer:
             return self._queues[index].popleft() if self._queues[index] else None
 
     def _deal_round(self) -> None:
-        batches = list(itertools.islice(self._batches, self._count))
+        batches = _take(self._batches, self._count)
         if len(batches) < self._count or not all(map(self._fits, batches)):
             self._done = True
             return
@@ -104,15 +105,28 @@ class _Dealer:
         return size == self._batch_size
 
 
+def _take(batches: Iterator, count: int) -> list:
+    """Up to ``count`` batches, by ``next`` alone: ``itertools.islice`` calls ``iter()`` on the
+    iterator, which restarts PyTorch/XLA's ``SampleGenerator`` (its ``__iter__`` makes a new one),
+    so a loop over one would never end."""
+    taken = []
+    for _ in range(count):
+        try:
+            taken.append(next(batches))
+        except StopIteration:
+            break
+    return taken
+
+
 class PerDeviceLoader:
-    """One device's batches, already on the device, as ``(batch_number, batch)`` pairs.
+    """One device's batches, already on the device, as PyTorch/XLA 2.9's per-device loader.
 
     Each ``next`` first issues the barrier (``xm.mark_step()``), as PyTorch/XLA's does, so the
     loop body needs none. Made by :class:`DataParallel`; a training loop only iterates it.
 
     Example:
         >>> def train_loop_fn(model, loader, device, context):
-        ...     for step, (data, target) in loader:
+        ...     for data, target in loader:
         ...         ...
     """
 
@@ -120,19 +134,16 @@ class PerDeviceLoader:
         self._dealer = dealer
         self._index = index
         self._device = device
-        self._batch_number = 0
 
-    def __iter__(self) -> Iterator[tuple[int, Any]]:
+    def __iter__(self) -> Iterator[Any]:
         return self
 
-    def __next__(self) -> tuple[int, Any]:
+    def __next__(self) -> Any:
         xm.mark_step()
         batch = self._dealer.next(self._index)
         if batch is None:
             raise StopIteration
-        batch = pytree.tree_map_only(torch.Tensor, lambda t: t.to(self._device), batch)
-        number, self._batch_number = self._batch_number, self._batch_number + 1
-        return number, batch
+        return pytree.tree_map_only(torch.Tensor, lambda t: t.to(self._device), batch)
 
 
 class DataParallel:
@@ -152,14 +163,14 @@ class DataParallel:
         device_ids: One replica per entry, each ``'xla:N'`` with ``N`` below the number of
             accelerators, all distinct. ``None``: one per accelerator. ``[]``: no xla device, the
             loop runs once on the network itself on its own device (the CPU), with
-            ``enumerate(loader)`` as its loader.
+            ``enumerate(loader)`` as its loader (as PyTorch/XLA 2.9 gives it).
         batchdim: The batch dimension, for ``fixed_batch_size``.
 
     Example:
         >>> model_parallel = dp.DataParallel(MNIST, device_ids=None)
         >>> def train_loop_fn(model, loader, device, context):
         ...     optimizer = context.getattr_or('optimizer', lambda: optim.SGD(model.parameters(), 0.01))
-        ...     for step, (data, target) in loader:
+        ...     for data, target in loader:
         ...         optimizer.zero_grad()
         ...         F.nll_loss(model(data), target).backward()
         ...         xm.optimizer_step(optimizer)
@@ -223,11 +234,15 @@ class DataParallel:
         def run_replica(index: int) -> None:
             device = xm.xla_device()
             model = self._models[index] = self._models[index].to(device)
-            per_device = PerDeviceLoader(dealer, index, device)
+            per_device = self._device_loader(PerDeviceLoader(dealer, index, device))
             results[index] = loop_fn(model, per_device, device, self._contexts[index])
 
         xmp.spawn(run_replica, nprocs=count)
         return results
+
+    def _device_loader(self, loader: PerDeviceLoader) -> Iterable:
+        """What a device's loop iterates: its batches (``legacy_data_parallel`` numbers them)."""
+        return loader
 
 
 def _check_device_ids(device_ids: list[str | torch.device] | None) -> list[str]:

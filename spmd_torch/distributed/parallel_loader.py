@@ -29,8 +29,8 @@ import torch
 import torch.utils._pytree as pytree
 from jax.sharding import NamedSharding
 
-from spmd_torch import _barrier, runtime
-from spmd_torch._lazy import engine, layout, placement, transfer
+from spmd_torch import _barrier
+from spmd_torch._lazy import engine, layout, modes, placement, transfer
 from spmd_torch.debug import profiler as xp
 from spmd_torch.distributed.spmd import ShardingSpec, validate
 
@@ -157,8 +157,8 @@ class ParallelLoader:
         self._batches_per_execution = batches_per_execution
         self._input_sharding = input_sharding
         plan = _plan(input_sharding, self._devices[0])
-        if input_sharding is not None and not runtime.is_spmd():
-            runtime.use_spmd()  # sharded inputs need SPMD mode, as mark_sharding turns it on
+        if input_sharding is not None:
+            modes.ensure_spmd()  # sharded inputs need SPMD mode, as mark_sharding turns it on
         self._pipeline = _Pipeline(
             _batches(loader),
             plan,

@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from spmd_torch import runtime
-from spmd_torch._lazy import engine
+from spmd_torch._lazy import engine, modes
 from spmd_torch.core import xla_model as xm
 
 __all__ = ["ProcessGroupXla"]
@@ -601,11 +601,11 @@ def _create_process_group(
     prefix_store: dist.Store, rank: int, size: int, timeout: timedelta
 ) -> ProcessGroupXla:
     """The ``xla`` backend's constructor, as ``dist.Backend.register_backend`` calls it."""
-    if runtime.is_spmd():
-        raise SpmdModeError(
-            "the xla backend of torch.distributed runs over the replicas of launch/spawn; it is "
-            "not supported in SPMD mode (use a CPU process group such as gloo there)"
-        )
+    modes.refuse_in_spmd(
+        "the xla backend of torch.distributed runs over the replicas of launch/spawn; it is "
+        "not supported in SPMD mode (use a CPU process group such as gloo there)",
+        SpmdModeError,
+    )
     return ProcessGroupXla(prefix_store, rank, size, timeout)
 
 

@@ -18,7 +18,6 @@ from typing import Any
 import jax
 import torch
 
-from spmd_torch import runtime
 from spmd_torch._lazy import engine, modes
 from spmd_torch._lazy.replicas import ReplicaAborted, World
 
@@ -77,12 +76,11 @@ def spawn(
     if start_method not in ("spawn", "fork", "forkserver"):
         raise ValueError(f"spawn: unknown start_method {start_method!r}")
     engine.current().mode.refuse_per_replica("spawn/launch", "replicas do not nest")
-    if runtime.is_spmd():
-        raise RuntimeError(
-            "Runtime is already initialized. Do not use the XLA device before calling xmp.spawn. "
-            "(SPMD mode is on: a launch's replicas each own one device; run an SPMD program in "
-            "one process instead)"
-        )
+    modes.refuse_in_spmd(
+        "Runtime is already initialized. Do not use the XLA device before calling xmp.spawn. "
+        "(SPMD mode is on: a launch's replicas each own one device; run an SPMD program in "
+        "one process instead)"
+    )
     results = _run(fn, args, replicas)
     return results[0] if nprocs == 1 else results
 

@@ -21,6 +21,7 @@ from torch.utils.checkpoint import check_backward_validity, detach_variable
 
 from spmd_torch._lazy import rng as _rng
 from spmd_torch._lazy.tensor import DEVICE as _DEVICE
+from spmd_torch._lazy.tensor import on_xla
 
 __all__ = ["CheckpointFunction", "checkpoint", "optimization_barrier_"]
 
@@ -41,11 +42,7 @@ def optimization_barrier_(tensors: list[torch.Tensor]) -> None:
         >>> a, b = torch.ones(3, device='xla'), torch.zeros(3, device='xla')
         >>> optimization_barrier_([a, b])
     """
-    tensors = list(tensors)
-    for t in tensors:
-        if not isinstance(t, torch.Tensor) or t.device.type != _DEVICE.type:
-            where = t.device if isinstance(t, torch.Tensor) else type(t).__name__
-            raise TypeError(f"optimization_barrier_: expected xla tensors, got one on {where}")
+    tensors = [on_xla(t, "optimization_barrier_", TypeError) for t in tensors]
     if not tensors:
         return
     with torch.no_grad():

@@ -20,7 +20,7 @@ import torch
 
 from spmd_torch._lazy import execute, placement, transfer
 from spmd_torch._lazy.lowering.dtypes import to_torch_dtype
-from spmd_torch._lazy.tensor import LazyTensor
+from spmd_torch._lazy.tensor import on_xla
 
 __all__ = ["from_dlpack", "to_dlpack"]
 
@@ -35,8 +35,7 @@ def to_dlpack(xla_tensor: torch.Tensor) -> Any:
     Example:
         >>> capsule = xdlpack.to_dlpack(torch.ones(3, device='xla'))
     """
-    if not isinstance(xla_tensor, LazyTensor):
-        raise ValueError(f"to_dlpack needs an xla tensor, got one on {xla_tensor.device}")
+    on_xla(xla_tensor, "to_dlpack")
     array = placement.logical(execute.materialize([xla_tensor])[0], tuple(xla_tensor.shape))
     devices = array.sharding.device_set
     if len(devices) != 1:

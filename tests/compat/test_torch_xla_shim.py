@@ -32,7 +32,7 @@ import torch_xla.core.xla_model as xm
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 import spmd_torch, spmd_torch.core.xla_model, spmd_torch.distributed.spmd, spmd_torch.runtime
-import spmd_torch.core.lazy_model, spmd_torch.distributed.data_parallel
+import spmd_torch.core.lazy_model, spmd_torch.distributed.legacy_data_parallel
 import spmd_torch.utils.serialization
 
 assert torch_xla.__version__ == "{version}", torch_xla.__version__
@@ -48,7 +48,7 @@ xr.use_spmd()
 assert spmd_torch.runtime.is_spmd()  # one state under both names
 assert torch_xla.device() == spmd_torch.device() and torch_xla.sync is spmd_torch.sync
 assert ltm is spmd_torch.core.lazy_model and ltc_xser is spmd_torch.utils.serialization
-assert old_xm is xm and dp is spmd_torch.distributed.data_parallel
+assert old_xm is xm and dp is spmd_torch.distributed.legacy_data_parallel
 assert str(torch.ones(2, device=ltm.lazy_device()).device) == "xla:0"
 print("checked")
 """
@@ -120,7 +120,7 @@ def test_the_runs_child_processes_see_torch_xla_too(tmp_path):
     version = _as_torch_xla.VERSION
     spawned, ran = done.stdout.strip().splitlines()
     names = "spmd_torch.core.xla_model", "spmd_torch.core.lazy_model"
-    names += ("spmd_torch.distributed.data_parallel",)
+    names += ("spmd_torch.distributed.legacy_data_parallel",)
     assert spawned == str((version, version, *names)) and ran == version
 
 

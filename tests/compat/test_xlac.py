@@ -130,7 +130,9 @@ def test_clear_sharding_forgets_the_annotation(spmd_mode):
     ids=lambda f: f.__name__,
 )
 def test_cpu_tensors_are_refused_as_pytorch_xla_refuses_them(call):
-    with pytest.raises(RuntimeError, match=r"not an XLA tensor: a torch.float32 tensor of shape"):
+    with pytest.raises(
+        RuntimeError, match=r"needs a tensor on the xla device, got a torch.float32 tensor of shape"
+    ):
         call(torch.zeros(2, 3))
 
 
@@ -333,7 +335,7 @@ def test_debug_info_shows_the_pending_op_then_the_device_data():
     assert "XLAData: None" in info
     spmd_torch.sync()
     info = xlac._get_xla_tensor_debug_info(y)
-    assert "IR: None" in info and "XLAData: None" not in info
+    assert "IR: xla::device_data" in info and "XLAData: None" not in info
     assert "Data Shape: f32[5]" in info and f"Data Device: {xr.device_type()}:" in info
 
 
@@ -356,6 +358,15 @@ def test_debug_info_and_text_name_complex_views_by_their_own_type(make, shape):
     assert f"XLA Shape: {shape}" in xlac._get_xla_tensor_debug_info(t)
     text = xlac._get_xla_tensors_text([t])
     assert text.endswith("\n") and shape in text.split("\n")[-3]
+
+
+def test_text_names_a_device_data_input_as_pytorch_xla_does():
+    """A computed tensor is an ``xla::device_data`` leaf in PyTorch/XLA's IR text, alone or read
+    by a pending op; reading it again runs nothing."""
+    x = torch.randn(1, 4).to(dev) * 2
+    spmd_torch.sync()
+    assert xlac._get_xla_tensors_text([x]) == "%in0:f32[1,4] = xla::device_data\nreturn %in0\n"
+    assert "%in0:f32[1,4] = xla::device_data" in xlac._get_xla_tensors_text([x + 1])
 
 
 def test_shape_type_is_the_element_type_the_device_holds(monkeypatch):

@@ -7,6 +7,7 @@ compiled graphs as through traced code; a compiled ``xm.all_reduce`` inside ``la
 from __future__ import annotations
 
 import copy
+import gc
 import subprocess
 import sys
 import textwrap
@@ -510,3 +511,20 @@ def test_mark_sharding_inside_traced_graphs():
         assert_close(v.grad.cpu(), -3 * torch.sin(v.detach().cpu()))
     finally:
         xr.reset()
+
+
+def test_a_finished_engine_takes_its_call_count_with_it():
+    """A compiled graph counts its calls per step per engine; an engine that finished (a replica's)
+    leaves no count behind that a later engine at the same address would inherit."""
+    from spmd_torch._lazy import engine, modes
+
+    double = torch.compile(lambda x: x * 2 + 1, backend="spmd_torch")
+    spare = engine.Engine(modes.PerDevice(), cache=engine.current().cache)
+    with engine.running(spare):
+        y = double(torch.ones(3, device=spmd_torch.device()))
+        template = y._ref()[0].args[1]
+        assert list(template.calls) == [spare]
+        assert y.cpu().tolist() == [3.0, 3.0, 3.0]
+    del spare, y
+    gc.collect()
+    assert list(template.calls) == []

@@ -488,7 +488,7 @@ def test_each_thread_can_trace_with_an_engine_of_its_own():
     seen = {}
 
     def replica():
-        with engine.running(engine.Engine(modes.OneDevice(), cache=engine.current().cache)):
+        with engine.running(engine.Engine(modes.PerDevice(), cache=engine.current().cache)):
             z = torch.full((2,), 5.0, device=dev) * 3
             seen["pending"] = spmd_torch.debug.graph.pending_count()
             spmd_torch.sync()

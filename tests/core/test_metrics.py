@@ -93,6 +93,31 @@ def test_executed_fallback_ops_lists_aten_counters():
     assert met.executed_fallback_ops() == ["aten::_unique2", "aten::nonzero"]
 
 
+def test_host_scalar_reads_count_as_local_scalar_dense_and_not_as_fallbacks():
+    """``.item()`` and ``if t:`` each count once under PyTorch/XLA's ``aten::_local_scalar_dense``
+    (its troubleshooting guide finds host syncs by it); the values are eager CPU's."""
+    met.clear_all()
+    cpu = torch.tensor([1.5, -2.0])
+    x = cpu.to(DEV) * 2
+    assert x.sum().item() == (cpu * 2).sum().item()
+    assert bool(x[0] > 0) is bool(cpu[0] * 2 > 0)
+    assert met.counter_value("aten::_local_scalar_dense") == 2
+    assert met.executed_fallback_ops() == []
+    assert met.performance_report() == ""
+
+
+def test_short_metrics_report_adds_every_aten_counter():
+    """As PyTorch/XLA's: the chosen counters, then each ``aten::`` counter (fallbacks, reads)."""
+    met.clear_all()
+    x = torch.tensor([0.0, 3.0], device=DEV)
+    x.max().item()
+    torch.nonzero(x)
+    report = met.short_metrics_report(counter_names=["MarkStep"], metric_names=["InboundData"])
+    assert "Counter: aten::_local_scalar_dense\n  Value: 1" in report
+    assert "Counter: aten::nonzero\n  Value: 1" in report
+    assert met.executed_fallback_ops() == ["aten::nonzero"]
+
+
 def test_each_recorded_op_call_counts_under_its_xla_name():
     """``xla::<op>`` counts the calls recorded into the graph, overloads summed (an in-place
     ``+=`` records the functional add), not the ops that ran on the CPU; clearing the counters
@@ -194,5 +219,7 @@ def test_get_tensors_hlo_is_hlo_text_and_runs_nothing():
 
 
 def test_graph_rejects_cpu_tensors():
-    with pytest.raises(ValueError, match=r"tensors\[1\] is not an xla tensor \(cpu\)"):
+    with pytest.raises(
+        ValueError, match=r"\(tensors\[1\]\) needs a tensor on the xla device, got .* on cpu"
+    ):
         graph.get_tensors_text([torch.ones(1, device=DEV), torch.ones(1)])

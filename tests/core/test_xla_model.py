@@ -79,6 +79,7 @@ def test_use_spmd_is_reported_by_is_spmd(monkeypatch):
 def test_is_spmd_reads_the_environment_variable(monkeypatch):
     monkeypatch.setenv("XLA_USE_SPMD", "1")
     assert xr.is_spmd() is True
+    xr.reset()
 
 
 def test_use_spmd_auto_is_refused(monkeypatch):

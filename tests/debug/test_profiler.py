@@ -103,6 +103,7 @@ def busy():
     name = "busy_region"
     done = threading.Event()
     work = jax.jit(lambda a: a @ a)
+    work(jax.numpy.ones((32, 32))).block_until_ready()  # compiled before: a window is all runs
 
     def run() -> None:
         while not done.is_set():
@@ -244,7 +245,7 @@ def test_trace_names_belong_to_the_engine():
     seen = []  # the scope a node recorded now would carry, on each engine
 
     def other_engine():
-        with engine.running(engine.Engine(modes.OneDevice())):
+        with engine.running(engine.Engine(modes.PerDevice())):
             seen.append(engine.current().scope)
 
     with xp.Trace("main_only"):
@@ -313,7 +314,7 @@ def test_tracer_marked_step_belongs_to_the_engine():
     seen = []
 
     def other_engine():
-        with engine.running(engine.Engine(modes.OneDevice())):
+        with engine.running(engine.Engine(modes.PerDevice())):
             seen.append(xp.get_tracer_marked_step())
 
     worker = threading.Thread(target=other_engine)

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 import pytest
+import rich.console
 import torch
 
 import spmd_torch
@@ -648,13 +649,21 @@ def check_visualize_tensor_sharding(fn):
     xr.use_spmd()
     t = torch.ones(8, 2).to(_device())
     xs.mark_sharding(t, _mesh(), ("data", None))
-    table = fn(t, use_color=False)
-    assert all(str(device) in table for device in range(8))
+    table = _rendered(fn(t, use_color=False))
+    assert all(f"CPU {device}" in table for device in range(8))
 
 
 def check_visualize_sharding(fn):
-    table = fn("{devices=[8,1]0,1,2,3,4,5,6,7}", use_color=False)
-    assert all(str(device) in table for device in range(8))
+    table = _rendered(fn("{devices=[8,1]0,1,2,3,4,5,6,7}", use_color=False))
+    assert all(f"CPU {device}" in table for device in range(8))
+
+
+def _rendered(table) -> str:
+    """A ``rich`` table as the text a console prints."""
+    console = rich.console.Console()
+    with console.capture() as capture:
+        console.print(table)
+    return capture.get()
 
 
 # --- FSDP, experimental, checkpointing -----------------------------------------------------------

@@ -1,15 +1,18 @@
 """The legacy DataParallel API: one replica per device, batches dealt in turn, gradients averaged
-by xm.optimizer_step, against an eager CPU reference."""
+by xm.optimizer_step, against an eager CPU reference; torch_xla_py's numbers the batches."""
 
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
 
 import spmd_torch.core.xla_model as xm
 import spmd_torch.distributed.data_parallel as dp
+import spmd_torch.distributed.legacy_data_parallel as legacy_dp
+import spmd_torch.utils.utils as xu
 from tests.helpers import assert_close
 
 DEVICES = 8
@@ -32,7 +35,7 @@ def _train_loop(model, loader, device, context):
     """A PyTorch/XLA-style loop: optimizer kept in the context, xm.optimizer_step per batch."""
     optimizer = context.getattr_or("optimizer", lambda: torch.optim.SGD(model.parameters(), 0.1))
     losses = []
-    for _, (data, target) in loader:
+    for data, target in loader:
         optimizer.zero_grad()
         loss = torch.nn.functional.mse_loss(model(data), target)
         loss.backward()
@@ -79,13 +82,37 @@ def test_data_parallel_trains_as_sgd_on_the_averaged_gradient_across_calls():
 
 
 def test_batches_are_dealt_in_turn_and_an_incomplete_round_is_dropped():
+    """Each device's loader yields its batches alone, as PyTorch/XLA 2.9's per-device loader."""
     batches = [torch.full((1,), float(k)) for k in range(3 * 3 + 2)]
 
     def loop(model, loader, device, context):
-        return [(number, batch.device.type, int(batch.item())) for number, batch in loader]
+        return [(batch.device.type, int(batch.item())) for batch in loader]
 
     results = dp.DataParallel(_net(), device_ids=["xla:0", "xla:1", "xla:2"])(loop, batches)
-    assert results == [[(r, "xla", 3 * r + i) for r in range(3)] for i in range(3)]
+    assert results == [[("xla", 3 * r + i) for r in range(3)] for i in range(3)]
+
+
+def test_a_sample_generator_is_dealt_once_through():
+    """``xu.SampleGenerator`` restarts on every ``iter()`` (as PyTorch/XLA's); its samples are
+    still dealt once each: ``sample_count`` rounds over the devices, as PyTorch/XLA's
+    TestParallelTensorMNIST feeds DataParallel."""
+    loader = xu.SampleGenerator(data=(torch.zeros(2, 6), torch.zeros(2, 3)), sample_count=3 * 2)
+
+    def loop(model, loader, device, context):
+        return sum(1 for _ in itertools.islice(loader, 10))  # bounded: a restart never ends
+
+    assert dp.DataParallel(_net(), device_ids=["xla:0", "xla:1"])(loop, loader) == [3, 3]
+
+
+def test_torch_xla_py_data_parallel_numbers_each_devices_batches():
+    """torch_xla_py.data_parallel's loader (seed guide 002) yields ``(batch_number, batch)``."""
+    batches = [torch.full((1,), float(k)) for k in range(2 * 3)]
+
+    def loop(model, loader, device, context):
+        return [(number, int(batch.item())) for number, batch in loader]
+
+    results = legacy_dp.DataParallel(_net(), device_ids=["xla:0", "xla:1"])(loop, batches)
+    assert results == [[(r, 2 * r + i) for r in range(3)] for i in range(2)]
 
 
 def test_device_ids_pick_the_replicas_and_each_runs_on_its_own_copy():

@@ -31,7 +31,7 @@ import spmd_torch
 import spmd_torch.core.lazy_model as ltm  # lazy_tensor_core.core.lazy_model
 import spmd_torch.core.xla_model as xm  # torch_xla.core.xla_model, torch_xla_py.xla_model
 import spmd_torch.debug.graph as graph
-import spmd_torch.distributed.data_parallel as dp  # torch_xla_py.data_parallel
+import spmd_torch.distributed.legacy_data_parallel as dp  # torch_xla_py.data_parallel
 import spmd_torch.distributed.parallel_loader as pl
 import spmd_torch.distributed.xla_multiprocessing as xmp
 import spmd_torch.runtime as xr

@@ -101,7 +101,7 @@ def test_without_a_sharding_there_is_no_layout_to_answer():
         xs.XLAShardedTensor(torch.ones(3).to(dev))._spec
     with pytest.raises(ValueError, match=r"^Placements not available") as caught:
         xs.XLAShardedTensor(torch.ones(3)).placements
-    assert "placements expects a tensor on the xla device" in str(caught.value.__cause__)
+    assert "placements needs a tensor on the xla device" in str(caught.value.__cause__)
 
 
 # ---- through DTensor's API ---------------------------------------------------------------------
@@ -196,5 +196,5 @@ def test_wrap_errors_name_what_is_missing():
         xs.wrap_as_sharded_tensor(torch.ones(8).to(dev), partition_spec=(0,))
     with pytest.raises(ValueError, match="mesh_shape .* holds 16 devices"):
         xs.wrap_as_sharded_tensor(torch.ones(8).to(dev), (2, 8), (0,))
-    with pytest.raises(ValueError, match="expects a tensor on the xla device"):
+    with pytest.raises(ValueError, match="needs a tensor on the xla device"):
         xs.XLAShardedTensor(torch.ones(8), mesh_shape=(8,), partition_spec=(0,))

@@ -12,6 +12,7 @@ import torch
 from jax.sharding import NamedSharding, PartitionSpec
 
 import spmd_torch.distributed.spmd as xs
+import spmd_torch.runtime as xr
 from spmd_torch.distributed.spmd import mesh as mesh_module
 
 
@@ -114,6 +115,31 @@ def test_hybrid_mesh_dcn_rows_hold_contiguous_device_blocks():
     mesh = xs.HybridMesh((1, 4), (2, 1), ("data", "fsdp"))
     assert mesh.shape() == OrderedDict([("data", 2), ("fsdp", 4)])
     np.testing.assert_array_equal(mesh.get_logical_mesh(), [[0, 1, 2, 3], [4, 5, 6, 7]])
+
+
+def _tpu_v4_8(slice_index: int, names: list[int]) -> list[dict]:
+    """A v4-8 slice's device attributes as PyTorch/XLA's runtime gives them: a 2x2x1 torus."""
+    coords = ([0, 0, 0], [1, 0, 0], [0, 1, 0], [1, 1, 0])
+    return [
+        {"name": f"TPU:{n}", "coords": c, "core_on_chip": 0, "slice_index": slice_index}
+        for n, c in zip(names, coords)
+    ]
+
+
+def test_hybrid_mesh_over_two_tpu_slices_follows_their_attributes(monkeypatch):
+    """PyTorch/XLA's test_hybrid_mesh: two v4-8 slices whose device names are shuffled against
+    their torus coordinates; the expected layout is the one PyTorch/XLA 2.9 builds."""
+    attributes = _tpu_v4_8(0, [2, 1, 0, 3]) + _tpu_v4_8(1, [4, 7, 6, 5])
+    monkeypatch.setattr(xr, "global_runtime_device_attributes", lambda: attributes)
+    mesh = xs.HybridMesh(ici_mesh_shape=(2, 2), dcn_mesh_shape=(2, 1))
+    assert mesh.get_logical_mesh().tolist() == [[2, 1], [0, 3], [4, 7], [6, 5]]
+
+
+def test_hybrid_mesh_dcn_shape_must_count_the_slices(monkeypatch):
+    attributes = _tpu_v4_8(0, [0, 1, 2, 3]) + _tpu_v4_8(1, [4, 5, 6, 7])
+    monkeypatch.setattr(xr, "global_runtime_device_attributes", lambda: attributes)
+    with pytest.raises(ValueError, match=r"dcn_mesh_shape \(1, 1\) spans 1 .* form 2"):
+        xs.HybridMesh(ici_mesh_shape=(2, 4))
 
 
 def test_hybrid_mesh_default_dcn_is_a_plain_mesh():

@@ -239,7 +239,7 @@ def test_pending_graph_text_shows_layouts():
     y = w * 2
     xs.mark_sharding(y, mesh, (("data", "model"), None))
     text = spmd_torch.debug.graph.pending_text([y])
-    assert "%in0:f32[8,4]{data,model} = input" in text
+    assert "%in0:f32[8,4]{data,model} = xla::device_data" in text
     assert "%1:f32[8,4] = sharding_constraint(%0, {data+model,_})" in text
 
 

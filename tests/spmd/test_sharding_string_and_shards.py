@@ -1,11 +1,17 @@
 """mark_sharding on xla tensors: sharding strings, local shards, the XLAShardedTensor wrapper, and
-the text picture of a sharding."""
+the picture of a sharding."""
 
 from __future__ import annotations
 
 import jax
 import numpy as np
 import pytest
+import rich.align
+import rich.box
+import rich.console
+import rich.padding
+import rich.style
+import rich.table
 import torch
 
 import spmd_torch
@@ -331,45 +337,75 @@ def test_wrap_if_sharded():
 # ---- visualize ------------------------------------------------------------------------------
 
 
+def _rendered(table) -> str:
+    console = rich.console.Console()
+    with console.capture() as capture:
+        console.print(table)
+    return capture.get()
+
+
+def _expected(rows: list[list[str]]) -> str:
+    """The table PyTorch/XLA 2.9's visualize_sharding builds for these cells, rendered (the
+    recipe its test_spmd_debugging.py checks it against)."""
+    plain = rich.console.Console().color_system is None
+    table = rich.table.Table(
+        show_header=False,
+        show_lines=plain,
+        padding=0,
+        highlight=plain,
+        pad_edge=False,
+        box=rich.box.SQUARE if plain else None,
+    )
+    for row in rows:
+        table.add_row(
+            *(
+                rich.padding.Padding(
+                    rich.align.Align(text, "center", vertical="middle"),
+                    (1, 1, 1, 1),
+                    style=rich.style.Style(bgcolor=None, color=None),
+                )
+                for text in row
+            )
+        )
+    return _rendered(table)
+
+
 def test_visualize_1d_tensor_one_row_of_blocks(capsys):
     t = torch.zeros(16).to(dev)
     xs.mark_sharding(t, _mesh(), (0,))
-    text = xs.visualize_tensor_sharding(t)
-    assert capsys.readouterr().out == text
-    lines = text.splitlines()
-    assert len(lines) == 3  # one row between two rules
-    assert [f"CPU {k}" in lines[1] for k in range(8)] == [True] * 8
+    table = xs.visualize_tensor_sharding(t)
+    assert _rendered(table) == _expected([[f"CPU {k}" for k in range(8)]])
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"Visualizing {{devices=[8]{ALL}}}") and "CPU 7" in printed
 
 
 def test_visualize_2d_tensor_grid_of_blocks():
     t = torch.zeros(8, 8).to(dev)
     xt = xs.mark_sharding(t, _mesh((4, 2)), (0, 1))
-    text = xs.visualize_tensor_sharding(xt)
-    rows = [line for line in text.splitlines() if line.startswith("|")]
-    assert len(rows) == 4
-    assert rows[0] == "| CPU 0 | CPU 1 |"
-    assert "CPU 6" in rows[3] and "CPU 7" in rows[3]
+    table = xs.visualize_tensor_sharding(xt)
+    assert _rendered(table) == _expected([[f"CPU {r}", f"CPU {r + 1}"] for r in range(0, 8, 2)])
 
 
 def test_visualize_partial_replication_lists_replica_groups():
     t = torch.zeros(8, 8).to(dev)
     xs.mark_sharding(t, _mesh((4, 2)), (0, None))
-    text = xs.visualize_tensor_sharding(t)
-    rows = [line for line in text.splitlines() if line.startswith("|")]
-    assert [row.strip("| ") for row in rows] == ["CPU 0,1", "CPU 2,3", "CPU 4,5", "CPU 6,7"]
+    table = xs.visualize_tensor_sharding(t)
+    assert _rendered(table) == _expected([[f"CPU [{r}, {r + 1}]"] for r in range(0, 8, 2)])
 
 
 def test_visualize_replicated_one_block_on_every_device():
     t = torch.zeros(8, 8).to(dev)
     xs.mark_sharding(t, _mesh((4, 2)), (None, None))
-    text = xs.visualize_tensor_sharding(t, use_color=True)
-    assert "CPU 0,1,2,3,4,5,6,7" in text and "\033[" in text
+    table = xs.visualize_tensor_sharding(t, use_color=False)
+    assert _rendered(table) == _expected([[f"CPU {list(range(8))}"]])
 
 
-def test_visualize_sharding_from_string():
-    text = xs.visualize_sharding("{devices=[2,2]0,1,2,3}")
-    assert text.splitlines()[1] == "| CPU 0 | CPU 1 |"
-    assert text.splitlines()[3] == "| CPU 2 | CPU 3 |"
+def test_visualize_sharding_from_string_as_pytorch_xla_draws_it():
+    """PyTorch/XLA's test_debugging_spmd_multi_host_tiled_cpu's string and cells."""
+    sharding = "{devices=[2,8]0,4,8,12,2,6,10,14,1,5,9,13,3,7,11,15}"
+    order = [int(d) for d in sharding[sharding.index("]") + 1 : -1].split(",")]
+    expected = _expected([[f"CPU {d}" for d in order[:8]], [f"CPU {d}" for d in order[8:]]])
+    assert _rendered(xs.visualize_sharding(sharding)) == expected
 
 
 def test_visualize_rejects_unsharded_and_3d_tensors():

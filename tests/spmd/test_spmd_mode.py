@@ -116,7 +116,7 @@ def test_unmarked_data_is_uploaded_replicated_by_its_first_program():
 
 def test_data_still_on_the_host_can_be_inspected():
     x = torch.ones(4).to(dev)  # not uploaded yet: no program has needed it
-    assert "%in0:f32[4] = input" in spmd_torch.debug.graph.pending_text([x * 2])
+    assert "%in0:f32[4] = xla::device_data" in spmd_torch.debug.graph.pending_text([x * 2])
     assert xs.get_xla_sharding_spec(x) == ""
 
 

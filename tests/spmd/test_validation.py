@@ -155,12 +155,16 @@ def test_spec_rank_must_match_tensor_rank(mesh, t, spec, message):
 
 
 def test_mark_sharding_cpu_tensor_names_the_device(mesh):
-    with pytest.raises(ValueError, match=r"xla device, got a tensor of shape \(8, 4\) on cpu"):
+    with pytest.raises(
+        ValueError, match=r"xla device, got a torch.float32 tensor of shape \(8, 4\) on cpu"
+    ):
         xs.mark_sharding(torch.zeros(8, 4), mesh, (0, None))
 
 
 def test_mark_sharding_non_tensor_names_the_type(mesh):
-    with pytest.raises(ValueError, match="mark_sharding expects a torch.Tensor .* got list"):
+    with pytest.raises(
+        ValueError, match="mark_sharding needs a tensor on the xla device, got a list"
+    ):
         xs.mark_sharding([1.0, 2.0], mesh, (0,))
 
 
@@ -176,13 +180,11 @@ def test_mark_sharding_needs_our_mesh(t):
     ids=lambda f: f.__name__,
 )
 def test_apis_on_cpu_tensors_name_the_api_and_the_device(api):
-    message = (
-        rf"{api.__name__} expects a tensor on the xla device, got a tensor of shape \(3,\) on cpu"
-    )
+    message = rf"{api.__name__} needs a tensor on the xla device, got a torch.float32 tensor of shape \(3,\) on cpu"
     with pytest.raises(ValueError, match=message):
         api(torch.zeros(3))
 
 
 def test_local_shards_of_a_cpu_tensor_names_the_device():
-    with pytest.raises(ValueError, match=r"local_shards expects a tensor on the xla device"):
+    with pytest.raises(ValueError, match=r"local_shards needs a tensor on the xla device"):
         xs.XLAShardedTensor(torch.zeros(3)).local_shards

@@ -317,10 +317,16 @@ def spmd_cached_compiles() -> int:
 
 def spmd_fallbacks() -> dict[str, int]:
     """CPU fallbacks so far, by op: the ``aten::<op>`` counters (an op run on the CPU for lack of
-    a lowering), read through counter_names(), which older checkouts have too."""
+    a lowering), read through counter_names(), which older checkouts have too. A host read of a
+    scalar (``.item()``, the loss logged) counts as ``aten::_local_scalar_dense``, as in
+    PyTorch/XLA, but ran on the device: not a fallback."""
     import spmd_torch.debug.metrics as met
 
-    names = [n for n in met.counter_names() if n.startswith("aten::")]
+    names = [
+        n
+        for n in met.counter_names()
+        if n.startswith("aten::") and n != "aten::_local_scalar_dense"
+    ]
     return {n: int(met.counter_value(n) or 0) for n in names}
 
 

@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from spmd_torch import runtime
+from spmd_torch._lazy import modes
 from spmd_torch.distributed import _dtensor_route
 
 from . import _dtensor
@@ -84,7 +85,7 @@ def convert_to_xla_mesh(dt_mesh: DeviceMesh) -> Mesh:
         >>> convert_to_xla_mesh(DeviceMesh('xla', [[0, 1, 2, 3], [4, 5, 6, 7]])).mesh_shape
         (2, 4)
     """
-    _spmd_on()
+    modes.ensure_spmd()
     return _dtensor.to_xla_mesh(dt_mesh, "convert_to_xla_mesh")
 
 
@@ -103,7 +104,7 @@ def convert_to_xla_partition_spec(tensor: torch.Tensor, placements: Sequence[Pla
         >>> convert_to_xla_partition_spec(torch.randn(4, 8, 8), [Replicate(), Shard(0)])
         (1, None, None)
     """
-    _spmd_on()
+    modes.ensure_spmd()
     return _dtensor.to_partition_spec(tensor.dim(), placements, "convert_to_xla_partition_spec")
 
 
@@ -131,7 +132,7 @@ def xla_distribute_tensor(
         >>> xt.sharding_spec
         '{devices=[4,1,2]0,1,2,3,4,5,6,7 last_tile_dim_replicate}'
     """
-    _spmd_on()
+    modes.ensure_spmd()
     if type(tensor).__name__ == "DTensor":
         raise ValueError(
             "Cannot distribute a DTensor with local tensor on xla devices: "
@@ -185,7 +186,7 @@ def xla_distribute_module(
         ...         distribute_tensor(mod.weight, mesh, [Shard(0)])
         >>> model = distribute_module(model.to('xla'), DeviceMesh('xla', range(8)), shard_linears)
     """
-    _spmd_on()
+    modes.ensure_spmd()
     if partition_fn is auto_policy:
         runtime.use_spmd(auto=True)
     if partition_fn is not None:
@@ -215,8 +216,3 @@ def _hook(fn: Callable, device_mesh: DeviceMesh | None, name: str, pre: bool) ->
     if pre:
         return lambda module, inputs: fn(module, inputs, device_mesh)
     return lambda module, inputs, outputs: fn(module, outputs, device_mesh)
-
-
-def _spmd_on() -> None:
-    if not runtime.is_spmd():
-        runtime.use_spmd()

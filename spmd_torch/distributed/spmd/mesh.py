@@ -12,6 +12,7 @@ Unnamed mesh axes are called ``'0'``, ``'1'``... on the JAX side, as PyTorch/XLA
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import math
 from collections import OrderedDict
@@ -19,8 +20,10 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
+from spmd_torch import runtime
 from spmd_torch._lazy import counters, engine
 
 from . import validate
@@ -212,10 +215,12 @@ class HybridMesh(Mesh):
 
     Each mesh axis has size ``ici_mesh_shape[i] * dcn_mesh_shape[i]``; a coordinate along it is
     ``dcn_index * ici_mesh_shape[i] + ici_index``, so the DCN part of every axis is its major part.
-    With several processes the devices of one process form one DCN coordinate and are laid out as
-    ``jax.experimental.mesh_utils.create_hybrid_device_mesh(..., process_is_granule=True)`` lays
-    them out; on one process each DCN coordinate takes a contiguous block of ``prod(ici_mesh_shape)``
-    devices (``jax.devices()`` order). Order axes by increasing network intensity.
+    The devices are read from ``runtime.global_runtime_device_attributes()``, as PyTorch/XLA reads
+    them, and laid out by ``jax.experimental.mesh_utils.create_hybrid_device_mesh``: one DCN
+    coordinate per slice (the attributes' ``slice_index``), else per process, else (one process)
+    per contiguous block of ``prod(ici_mesh_shape)`` devices; within it, TPUs (attributes with
+    ``coords``) follow their physical torus and other devices their ids. Order axes by increasing
+    network intensity.
 
     Args:
         ici_mesh_shape: The logical mesh within a host (or slice).
@@ -242,8 +247,13 @@ class HybridMesh(Mesh):
         validate._check_mesh_shape(ici, math.prod(ici))
         validate._check_mesh_shape(dcn, math.prod(dcn))
         mesh_shape = tuple(int(i) * int(d) for i, d in zip(ici, dcn))
-        validate._check_mesh_size(math.prod(mesh_shape), mesh_shape, jax.device_count())
-        ids = _hybrid_device_ids(ici, dcn)
+        devices = _devices_from_attributes(runtime.global_runtime_device_attributes(), ici)
+        validate._check_mesh_size(math.prod(mesh_shape), mesh_shape, len(devices))
+        validate._check_granules(len({d.slice_index for d in devices}), dcn)
+        laid_out = mesh_utils.create_hybrid_device_mesh(
+            ici, dcn, devices, allow_split_physical_axes=True
+        )
+        ids = np.vectorize(lambda d: d.id, otypes=[np.int64])(laid_out)
         super().__init__(ids.reshape(-1), mesh_shape, axis_names)
         object.__setattr__(self, "ici_mesh_shape", tuple(int(i) for i in ici))
         object.__setattr__(self, "dcn_mesh_shape", tuple(int(d) for d in dcn))
@@ -252,22 +262,45 @@ class HybridMesh(Mesh):
         return (HybridMesh, (self.ici_mesh_shape, self.dcn_mesh_shape, self.axis_names))
 
 
-def _hybrid_device_ids(ici: tuple, dcn: tuple) -> np.ndarray:
-    """Device ids in the hybrid layout, shaped ``ici * dcn``."""
-    mesh_shape = tuple(i * d for i, d in zip(ici, dcn))
-    if jax.process_count() > 1:
-        from jax.experimental import mesh_utils
+@dataclasses.dataclass(frozen=True)
+class _DeviceStandIn:
+    """A device as JAX's ``mesh_utils`` reads one, built from PyTorch/XLA's device attributes
+    (which user code and tests may give for devices this process does not have)."""
 
-        validate._check_granules(jax.process_count(), dcn)
-        devices = jax.devices()
-        index = {d.id: k for k, d in enumerate(devices)}
-        laid_out = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=True)
-        return np.vectorize(lambda d: index[d.id], otypes=[np.int64])(laid_out)
-    # One contiguous block of devices per DCN coordinate; then interleave (dcn_k, ici_k) per axis.
-    blocks = np.arange(math.prod(mesh_shape)).reshape(dcn + ici)
-    rank = len(ici)
-    interleaved = [axis for k in range(rank) for axis in (k, rank + k)]
-    return blocks.transpose(interleaved).reshape(mesh_shape)
+    id: int
+    platform: str
+    device_kind: str
+    slice_index: int  # the DCN granule: a slice, else a process, else a block of devices
+    coords: tuple[int, ...] = ()
+    core_on_chip: int = 0
+
+
+def _devices_from_attributes(attributes: list[dict], ici: tuple) -> list[_DeviceStandIn]:
+    """One stand-in per device, its id its position by ordinal (``'TPU:2'`` -> 2), as
+    PyTorch/XLA's HybridMesh numbers them."""
+    ordered = sorted(attributes, key=lambda a: int(str(a["name"]).rsplit(":", 1)[1]))
+    block = math.prod(ici)
+    return [
+        _DeviceStandIn(
+            id=k,
+            platform=str(a.get("platform", str(a["name"]).split(":")[0])).lower(),
+            device_kind=str(a.get("device_kind", "")),
+            slice_index=_granule(a, k, block),
+            coords=tuple(a.get("coords", ())),
+            core_on_chip=int(a.get("core_on_chip", 0)),
+        )
+        for k, a in enumerate(ordered)
+    ]
+
+
+def _granule(attributes: dict, position: int, block: int) -> int:
+    """The DCN coordinate a device belongs to: its slice, else its process when the job has
+    several, else its block of ``block`` devices in id order (one process emulating hosts)."""
+    if "slice_index" in attributes:
+        return int(attributes["slice_index"])
+    if jax.process_count() > 1:
+        return int(attributes["process_index"])
+    return position // block
 
 
 def get_1d_mesh(axis_name: str | None = None) -> Mesh:

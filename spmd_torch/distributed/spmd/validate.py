@@ -12,7 +12,6 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 from jax.sharding import PartitionSpec
 
 
@@ -92,11 +91,11 @@ def _check_hybrid_shapes(ici_mesh_shape: tuple, dcn_mesh_shape: tuple) -> None:
 
 
 def _check_granules(num_granules: int, dcn_mesh_shape: tuple) -> None:
-    """With several processes, each DCN coordinate is one process."""
+    """Each DCN coordinate is one slice (or process, or block of devices on one process)."""
     if math.prod(dcn_mesh_shape) != num_granules:
         raise MeshError(
-            f"dcn_mesh_shape {dcn_mesh_shape} spans {math.prod(dcn_mesh_shape)} hosts but the "
-            f"job has {num_granules} processes (jax.process_count())"
+            f"dcn_mesh_shape {dcn_mesh_shape} spans {math.prod(dcn_mesh_shape)} slices or hosts "
+            f"but the devices form {num_granules} (their slice_index, else their processes)"
         )
 
 
@@ -164,15 +163,4 @@ def _check_spec_rank(shape: tuple, partition_spec: tuple) -> None:
         raise ValueError(
             f"partition_spec {partition_spec} has {len(partition_spec)} entries but the tensor of "
             f"shape {shape} has rank {len(shape)}: give one entry (None to replicate) per dimension"
-        )
-
-
-def _check_xla_tensor(t, api: str) -> None:
-    """Sharding applies to tensors on the xla device; name what was passed instead."""
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{api} expects a torch.Tensor on the xla device, got {type(t).__name__}")
-    if t.device.type != "xla":
-        raise ValueError(
-            f"{api} expects a tensor on the xla device, got a tensor of shape {tuple(t.shape)} on "
-            f"{t.device}; move it first with .to(spmd_torch.device())"
         )

@@ -36,8 +36,9 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Partial, Placement
 
 from spmd_torch import runtime
-from spmd_torch._lazy import execute, placement, transfer
+from spmd_torch._lazy import execute, modes, placement, transfer
 from spmd_torch._lazy.layout import canonical
+from spmd_torch._lazy.tensor import on_xla
 from spmd_torch._lazy.transfer import to_torch
 
 from . import _dtensor, validate
@@ -219,7 +220,7 @@ class XLAShardedTensor:
         """Lay the tensor out over a mesh of ``mesh_shape`` as ``spec`` says, either one defaulting
         to the current layout's; nothing moves when it is laid out so already."""
         tensor = self.global_tensor
-        validate._check_xla_tensor(tensor, api)
+        on_xla(tensor, api)
         current = _mesh_sharding(tensor)
         mesh = _mesh_for(mesh_shape, current, api)
         if spec is None:
@@ -392,13 +393,12 @@ class XLAShardedTensor:
             )
         mesh = _dtensor.to_xla_mesh(device_mesh, "redistribute")
         tensor = self.global_tensor
-        validate._check_xla_tensor(tensor, "redistribute")
+        on_xla(tensor, "redistribute")
         _dtensor.check_placement_count(placements, mesh, "redistribute")
         spec = _dtensor.to_partition_spec(tensor.dim(), placements, "redistribute")
         if async_op:
             tensor = tensor.clone()
-        if not runtime.is_spmd():
-            runtime.use_spmd()
+        modes.ensure_spmd()
         placement.mark(tensor, named_sharding(mesh, spec))
         return XLAShardedTensor._marked(tensor, mesh, spec)
 
@@ -464,7 +464,7 @@ def _local_shards(tensor: torch.Tensor) -> list[XLAShard]:
 def _shard_layout(tensor: torch.Tensor, api: str) -> list[tuple]:
     """(device, jax shard, indices, replica id) of each device's shard, in device order; indices
     as PyTorch/XLA gives them (Ellipsis when replicated), clipped to the logical shape."""
-    validate._check_xla_tensor(tensor, api)
+    on_xla(tensor, api)
     array = execute.global_array(tensor)
     shape = tuple(tensor.shape)
     tiling = tiling_of(array.sharding, len(shape))
@@ -527,7 +527,7 @@ def annotated_tiling(tensor: torch.Tensor, api: str) -> Tiling | None:
     the devices that no program has written since, has none; a program's output has its layout
     (``{replicated}`` too), and so has a mark or a loader's placement.
     """
-    validate._check_xla_tensor(tensor, api)
+    on_xla(tensor, api)
     sharding = placement.sharding_of(tensor)
     if sharding is None or sharding.num_devices == 1 and not isinstance(sharding, NamedSharding):
         return None
@@ -540,13 +540,12 @@ def annotated_tiling(tensor: torch.Tensor, api: str) -> Tiling | None:
 
 def lay_out(tensor: torch.Tensor, mesh: Mesh, partition_spec: PartitionSpecLike, api: str) -> None:
     """``mark_sharding``'s work: check the arguments, turn SPMD on if needed, mark the tensor."""
-    validate._check_xla_tensor(tensor, api)
+    on_xla(tensor, api)
     check_mesh(mesh)
     validate._check_spec_container(partition_spec)
     validate._check_spec_rank(tuple(tensor.shape), tuple(partition_spec))
     sharding = named_sharding(mesh, partition_spec)
-    if not runtime.is_spmd():
-        runtime.use_spmd()
+    modes.ensure_spmd()
     placement.mark(tensor, sharding)
 
 
@@ -627,7 +626,7 @@ class Unsharded(ValueError):
 def _own_sharding(tensor: torch.Tensor, api: str) -> NamedSharding:
     """The mesh sharding ``tensor`` was given (marked, distributed, or propagated onto it)."""
     try:
-        validate._check_xla_tensor(tensor, api)
+        on_xla(tensor, api)
     except ValueError as error:
         raise Unsharded(str(error)) from None
     sharding = placement.sharding_of(tensor)

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from spmd_torch import runtime
 from spmd_torch._lazy import dispatch, manual, placement, transfer
 from spmd_torch._lazy.tensor import DEVICE as _XLA
-from spmd_torch._lazy.tensor import LazyTensor
+from spmd_torch._lazy.tensor import LazyTensor, on_xla
 from spmd_torch.utils.checkpoint import optimization_barrier_
 
 from . import validate
@@ -169,7 +169,7 @@ def mark_sharding_with_gradients(
         >>> h.sum().backward()  # the gradient reaching x @ w is sharded ('data', None) too
     """
     tensor = unwrap_sharded_tensor(t)
-    validate._check_xla_tensor(tensor, "mark_sharding_with_gradients")
+    on_xla(tensor, "mark_sharding_with_gradients")
     check_mesh(mesh)
     validate._check_spec_container(partition_spec)
     validate._check_spec_rank(tuple(tensor.shape), tuple(partition_spec))
@@ -258,8 +258,8 @@ def _shard_pair(x: Any, y: Any) -> tuple[Any, Any]:
             raise ValueError("shard_as: a leaf is None in one tree but not in the other")
         return x, y
     x, y = unwrap_sharded_tensor(x), unwrap_sharded_tensor(y)
-    validate._check_xla_tensor(x, "shard_as")
-    validate._check_xla_tensor(y, "shard_as")
+    on_xla(x, "shard_as")
+    on_xla(y, "shard_as")
     if x.shape != y.shape:
         raise ValueError(f"shard_as: leaves of shapes {tuple(x.shape)} and {tuple(y.shape)} differ")
     sharding = own_sharding(x) or own_sharding(y)
@@ -321,7 +321,7 @@ def _mark_manual_sharding(t: torch.Tensor | XLAShardedTensor) -> XLAShardedTenso
         >>> local = xs._mark_manual_sharding(xlac._spmd_full_to_shard_shape(x) + 1).global_tensor
     """
     tensor = unwrap_sharded_tensor(t)
-    validate._check_xla_tensor(tensor, "_mark_manual_sharding")
+    on_xla(tensor, "_mark_manual_sharding")
     if not manual.is_shard(tensor):
         raise RuntimeError(
             f"_mark_manual_sharding: the tensor of shape {tuple(tensor.shape)} is not a "
@@ -350,7 +350,7 @@ def disable_manual_sharding(
     """
     mesh = _mesh_or_global(mesh, "disable_manual_sharding")
     tensor = unwrap_sharded_tensor(t)
-    validate._check_xla_tensor(tensor, "disable_manual_sharding")
+    on_xla(tensor, "disable_manual_sharding")
     validate._check_spec_container(partition_spec)
     validate._check_spec_rank(tuple(full_shape), tuple(partition_spec))
     sharding = named_sharding(mesh, partition_spec)
@@ -404,7 +404,7 @@ def clear_sharding(t: torch.Tensor | XLAShardedTensor) -> torch.Tensor:
         >>> x = xs.clear_sharding(x)
     """
     tensor = unwrap_sharded_tensor(t)
-    validate._check_xla_tensor(tensor, "clear_sharding")
+    on_xla(tensor, "clear_sharding")
     placement.clear(tensor)
     return tensor
 
