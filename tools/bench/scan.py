@@ -28,10 +28,9 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from . import harness
-from .llama import LlamaBlock, LlamaConfig, _jax_rms_norm, _jax_rope, rope_tables
+from .llama import Llama, LlamaBlock, LlamaConfig, _jax_rms_norm, _jax_rope, rope_tables
 from .models import _jax_cross_entropy, jax_adamw_init, jax_adamw_update, jax_train_step, new_adamw
 
 CFG = LlamaConfig(d_model=128, heads=4, kv_heads=2, ffn=384, vocab=512, seq=64, batch=2)
@@ -48,17 +47,12 @@ class Block(LlamaBlock):
         return super().forward(x, cos, sin), cos, sin
 
 
-class Decoder(nn.Module):
+class Decoder(Llama):
+    block = Block
+
     def __init__(self, cfg: LlamaConfig, scanned: bool) -> None:
-        super().__init__()
+        super().__init__(cfg)
         self.scanned = scanned
-        self.embed_tokens = nn.Embedding(cfg.vocab, cfg.d_model)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
-        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
-        cos, sin = rope_tables(cfg)
-        self.register_buffer("cos", torch.from_numpy(cos), persistent=False)
-        self.register_buffer("sin", torch.from_numpy(sin), persistent=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         from spmd_torch.experimental.scan_layers import scan_layers
