@@ -160,6 +160,23 @@ def _einsum_above_autograd(equation, operands, path=None):
         return aten.einsum.default(equation, operands, path=path)
 
 
+def _contract(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.einsum(equation, a, b)`` inside a backward: straight to our dispatch when nothing
+    between would act on it (no gradient recorded, no autocast, no dispatch mode, both lazy), as
+    torch.einsum's Python and the dispatcher's hop back into Python cost more than the op's
+    recording; otherwise the whole way, so ``create_graph`` records a differentiable graph."""
+    direct = (
+        type(a) is LazyTensor
+        and type(b) is LazyTensor
+        and not torch.is_grad_enabled()
+        and not torch.is_autocast_enabled(DEVICE.type)
+        and not torch._C._len_torch_dispatch_stack()
+    )
+    if direct:
+        return LazyTensor.__torch_dispatch__(aten.einsum.default, (), (equation, [a, b]))
+    return torch.einsum(equation, a, b)
+
+
 class _Linear(torch.autograd.Function):
     """``F.linear`` as one recorded node forward and three backward (two einsums and a sum),
     where ATen's decomposition records the weight's transpose, reshapes of a batched input, an
@@ -167,6 +184,14 @@ class _Linear(torch.autograd.Function):
     backward that autograd records (``create_graph``) is made of differentiable ops."""
 
     generate_vmap_rule = True
+
+    @classmethod
+    def apply(cls, x, weight, bias):
+        """``Function.apply`` without its per-call ``inspect.signature`` binding (the arguments
+        are bound already), except under functorch transforms, which need its path."""
+        if torch._C._are_functorch_transforms_active():
+            return super().apply(x, weight, bias)
+        return super(torch.autograd.Function, cls).apply(x, weight, bias)
 
     @staticmethod
     def forward(x, weight, bias):
@@ -184,9 +209,9 @@ class _Linear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch.einsum("...o,oi->...i", grad, weight)
+            grad_x = _contract("...o,oi->...i", grad, weight)
         if ctx.needs_input_grad[1]:
-            grad_weight = torch.einsum("...o,...i->oi", grad, x)
+            grad_weight = _contract("...o,...i->oi", grad, x)
         if ctx.bias_shape is not None and ctx.needs_input_grad[2]:
             if grad.dim() > 1 and ctx.bias_shape == grad.shape[-1:]:
                 grad_bias = grad.sum(list(range(grad.dim() - 1)))

@@ -203,8 +203,21 @@ def _walk(x: Any, src: list, key: list, lift_floats: bool, lift_ints: bool = Fal
             src.append((Node.scalar(tuple(x)), 0))
             key.append((type(x[0]), len(x)))
             return Arg(len(src) - 1)
+        if not lift_ints and all([type(v) is int for v in x]):  # a shape, dims: one key entry
+            static = tuple(x)
+            key.append((int, static))
+            return static
         key.append(len(x))
-        return tuple([_walk(v, src, key, lift_floats, lift_ints) for v in x])
+        walked = []
+        for v in x:  # tensors inlined: a foreach op's lists hold one per parameter
+            if type(v) is LazyTensor:
+                ref = v._storage.ref if v._view is None else v._ref()
+                key.append(ref[0].avals[ref[1]])
+                walked.append(_ARGS[len(src)] if len(src) < len(_ARGS) else Arg(len(src)))
+                src.append(ref)
+            else:
+                walked.append(_walk(v, src, key, lift_floats, lift_ints))
+        return tuple(walked)
     if isinstance(x, torch.Tensor):
         return _walk(_upload_scalar_tensor(x), src, key, lift_floats)
     key.append(x)
