@@ -5,6 +5,11 @@
 as one program, compiled once with each form; prints each program's temporary bytes next to one
 ``heads * seq * seq`` float32 score matrix, and checks output and gradients against eager CPU
 within float32's tolerance.
+
+``--scan-layers N``: instead, N layers of the scan bench's Llama block (width 128, 4 query heads
+of 32, batch 2) under ``scan_layers``, forward and backward as one program; prints its temporary
+bytes next to one layer's ``batch * heads * seq * seq`` float32 probabilities (what a scan would
+keep per layer if JAX differentiated the blockwise forward's loop instead of calling its backward).
 """
 
 from __future__ import annotations
@@ -32,10 +37,43 @@ def step(q, k, v, cotangent) -> tuple:
     return out.cpu(), [g.cpu() for g in grads], analysis
 
 
+def scan_layers_step(layers: int, seq: int) -> None:
+    """Temporaries of N scanned Llama blocks' forward and backward against one layer's
+    probabilities."""
+    from dataclasses import replace
+
+    from spmd_torch.experimental.scan_layers import scan_layers
+    from tools.bench.llama import rope_tables
+    from tools.bench.scan import CFG, Block
+
+    cfg = replace(CFG, seq=seq, layers=layers)
+    dev = spmd_torch.device()
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(Block(cfg) for _ in range(layers)).to(dev)
+    x = torch.randn(cfg.batch, seq, cfg.d_model, device=dev).requires_grad_()
+    cos, sin = (torch.from_numpy(t).to(dev) for t in rope_tables(cfg))
+    out = scan_layers(blocks, (x, cos, sin))[0]
+    (out * out).mean().backward()
+    spmd_torch.sync()
+    cache = engine.current().cache
+    temp = cache.executables[cache.history[-1]].compiled.memory_analysis().temp_size_in_bytes
+    probs = cfg.batch * cfg.heads * seq * seq * 4
+    print(
+        f"scan_layers, {layers} layers, seq {seq}: temporaries {temp} bytes ({temp / probs:.2f}x "
+        f"one layer's probabilities, {probs} bytes); x's gradient finite: "
+        f"{bool(x.grad.isfinite().all())}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=4096)
-    seq = parser.parse_args().seq
+    parser.add_argument("--scan-layers", type=int, default=0)
+    args = parser.parse_args()
+    seq = args.seq
+    if args.scan_layers:
+        scan_layers_step(args.scan_layers, seq)
+        return
     generator = torch.Generator().manual_seed(0)
     q, k, v, cotangent = (
         torch.randn(1, HEADS, seq, HEAD_DIM, generator=generator) for _ in range(4)

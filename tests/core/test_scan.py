@@ -321,6 +321,24 @@ def test_a_checkpoint_policy_keeps_only_each_iterations_carry():
     assert sizes[0] > 2 * kept
 
 
+def test_attention_in_a_scan_keeps_no_probabilities_for_the_backward():
+    """512 keys: SDPA runs blockwise; JAX differentiating the body gets its blockwise backward,
+    which recomputes the probabilities, so each layer keeps O(seq) values, not O(seq²)."""
+    x = torch.randn(2, 512, D)
+    kept = []
+
+    def run(layers, xd):
+        out = scan_layers(layers, xd)
+        (scan_node,) = [n for n in graph.pending_program([out]).nodes if str(n.op) == "scan"]
+        kept.extend(np.prod(a.shape) for a in scan_node.avals[1:])
+        return out
+
+    _compare_with_cpu(_stack("decoder", 3), run, x)
+    # The widest a layer keeps is its MLP's hidden activation (2·D per token); one layer's
+    # probabilities would be 2 sequences x 2 heads x 512 x 512, 64x that.
+    assert max(kept) <= 3 * 2 * x.numel()
+
+
 def test_fori_loop_with_int_bounds_is_a_differentiable_python_loop():
     x_cpu = torch.randn(4, requires_grad=True)
     w_cpu = torch.randn(4, 4, requires_grad=True)

@@ -351,3 +351,42 @@ def test_inference_mode_records_the_fused_op_and_no_dropout_call_keeps_the_rando
     after_attention = torch.rand(4, device=spmd_torch.device()).cpu()
     spmd_torch.manual_seed(3)
     assert torch.equal(torch.rand(4, device=spmd_torch.device()).cpu(), after_attention)
+
+
+@pytest.mark.parametrize("mask", ["causal", "bool", "additive"])
+def test_blockwise_attention_in_a_scan_matches_the_python_loop(monkeypatch, mask):
+    # Inside a scan's body JAX differentiates the forward; it must get the blockwise backward's
+    # gradients (an additive mask's too), not its own of the forward's loop. 3 blocks of 4 keys.
+    from spmd_torch.experimental.scan import scan
+
+    monkeypatch.setattr(attention, "PLAIN_MAX_KEYS", 0)
+    monkeypatch.setattr(attention, "BLOCK", 4)
+    q, k, v = _qkv((2, 2, 7, 8), (2, 2, 7, 8))
+    kvs = torch.stack([torch.stack([k, v]), torch.stack([v, k])])  # two iterations' keys, values
+    masks = {"causal": None, "bool": _bool_mask(7, 7), "additive": _randn(2, 1, 7, 7, seed=5)}
+    m = masks[mask]
+    kwargs = {"is_causal": mask == "causal"}
+
+    def run(q, kvs, m):
+        def fn(carry, kv):
+            return F.scaled_dot_product_attention(carry, kv[0], kv[1], attn_mask=m, **kwargs), None
+
+        if q.device.type == "cpu":
+            for kv in kvs:
+                q = fn(q, kv)[0]
+            return q
+        return scan(fn, q, kvs)[0]
+
+    cpu = [q.requires_grad_(), kvs.requires_grad_()]
+    if mask == "additive":
+        cpu.append(m.requires_grad_())
+    on_xla = [t.detach().to(dev).requires_grad_() for t in cpu]
+    want = run(cpu[0], cpu[1], cpu[2] if len(cpu) > 2 else m)
+    got = run(
+        on_xla[0], on_xla[1], on_xla[2] if len(on_xla) > 2 else None if m is None else m.to(dev)
+    )
+    cotangent = _randn(*want.shape, seed=9)
+    want_grads = torch.autograd.grad(want, cpu, cotangent)
+    grads = torch.autograd.grad(got, on_xla, cotangent.to(dev))
+    assert_close(got, want.detach())
+    assert_close(list(grads), list(want_grads), kind="grad")

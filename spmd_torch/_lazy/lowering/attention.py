@@ -294,6 +294,37 @@ def blockwise_backward(
     return dq.reshape(q.shape), dk, dv, dbias
 
 
+def _differentiable_blockwise(causal: bool, scale: float, dropout_p: float):
+    """The blockwise forward as a function of (q, k, v, mask, key) whose JAX derivative is the
+    blockwise backward. Outside a loop nothing differentiates it (autograd records the backward
+    op); inside a scan's body JAX does, and would otherwise keep every key block's
+    probabilities for the backward (B·H·L·S values per layer): this way it keeps q, k, v, the
+    mask, the key's words (with dropout), the output and the log-sum-exp. The log-sum-exp's cotangent is dropped, as ATen marks
+    it non-differentiable."""
+
+    @jax.custom_vjp
+    def attend(q, k, v, bias, words):
+        key = None if words is None else wrap_key(words)
+        return blockwise_forward(q, k, v, bias, causal, scale, dropout_p, key, BLOCK)
+
+    def forward(q, k, v, bias, words):
+        out, lse = attend(q, k, v, bias, words)
+        return (out, lse), (q, k, v, bias, words, out, lse)
+
+    def backward(saved, cotangents):
+        q, k, v, bias, words, out, lse = saved
+        key = None if words is None else wrap_key(words)
+        dq, dk, dv, dbias = blockwise_backward(
+            cotangents[0], q, k, v, bias, out, lse, causal, scale, dropout_p, key, BLOCK, True
+        )
+        dtypes = [x.dtype for x in (q, k, v)]
+        dq, dk, dv = (g.astype(d) for g, d in zip((dq, dk, dv), dtypes))
+        return dq, dk, dv, None if dbias is None else dbias.astype(bias.dtype), None
+
+    attend.defvjp(forward, backward)
+    return attend
+
+
 def _sum_to(x, shape: tuple):
     """``x`` summed over the axes where ``shape`` is 1 (a broadcast operand's gradient)."""
     axes = tuple(i for i, (n, m) in enumerate(zip(x.shape, shape)) if m == 1 and n != 1)
@@ -376,6 +407,9 @@ def _attention(
     elif impl == "pallas":
         out = _pallas(q, k, v, is_causal, scale)
         lse = blockwise_forward(q, k, v, None, is_causal, scale, 0.0, None, BLOCK)[1]
+    elif impl == "blockwise":
+        words = jax.random.key_data(key) if dropout_p else None  # a residual must be an array
+        out, lse = _differentiable_blockwise(is_causal, scale, dropout_p)(q, k, v, attn_bias, words)
     else:
         out, lse = blockwise_forward(
             q, k, v, attn_bias, is_causal, scale, dropout_p, key, _block(impl, k)
