@@ -136,7 +136,7 @@ def test_deepcopy_and_pickle_keep_the_type_and_values():
     buffer = io.BytesIO()
     torch.save(xt, buffer)
     buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
+    loaded = torch.load(buffer)  # weights_only, torch's default
     assert type(loaded) is xs.XLAShardedTensor
     assert_close(loaded.full_tensor(), cpu)
 

@@ -492,6 +492,11 @@ class XLAShardedTensor(DTensor):
         return self.global_tensor
 
 
+# A pickled wrapper (a state dict holding one) is rebuilt by calling the class on its tensor, which
+# torch.load's default weights_only unpickler allows for the names registered here.
+torch.serialization.add_safe_globals([XLAShardedTensor])
+
+
 def _local_shards(tensor: torch.Tensor) -> list[XLAShard]:
     """The shards of ``tensor``'s device array as the devices hold them (padding included)."""
     kind = runtime.device_type()
