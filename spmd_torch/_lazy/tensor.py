@@ -112,6 +112,8 @@ class LazyTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if len(types) > 1 and not all(issubclass(t, LazyTensor) for t in types):
+            return NotImplemented  # another subclass's (XLAShardedTensor): it unwraps, then here
         start = time.perf_counter_ns()
         out = _dispatch(func, args, kwargs or _NO_KWARGS)
         _traced(time.perf_counter_ns() - start)  # LazyTracing's sample, as PyTorch/XLA's

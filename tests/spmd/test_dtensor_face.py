@@ -45,7 +45,7 @@ def test_mark_sharding_answers_the_mesh_shape_spec_and_placements(
     assert xt.mesh_shape == mesh_shape
     assert xt.partition_spec == spec  # as the caller wrote it
     assert xt.placements == placements
-    assert not isinstance(xt, DTensor)  # a light wrapper, on purpose (docs/sharding.md)
+    assert isinstance(xt, DTensor)  # a DTensor subclass, as PyTorch/XLA 2.9's
 
 
 def test_spec_is_a_dtensor_spec_of_the_layout():
@@ -138,7 +138,8 @@ def test_requires_grad_makes_the_wrapper_a_leaf_over_the_same_data():
     assert xt.sharding_spec == "{devices=[8,1]0,1,2,3,4,5,6,7}"
     (xt * 3).sum().backward()
     assert xt.grad.shape == xt.shape == (8, 4)
-    assert_close(xt.grad, torch.full((8, 4), 3.0))
+    assert type(xt.grad) is xs.XLAShardedTensor
+    assert_close(xt.grad.full_tensor(), torch.full((8, 4), 3.0))
     with torch.no_grad():
         t.add_(1)  # the wrapper's tensor is an alias of t, not a copy
     assert_close(xt.global_tensor, t.cpu())

@@ -293,16 +293,21 @@ def test_sharded_tensor_wrapper_forwards_to_the_global_tensor():
     assert xt.global_tensor is t
     assert xs.mark_sharding(xt, _mesh(), (0, None)) is xt
     assert xt.shape == (8, 4) and xt.dtype == torch.float32 and xt.device == dev
-    assert_close(xt + 1, x + 1)
-    assert_close(1 - xt, 1 - x)
-    assert_close(torch.add(xt, xt), x + x)
-    assert_close(x.to(dev) * xt, x * x)
-    assert_close(xt.sum(dim=0), x.sum(dim=0))
-    assert_close(xt[2:4], x[2:4])
-    assert_close(torch.nn.functional.relu(xt - 10), torch.relu(x - 10))
+    results = {
+        "xt + 1": (xt + 1, x + 1),
+        "1 - xt": (1 - xt, 1 - x),
+        "torch.add": (torch.add(xt, xt), x + x),
+        "t * xt": (x.to(dev) * xt, x * x),
+        "sum": (xt.sum(dim=0), x.sum(dim=0)),
+        "slice": (xt[2:4], x[2:4]),
+        "relu": (torch.nn.functional.relu(xt - 10), torch.relu(x - 10)),
+    }
+    for name, (result, expected) in results.items():
+        assert type(result) is xs.XLAShardedTensor, name  # an op on one gives one back
+        assert_close(result.full_tensor(), expected)
     assert len(xt) == 8
     assert repr(xt).startswith("XLAShardedTensor(")
-    assert not isinstance(xt, torch.Tensor)
+    assert isinstance(xt, torch.Tensor)
 
 
 def test_sharded_tensor_in_place_ops_keep_the_wrapper_and_reach_the_tensor():
@@ -312,7 +317,7 @@ def test_sharded_tensor_in_place_ops_keep_the_wrapper_and_reach_the_tensor():
     alias = xt
     xt += 1
     xt[0] = 100.0
-    assert xt is alias
+    assert xt is alias and xt.add_(0) is alias
     expected = x + 1
     expected[0] = 100.0
     assert_close(t, expected)

@@ -1,23 +1,27 @@
 """XLAShard and XLAShardedTensor: a sharded tensor's global view and its per-device shards.
 
-Design: PyTorch/XLA's ``XLAShardedTensor`` is a ``torch.Tensor`` wrapper subclass whose ops are
-re-dispatched to the wrapped tensor. Here it is a light wrapper, *not* a tensor subclass: the
-sharding lives on the wrapped xla tensor itself (its storage, see ``_lazy/placement.py``), so
-``xs.mark_sharding(t, ...)`` may drop the return value and keep using ``t``. The wrapper forwards
-everything to ``global_tensor``: torch functions through ``__torch_function__`` (arguments are
-unwrapped, results are plain tensors), operators through forwarding dunders, and attributes
-through ``__getattr__``. Autograd therefore sees the wrapped tensor and gradients reach it.
-``isinstance(x, torch.Tensor)`` is False for the wrapper; pass ``x.global_tensor`` where a real
-tensor is required (``nn.Parameter``, ``torch.save``).
+Design: as in PyTorch/XLA 2.9, ``XLAShardedTensor`` is a ``torch.Tensor`` wrapper subclass of
+``torch.distributed.tensor.DTensor`` around ``global_tensor``, so ``isinstance(x, torch.Tensor)``
+and ``isinstance(x, DTensor)`` hold and ``nn.Parameter`` and torch APIs take it. The sharding
+lives on the wrapped xla tensor itself (its storage, see ``_lazy/placement.py``), so
+``xs.mark_sharding(t, ...)`` may drop the return value and keep using ``t``. Every torch
+function on a wrapper (methods, operators, attributes such as ``.grad``) runs in
+``__torch_function__`` on the wrapped tensors, and each tensor it returns comes back wrapped (an
+in-place op gives back its own wrapper). That happens above autograd: the wrapper itself never
+joins an autograd graph, the wrapped tensors do, so gradients reach ``global_tensor`` (PyTorch/XLA
+unwraps below autograd, in ``__torch_dispatch__``; here that is only the path of an aten op that
+reaches a wrapper while torch functions are disabled). Other attributes are the wrapped
+tensor's (``__getattr__``).
 
-Of PyTorch/XLA 2.9's DTensor subclass it keeps the DTensor surface scripts use: ``placements``,
-``device_mesh``, ``_spec`` (a ``DTensorSpec``, cached until the sharding changes),
-``mesh_shape``, ``partition_spec``, ``redistribute``, ``to_local`` and the constructor's
+Of PyTorch/XLA 2.9's DTensor face it keeps what scripts use: ``placements``, ``device_mesh``,
+``_spec`` (a ``DTensorSpec``, cached until the sharding changes), ``mesh_shape``,
+``partition_spec``, ``redistribute``, ``to_local``, ``full_tensor`` and the constructor's
 ``mesh_shape``, ``partition_spec`` and ``requires_grad``. They are read from the tensor's sharding
 itself (device ids and axis names included), not from metadata stored on the wrapper, so they also
 answer for a tensor wrapped after the fact and never disagree with ``sharding_spec``: where
 PyTorch/XLA only records a mesh shape and a spec given to the wrapper, the tensor is laid out so.
-``isinstance(x, DTensor)`` is False.
+An op's result has no sharding until a program computes it, so its ``_spec`` raises ValueError
+until then, as PyTorch/XLA's does for such an "auto-wrapped" tensor.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch
 import torch.utils._pytree as pytree
 from jax.sharding import NamedSharding, PartitionSpec
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Partial, Placement
 
@@ -91,11 +96,70 @@ def _unwrap(x):
     return x.global_tensor if isinstance(x, XLAShardedTensor) else x
 
 
-class XLAShardedTensor:
-    """A global xla tensor viewed with its sharding: ``local_shards``, ``sharding_spec``...
+def _wrap(tensor: torch.Tensor) -> XLAShardedTensor:
+    """A fresh wrapper around ``tensor`` (an op's result): no copy, no layout work."""
+    wrapper = torch.Tensor._make_wrapper_subclass(
+        XLAShardedTensor,
+        tensor.shape,
+        strides=tensor.stride() if tensor.layout == torch.strided else None,
+        dtype=tensor.dtype,
+        layout=tensor.layout,
+        device=tensor.device,
+    )
+    wrapper.global_tensor = tensor
+    wrapper._declared = None
+    wrapper._cached_spec = wrapper._cached_for = None
+    return wrapper
 
-    Returned by ``mark_sharding``; wrapping never copies data. It behaves like ``global_tensor``
-    (a light wrapper, not a ``torch.Tensor`` subclass; see the module docstring).
+
+_GETSET = type(torch._C.TensorBase.data)
+
+
+class _Absent:
+    """A class attribute that reads as missing: ``hasattr(cls, name)`` is False."""
+
+    def __get__(self, obj, owner):
+        raise AttributeError("XLAShardedTensor is no traceable wrapper subclass")
+
+
+def _call_unwrapped(func, args: tuple, kwargs: dict):
+    """``func`` on the wrapped tensors; tensor results wrapped again. A result that is an
+    argument's own tensor (an in-place op, a no-op ``.to``) gives back that argument's wrapper."""
+    given: dict[int, XLAShardedTensor] = {}
+
+    def unwrap(x: XLAShardedTensor) -> torch.Tensor:
+        given[id(x.global_tensor)] = x
+        return x.global_tensor
+
+    args, kwargs = pytree.tree_map_only(XLAShardedTensor, unwrap, (args, kwargs))
+    descriptor = getattr(func, "__self__", None)
+    if type(descriptor) is _GETSET:  # an attribute (.grad, .data = t): as the tensor's class has it
+        name, tensor = descriptor.__name__, args[0]
+        if func.__name__ == "__set__":
+            return setattr(tensor, name, args[1])
+        out = getattr(tensor, name) if func.__name__ == "__get__" else delattr(tensor, name)
+    else:
+        out = func(*args, **kwargs)
+
+    def wrap(t: torch.Tensor) -> XLAShardedTensor:
+        if isinstance(t, XLAShardedTensor):
+            return t
+        wrapper = given.get(id(t))
+        return _wrap(t) if wrapper is None else wrapper
+
+    if isinstance(out, torch.Tensor):
+        return wrap(out)
+    if isinstance(out, (list, tuple, dict)) and not isinstance(out, torch.Size):
+        return pytree.tree_map_only(torch.Tensor, wrap, out)
+    return out  # a Size, a scalar, a dtype... as it is (pytree would make a Size a tuple)
+
+
+class XLAShardedTensor(DTensor):
+    """A global tensor viewed with its sharding: ``local_shards``, ``sharding_spec``...
+
+    Returned by ``mark_sharding``; wrapping never copies data. A ``torch.Tensor`` (a ``DTensor``
+    subclass, as in PyTorch/XLA 2.9) whose ops run on ``global_tensor``; see the module
+    docstring.
 
     Args:
         global_tensor: A tensor (on the xla device for anything about its sharding), or another
@@ -113,65 +177,82 @@ class XLAShardedTensor:
         >>> xt = xs.mark_sharding(torch.arange(8.0, device=dev), xs.get_1d_mesh(), (0,))
         >>> xt.sharding_spec
         '{devices=[8]0,1,2,3,4,5,6,7}'
-        >>> (xt * 2).sum().item()
-        56.0
+        >>> type(xt * 2).__name__, (xt * 2).sum().item()
+        ('XLAShardedTensor', 56.0)
         >>> xt.mesh_shape, xt.partition_spec, xt.placements
         ((8,), (0,), (Shard(dim=0),))
     """
 
-    __slots__ = ("global_tensor", "_declared", "_cached_spec", "_cached_for")
-
     global_tensor: torch.Tensor
 
-    def __init__(
-        self,
+    @staticmethod
+    def __new__(
+        cls,
         global_tensor: torch.Tensor | XLAShardedTensor,
         mesh_shape: Sequence[int] | None = None,
         partition_spec: PartitionSpecLike | None = None,
         *,
         requires_grad: bool = False,
-    ) -> None:
+    ) -> XLAShardedTensor:
+        if not isinstance(global_tensor, torch.Tensor):
+            raise TypeError(
+                f"XLAShardedTensor wraps a tensor, got a {type(global_tensor).__name__}"
+            )
         tensor = _unwrap(global_tensor)
         if requires_grad:
             tensor = tensor.detach().requires_grad_(True)
-        object.__setattr__(self, "global_tensor", tensor)
-        declared = global_tensor._declared if isinstance(global_tensor, XLAShardedTensor) else None
-        object.__setattr__(self, "_declared", declared)
-        self.invalidate_spec_cache()
+        wrapper = _wrap(tensor)
+        if isinstance(global_tensor, XLAShardedTensor):
+            wrapper._declared = global_tensor._declared
         if mesh_shape is not None or partition_spec is not None:
-            self._lay_out(mesh_shape, partition_spec, "XLAShardedTensor")
+            wrapper._lay_out(mesh_shape, partition_spec, "XLAShardedTensor")
+        return wrapper
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass  # __new__ did the work
 
     @classmethod
     def _marked(cls, t: torch.Tensor | XLAShardedTensor, mesh: Mesh, spec: tuple):
         """``t`` (itself when already wrapped) remembering the (mesh, spec) it was just marked
         with, so ``partition_spec`` gives the spec as the caller wrote it."""
         wrapped = t if isinstance(t, XLAShardedTensor) else cls(t)
-        object.__setattr__(wrapped, "_declared", (mesh, _as_tuple(spec)))
+        wrapped._declared = (mesh, _as_tuple(spec))
         return wrapped
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        args, kwargs = pytree.tree_map_only(XLAShardedTensor, _unwrap, (args, kwargs or {}))
-        return func(*args, **kwargs)
+        """Every torch function (method, operator, attribute such as ``.grad``) runs on the
+        wrapped tensors above autograd, so gradients reach ``global_tensor``."""
+        return _call_unwrapped(func, args, kwargs or {})
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        """An aten op reaching the wrapper itself (torch functions disabled) runs the same way."""
+        return _call_unwrapped(func, args, kwargs or {})
 
     def __getattr__(self, name: str):
-        if name == "global_tensor":  # not set yet (copy/unpickle): no forwarding loop
-            raise AttributeError(name)
-        return getattr(self.global_tensor, name)
+        """The wrapped tensor's own attributes (an xla tensor's engine state, for code that takes
+        any tensor on the xla device)."""
+        tensor = self.__dict__.get("global_tensor")
+        if tensor is None or name.startswith("__"):
+            raise AttributeError(f"'XLAShardedTensor' object has no attribute '{name}'")
+        return getattr(tensor, name)
 
-    def __setattr__(self, name: str, value) -> None:
-        if name == "global_tensor":
-            object.__setattr__(self, name, _unwrap(value))
-        elif isinstance(getattr(type(self), name, None), property):  # mesh_shape, partition_spec
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self.global_tensor, name, value)
-
-    def __repr__(self) -> str:
+    def __repr__(self, *, tensor_contents=None) -> str:
         return f"XLAShardedTensor({self.global_tensor!r})"
 
-    def __reduce__(self):
+    def __reduce_ex__(self, protocol):
         return (XLAShardedTensor, (self.global_tensor,))
+
+    def __deepcopy__(self, memo: dict) -> XLAShardedTensor:
+        return XLAShardedTensor(copy.deepcopy(self.global_tensor, memo))
+
+    __hash__ = object.__hash__  # like torch.Tensor: identity, while == is elementwise
+
+    # Not a traceable wrapper subclass, though DTensor is: ``Module.to`` would swap a parameter's
+    # DTensor slots (``_spec`` is a property here), and no compiled graph takes it (a graph gets
+    # ``global_tensor``).
+    __tensor_flatten__ = __tensor_unflatten__ = _Absent()
 
     @property
     def mesh_shape(self) -> tuple[int, ...] | None:
@@ -233,7 +314,7 @@ class XLAShardedTensor:
         spec = _as_tuple(spec)
         if _sharding_of(mesh, spec) != current:
             lay_out(tensor, mesh, spec, api)
-        object.__setattr__(self, "_declared", (mesh, spec))
+        self._declared = (mesh, spec)
 
     @property
     def _spec(self) -> DTensorSpec:
@@ -257,8 +338,7 @@ class XLAShardedTensor:
         mesh, placements = _dtensor.to_dtensor_layout(sharding, tensor.dim())
         meta = TensorMeta(shape=tensor.shape, stride=tensor.stride(), dtype=tensor.dtype)
         spec = DTensorSpec(mesh=mesh, placements=placements, tensor_meta=meta)
-        object.__setattr__(self, "_cached_spec", spec)
-        object.__setattr__(self, "_cached_for", (sharding, tensor.shape))
+        self._cached_spec, self._cached_for = spec, (sharding, tensor.shape)
         return spec
 
     def invalidate_spec_cache(self) -> None:
@@ -269,16 +349,7 @@ class XLAShardedTensor:
             >>> xt._cached_spec is None
             True
         """
-        object.__setattr__(self, "_cached_spec", None)
-        object.__setattr__(self, "_cached_for", None)
-
-    def __deepcopy__(self, memo: dict) -> XLAShardedTensor:
-        return XLAShardedTensor(copy.deepcopy(self.global_tensor, memo))
-
-    __hash__ = object.__hash__  # like torch.Tensor: identity, while == is elementwise
-
-    def __setitem__(self, key, value) -> None:
-        self.global_tensor[_unwrap(key)] = _unwrap(value)
+        self._cached_spec = self._cached_for = None
 
     @property
     def local_shards(self) -> list[XLAShard]:
@@ -402,6 +473,11 @@ class XLAShardedTensor:
         placement.mark(tensor, named_sharding(mesh, spec))
         return XLAShardedTensor._marked(tensor, mesh, spec)
 
+    def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
+        """The tensor itself, whole: the global tensor (DTensor's would gather it by
+        redistributing this tensor to replicated, which lays it out anew here)."""
+        return self.global_tensor
+
     def to_local(self) -> torch.Tensor:
         """The tensor itself: in the SPMD model a program sees the global tensor, not a shard.
 
@@ -416,38 +492,9 @@ class XLAShardedTensor:
         return self.global_tensor
 
 
-def _forward(name: str):
-    def method(self, *args, **kwargs):
-        return getattr(self.global_tensor, name)(*map(_unwrap, args), **kwargs)
-
-    method.__name__ = name
-    return method
-
-
-def _forward_in_place(name: str):
-    def method(self, other):
-        getattr(self.global_tensor, name)(_unwrap(other))
-        return self  # `xt += 1` keeps the wrapper
-
-    method.__name__ = name
-    return method
-
-
-_OPERATORS = (
-    "add sub mul matmul truediv floordiv mod pow and or xor lshift rshift "
-    "radd rsub rmul rmatmul rtruediv rfloordiv rmod rpow rand ror rxor rlshift rrshift "
-    "eq ne lt le gt ge neg pos abs invert getitem len iter bool float int index complex "
-    "contains array dlpack dlpack_device format reversed"
-).split()
-_IN_PLACE = "iadd isub imul imatmul itruediv ifloordiv imod ipow iand ior ixor ilshift irshift"
-
-for _name in (f"__{n}__" for n in _OPERATORS):
-    if hasattr(torch.Tensor, _name):
-        setattr(XLAShardedTensor, _name, _forward(_name))
-for _name in (f"__{n}__" for n in _IN_PLACE.split()):
-    if hasattr(torch.Tensor, _name):
-        setattr(XLAShardedTensor, _name, _forward_in_place(_name))
-del _name
+# A pickled wrapper (a state dict holding one) is rebuilt by calling the class on its tensor, which
+# torch.load's default weights_only unpickler allows for the names registered here.
+torch.serialization.add_safe_globals([XLAShardedTensor])
 
 
 def _local_shards(tensor: torch.Tensor) -> list[XLAShard]:
