@@ -593,8 +593,7 @@ def _cpu_fallback(func, args: tuple, kwargs: dict, count: bool = True, why: str 
     host_args = to_host(args)
     host_kwargs = {k: to_host(v) for k, v in kwargs.items()}
     out = func(*host_args, **host_kwargs)
-    device = next((a._ref()[0].device for a in args if isinstance(a, LazyTensor)), None)
-    device = current().mode.home_index if device is None else device
+    device = next((a._ref()[0].device for a in args if isinstance(a, LazyTensor)), 0)
     names = [a.name for a in func._schema.arguments]
     for argument in func._schema.arguments:  # CPU-side mutations go back to the device tensors
         if argument.alias_info is None or not argument.alias_info.is_write:

@@ -58,6 +58,11 @@ class PerDevice:
     local_ordinal = 0
     local_world_size = 1
     home_index = 0  # the N of the xla:N that ``torch_xla.device()`` and ``device='xla'`` name
+    names = XLA_DEVICES  # a tensor's device by its value's device index (graph.Node.device)
+
+    def index_of(self, index: int | None) -> int:
+        """The device index a node records for ``xla:index`` (None: the home device)."""
+        return self.home_index if index is None else index
 
     world_size = property(lambda self: jax.process_count())  # the job's processes, one per host
     ordinal = property(lambda self: jax.process_index())
@@ -233,8 +238,13 @@ class Replica(PerDevice):
         self.landing = transfer.OnReplica(world.mesh.devices.flat[ordinal])
         if named_by_ordinal:  # PyTorch/XLA's CPU threads: thread N on xla:N
             self.home_index = self.local_ordinal
+            self.names = _Named(XLA_DEVICES[self.home_index])
             if self.home_index and not SEVERAL_DEVICES:
                 SEVERAL_DEVICES.append(self.home_index)  # tensors look up their device's name
+
+    def index_of(self, index: int | None) -> int:
+        """0, whatever its device's name: the graph knows the replica's one device as 0."""
+        return 0
 
     ordinal = property(lambda self: self.index)  # numbered across every host's replicas
     local_ordinal = property(lambda self: self.world.local.index(self.index))
@@ -291,6 +301,17 @@ class Replica(PerDevice):
 
     def with_spmd(self) -> SpmdMesh:
         self.refuse_per_replica("SPMD mode (use_spmd, mark_sharding)")
+
+
+class _Named(dict):
+    """A replica's one device, by whatever index: its nodes record 0, its tensors show xla:N."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = device
+
+    def __missing__(self, index) -> torch.device:
+        return self.device
 
 
 def use_spmd() -> None:

@@ -108,7 +108,7 @@ def _device_of(func, sources: list, kwargs: dict) -> int:
     tensors' (a copy's: its destination's), which must agree, as on CUDA."""
     device = kwargs.get("device")
     if type(device) is torch.device and device.type == DEVICE.type:
-        return current().mode.home_index if device.index is None else device.index
+        return current().mode.index_of(device.index)
     # Lifted scalars and 0-dim CPU tensors go with any device.
     found = [n.device for n, _ in sources if n.device is not None and n.op != SCALAR]
     other = next((d for d in found if d != found[0]), None) if func is not _COPY else None
@@ -117,7 +117,7 @@ def _device_of(func, sources: list, kwargs: dict) -> int:
             f"{func}: Expected all tensors to be on the same device, but found at least two "
             f"devices, {XLA_DEVICES[found[0]]} and {XLA_DEVICES[other]}!"
         )
-    return found[0] if found else current().mode.home_index
+    return found[0] if found else 0
 
 
 _COPY = torch.ops.aten.copy.default

@@ -113,7 +113,7 @@ class LazyTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, storage: Storage, aval: Aval, view: tuple | None = None) -> LazyTensor:
-        device = XLA_DEVICES[storage.ref[0].device] if SEVERAL_DEVICES else DEVICE
+        device = current().mode.names[storage.ref[0].device] if SEVERAL_DEVICES else DEVICE
         t = torch.Tensor._make_wrapper_subclass(cls, aval.shape, dtype=aval.dtype, device=device)
         t._storage = storage
         if view is not None:

@@ -78,3 +78,20 @@ def test_without_face_every_replica_owns_xla0(monkeypatch):
     results = pjrt.run_multiprocess(_devices_and_values)
     assert sorted(results) == list(range(len(spmd_torch.devices())))
     assert {r[:5] for r in results.values()} == {("xla:0",) * 5}
+
+
+def _moves_copies_and_reduces():
+    device = xm.xla_device()
+    total = torch.full((2,), xr.global_ordinal() + 1.0).to(device)  # an upload
+    xm.all_reduce(xm.REDUCE_SUM, [total])  # in place: the collective's result written back
+    out = torch.zeros(2, device=device)
+    out.copy_(total)  # a copy within the replica's one device: no cross-device copy in its graph
+    out.add_(torch.tensor(1.0).to(device))
+    spmd_torch.sync()
+    return str(out.device), out.cpu().tolist()
+
+
+def test_face_replicas_trace_one_program_whatever_their_device_names(face, monkeypatch):
+    monkeypatch.setenv("CPU_NUM_DEVICES", "4")
+    results = pjrt.run_multiprocess(_moves_copies_and_reduces)  # a mismatch would raise
+    assert results == {n: (f"xla:{n}", [11.0, 11.0]) for n in range(4)}
