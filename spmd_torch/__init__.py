@@ -48,7 +48,7 @@ def device(index: int | None = None) -> torch.device:
         >>> dev = spmd_torch.device()
         >>> x = torch.ones(2, 2, device=dev) * 3
     """
-    return _engine.current().mode.use_device(index or 0)
+    return _engine.current().mode.use_device(index)
 
 
 def devices() -> list[torch.device]:

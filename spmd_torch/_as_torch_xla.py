@@ -30,6 +30,7 @@ import sys
 import types
 
 import spmd_torch
+from spmd_torch import config
 
 NAME = "torch_xla"
 VERSION = f"2.9.0+spmdtorch.{spmd_torch.__version__}"  # PyTorch/XLA's release, with a local label
@@ -122,6 +123,7 @@ def _find_aliases(module: types.ModuleType, installed: bool | None) -> None:
     the metadata they would answer (the distribution has its own)."""
     if _ALIASES not in sys.meta_path:
         sys.meta_path.insert(0, _ALIASES)
+    config.FACE.on = True
     if installed is None:
         installed = bool(getattr(module, "__file__", None))
     if installed:
@@ -153,4 +155,5 @@ def enable() -> None:
             )
     if _ALIASES not in sys.meta_path:
         sys.meta_path.insert(0, _ALIASES)
+    config.FACE.on = True
     sys.modules.pop("torch_xla.distributed.spmd", None)  # the DTensor route's stand-in gives way

@@ -264,3 +264,14 @@ def override(**values: object):
     finally:
         for name, value in old.items():
             FLAGS[name].value = value
+
+
+@dataclass
+class _Face:
+    """Whether this process runs under PyTorch/XLA's names (``spmd_torch._as_torch_xla`` turns it
+    on, never off): there the few behaviours docs/migration.md lists follow PyTorch/XLA's."""
+
+    on: bool = False
+
+
+FACE = _Face()

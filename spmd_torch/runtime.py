@@ -494,6 +494,8 @@ def _real_device(device: str | torch.device) -> str:
     match = _XLA_DEVICE.match(str(device))
     count = addressable_device_count()
     index = int(match.group(1) or 0) if match else count
+    if match and index == engine.current().mode.home_index:
+        index = engine.current().mode.index_of(index)  # a replica's xla:N is its one device
     if index >= count:
         raise RuntimeError(
             f"Invalid xla device {str(device)!r}: this process has {count} xla devices, "

@@ -6,7 +6,9 @@ device's return value. Here every call is one launch of
 thread with its own engine and device, whose barriers meet as one program (see
 docs/multiprocessing.md). So the replicas' results, collectives, rendezvous and ``xla://``
 process groups are those of ``xmp.spawn``; the number of replicas is the number of devices JAX
-started with (PyTorch/XLA re-reads ``CPU_NUM_DEVICES`` at each call, JAX fixes it at start-up).
+started with. Under the ``torch_xla`` face on the CPU platform, a call runs PyTorch/XLA's CPU
+threads instead: as many as ``CPU_NUM_DEVICES`` says at the call (1 when unset, at most the
+devices JAX started with), replica N on ``xla:N``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from spmd_torch import config
 from spmd_torch.distributed import xla_multiprocessing as xmp
 
 __all__ = ["run_multiprocess", "spawn", "spawn_threads"]
@@ -56,7 +59,11 @@ def run_multiprocess(
         {0: 0, 1: 1, 2: 2, 3: 3}
     """
     body = functools.partial(_call_without_ordinal, fn)
-    return xmp.spawn(body, args=(args, kwargs), nprocs=None, start_method=start_method)
+    nprocs = None
+    if xmp.cpu_threads():  # PyTorch/XLA's CPU threads, as many as CPU_NUM_DEVICES says now
+        nprocs = config.CPU_NUM_DEVICES.read() or 1
+    results = xmp.spawn(body, args=(args, kwargs), nprocs=nprocs, start_method=start_method)
+    return {0: results} if nprocs == 1 else results
 
 
 def spawn(

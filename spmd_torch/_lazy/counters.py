@@ -10,6 +10,7 @@ import contextlib
 import threading
 import time
 from collections import Counter, defaultdict, deque
+from collections.abc import Callable
 
 
 class Samples:
@@ -59,6 +60,17 @@ OP_NAMES: dict[int, str] = {}
 # the debugging tool's analysis names: each compile and CPU fallback, host reads when debugging).
 SITES: dict[str, Counter] = defaultdict(Counter)
 _LOCK = threading.Lock()
+# Called before the metrics are read: each records what finished meanwhile (run.py registers the
+# programs' execution times, taken on a thread of their own).
+BEFORE_READ: list[Callable[[], None]] = []
+# How to read the storages made so far and those the collector lists now, which tensor.py
+# registers (making a storage is too hot for ``bump``), and the made and alive ones at the last
+# clear: PyTorch/XLA's CreateXlaTensor and DestroyXlaTensor count from there.
+STORAGES: dict[str, Callable[[], int]] = {}
+_STORAGES_AT_CLEAR = {"made": 0, "alive": 0}
+# Storages the heap's freeze at warm-up's end took out of the collector's lists (the model's):
+# counted alive until a later freeze of the whole heap counts again.
+_FROZEN_STORAGES = [0]
 # A scalar read to the host (``.item()``, ``if t:``), under PyTorch/XLA's name for it: its
 # troubleshooting guide finds host syncs by this counter. Not a CPU fallback here.
 HOST_SCALAR_READ = "aten::_local_scalar_dense"
@@ -86,12 +98,17 @@ def fold_tracing() -> None:
 
 
 def metrics() -> dict[str, Samples]:
-    """Every metric, LazyTracing's latest samples included."""
+    """Every metric, LazyTracing's latest samples included (and the execution times of programs
+    that finished)."""
+    for settle in BEFORE_READ:
+        settle()
     fold_tracing()
     return METRICS
 
 
 def clear_metrics() -> None:
+    for settle in BEFORE_READ:  # what ran before the clear records before it, not after
+        settle()
     with _LOCK:
         METRICS.clear()
         TRACING.clear()
@@ -112,6 +129,37 @@ def timed(name: str):
         METRICS[name].append(time.perf_counter_ns() - start)
 
 
+def storage_counters(destroyed: bool = True) -> dict[str, int]:
+    """CreateXlaTensor (storages made) and, unless ``destroyed`` is False, DestroyXlaTensor
+    (storages freed, whenever made) since the counters were cleared. Freed ones are found by
+    listing the live ones: a report's cost, never an op's."""
+    if not STORAGES:
+        return {}
+    created = STORAGES["made"]() - _STORAGES_AT_CLEAR["made"]
+    counts = {"CreateXlaTensor": created}
+    if destroyed:
+        alive = _storages_alive() - _STORAGES_AT_CLEAR["alive"]
+        counts["DestroyXlaTensor"] = created - alive
+    return counts
+
+
+def _storages_alive() -> int:
+    return STORAGES["listed"]() + _FROZEN_STORAGES[0]
+
+
+def freezing_storages(whole: bool) -> None:
+    """``gc.freeze()`` comes next (after ``gc.unfreeze()`` if ``whole``): the storages listed
+    now leave the collector's lists."""
+    if STORAGES:
+        _FROZEN_STORAGES[0] = (0 if whole else _FROZEN_STORAGES[0]) + STORAGES["listed"]()
+
+
+def clear_storage_counters() -> None:
+    """CreateXlaTensor and DestroyXlaTensor start again from zero."""
+    if STORAGES:
+        _STORAGES_AT_CLEAR.update(made=STORAGES["made"](), alive=_storages_alive())
+
+
 def op_counters() -> dict[str, int]:
     """``xla::<op>`` -> calls recorded since the counters were cleared (overloads summed)."""
     counts: dict[str, int] = defaultdict(int)
@@ -121,9 +169,12 @@ def op_counters() -> dict[str, int]:
 
 
 def clear() -> None:
+    for settle in BEFORE_READ:
+        settle()
     with _LOCK:
         COUNTERS.clear()
         METRICS.clear()
         TRACING.clear()
         OPS.clear()
         SITES.clear()
+    clear_storage_counters()

@@ -168,8 +168,10 @@ def rng_words() -> tuple[int, int]:
 
 
 def wait_device_ops() -> None:
-    """Block until every dispatched program has finished."""
+    """Block until every dispatched program has finished (and its ExecuteTime is recorded)."""
     for outputs in current().in_flight:
         output = unfinished_output(outputs)
         if output is not None:
             output.block_until_ready()
+    for settle in counters.BEFORE_READ:
+        settle()

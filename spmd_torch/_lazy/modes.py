@@ -57,6 +57,12 @@ class PerDevice:
 
     local_ordinal = 0
     local_world_size = 1
+    home_index = 0  # the N of the xla:N that ``torch_xla.device()`` and ``device='xla'`` name
+    names = XLA_DEVICES  # a tensor's device by its value's device index (graph.Node.device)
+
+    def index_of(self, index: int | None) -> int:
+        """The device index a node records for ``xla:index`` (None: the home device)."""
+        return self.home_index if index is None else index
 
     world_size = property(lambda self: jax.process_count())  # the job's processes, one per host
     ordinal = property(lambda self: jax.process_index())
@@ -80,8 +86,10 @@ class PerDevice:
             groups.setdefault(ref_of(item)[0].device or 0, []).append(item)
         return list(groups.items())
 
-    def use_device(self, index: int) -> torch.device:
-        """``xla:index``, checked to exist; tracing finds each op's device from then on."""
+    def use_device(self, index: int | None) -> torch.device:
+        """``xla:index`` (None: the home device), checked to exist; tracing finds each op's
+        device from then on."""
+        index = self.home_index if index is None else index
         count = self.device_count()
         if not 0 <= index < count:
             names = "xla:0" if count == 1 else f"xla:0 to xla:{count - 1}"
@@ -222,17 +230,37 @@ class Replica(PerDevice):
 
     input_key = staticmethod(_inputs_by_layout)  # the replicas' inputs, stacked over their mesh
 
-    def __init__(self, world, ordinal: int, cpu_rng):
+    def __init__(self, world, ordinal: int, cpu_rng, named_by_ordinal: bool = False):
         super().__init__()
         self.world = world  # replicas.World
         self.index = ordinal
         self.cpu_rng = cpu_rng  # its torch CPU RNG state, carried with its turn
         self.landing = transfer.OnReplica(world.mesh.devices.flat[ordinal])
+        if named_by_ordinal:  # PyTorch/XLA's CPU threads: thread N on xla:N
+            self.home_index = self.local_ordinal
+            self.names = _Named(XLA_DEVICES[self.home_index])
+            if self.home_index and not SEVERAL_DEVICES:
+                SEVERAL_DEVICES.append(self.home_index)  # tensors look up their device's name
+
+    def index_of(self, index: int | None) -> int:
+        """0, whatever its device's name: the graph knows the replica's one device as 0."""
+        return 0
 
     ordinal = property(lambda self: self.index)  # numbered across every host's replicas
     local_ordinal = property(lambda self: self.world.local.index(self.index))
     world_size = property(lambda self: self.world.size)
     local_world_size = property(lambda self: len(self.world.local))
+
+    def use_device(self, index: int | None) -> torch.device:
+        """Its one device, ``xla:0`` or (named by ordinal) ``xla:N``; tensors carry that N."""
+        if index is not None and index != self.home_index:
+            raise IndexError(
+                f"xla:{index}: this process's xla devices are xla:{self.home_index}{self.spans}"
+            )
+        return XLA_DEVICES[self.home_index]
+
+    def landing_on(self, device: int):
+        return self.landing  # whatever N its tensors carry
 
     def gather(self, program: Program) -> list:
         """Its blocks as they are: the world stacks them (an earlier output's stay whole)."""
@@ -273,6 +301,17 @@ class Replica(PerDevice):
 
     def with_spmd(self) -> SpmdMesh:
         self.refuse_per_replica("SPMD mode (use_spmd, mark_sharding)")
+
+
+class _Named(dict):
+    """A replica's one device, by whatever index: its nodes record 0, its tensors show xla:N."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = device
+
+    def __missing__(self, index) -> torch.device:
+        return self.device
 
 
 def use_spmd() -> None:

@@ -17,6 +17,7 @@ from jax._src.lib import xla_client  # Traceback: JAX's own capture of the Pytho
 from spmd_torch import config
 
 from . import counters
+from .engine import current
 from .graph import SCALAR, Arg, Aval, Node, Ref, Value
 from .lowering.checks import AFTER_META, BEFORE_META, IndexCheckError
 from .lowering.dtypes import to_jax_dtype
@@ -107,7 +108,7 @@ def _device_of(func, sources: list, kwargs: dict) -> int:
     tensors' (a copy's: its destination's), which must agree, as on CUDA."""
     device = kwargs.get("device")
     if type(device) is torch.device and device.type == DEVICE.type:
-        return device.index or 0
+        return current().mode.index_of(device.index)
     # Lifted scalars and 0-dim CPU tensors go with any device.
     found = [n.device for n, _ in sources if n.device is not None and n.op != SCALAR]
     other = next((d for d in found if d != found[0]), None) if func is not _COPY else None

@@ -8,6 +8,8 @@ same metrics whichever mode runs it.
 from __future__ import annotations
 
 import functools
+import queue
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -65,21 +67,81 @@ def execute(run: Run) -> list:
     executable, hit = compiler.lookup_or_compile(run)
     if config.DEBUG_LEVEL.value:
         compiler.analyze(run, executable, hit)
+    start = time.perf_counter_ns()
     if executable.lockstep:
         _after_lockstep_programs()
+    # The device waits before the dispatch (PyTorch/XLA's name): for an earlier program in
+    # lockstep, on CPU collectives; nothing else waits.
+    counters.record("DeviceLockWait", time.perf_counter_ns() - start)
     start = time.perf_counter_ns()
     outputs = executable(run.arrays, run.donated, run.scalars)
+    dispatched = time.perf_counter_ns()
+    counters.record("DispatchTime", dispatched - start)
     if executable.lockstep:
         _LOCKSTEP_OUTPUTS[:] = [weakref.ref(out) for out in outputs]
     # PyTorch/XLA's names: a program over several devices is a replicated execution; an eager
     # op's on one device has its own name.
     name = "ExecuteReplicatedTime" if executable.devices > 1 else _EXECUTE[current().eager]
-    counters.record(name, time.perf_counter_ns() - start)
+    if name == "EagerOpExecuteTime" or not outputs:
+        counters.record(name, dispatched - start)  # an eager op's: its dispatch
+    else:
+        _FINISHES.time(name, start, outputs)  # until its outputs are ready
     counters.record("TensorsGraphSize", len(run.program.nodes))
     return outputs
 
 
 _EXECUTE = {False: "ExecuteTime", True: "EagerOpExecuteTime"}
+
+
+class _Finishes:
+    """Times each program from its dispatch until its outputs are ready, as PyTorch/XLA's
+    ExecuteTime covers the execution, not the asynchronous dispatch: a thread of its own waits,
+    so the host goes on tracing. A read of the metrics waits for the programs in flight."""
+
+    def __init__(self):
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.waiting: list = []  # [done event, outputs] per program not recorded yet
+        self.thread: threading.Thread | None = None
+        self.lock = threading.Lock()
+
+    def time(self, name: str, start: int, outputs: list) -> None:
+        entry = [threading.Event(), outputs]
+        with self.lock:
+            self.waiting.append(entry)
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(
+                    target=self._wait_each, name="spmd_torch-execute-time", daemon=True
+                )
+                self.thread.start()
+        self.queue.put((name, start, entry))
+
+    def _wait_each(self) -> None:
+        while True:
+            name, start, entry = self.queue.get()
+            for output in entry[1]:
+                try:
+                    output.block_until_ready()
+                except Exception:  # noqa: BLE001 - a later program took it (donated): not ours
+                    continue
+            counters.record(name, time.perf_counter_ns() - start)
+            with self.lock:
+                self.waiting.remove(entry)
+            entry[1] = None
+            entry[0].set()
+            entry = output = None  # held no longer than recorded (a heap freeze may come next)
+
+    def settle(self) -> None:
+        """Wait until the programs in flight are recorded: a read of the metrics counts each
+        program dispatched before it (ExecuteComputation), as a read of their results would."""
+        with self.lock:
+            waiting = [done for done, _ in self.waiting]
+        for done in waiting:
+            done.wait(timeout=_SETTLE_S)
+
+
+_SETTLE_S = 600.0  # the longest a read of the metrics waits for one program in flight
+_FINISHES = _Finishes()
+counters.BEFORE_READ.append(_FINISHES.settle)
 
 # The outputs of the last program run in lockstep. Process-wide on purpose: XLA's CPU thread pool
 # is the process's. Two such programs in flight can each hold some of its threads with

@@ -7,6 +7,7 @@ become functional updates of the storage's value (see views.py).
 
 from __future__ import annotations
 
+import gc
 import time
 import weakref
 from collections.abc import Callable
@@ -35,12 +36,20 @@ XLA_DEVICES = _Devices({None: DEVICE})
 SEVERAL_DEVICES: list = []
 
 
+# Storages made so far (PyTorch/XLA's CreateXlaTensor: one XLATensor per traced value). A plain
+# integer: every traced op makes a storage, and a counter's lock, or a ``__del__`` counting frees,
+# would cost each op more; frees are found at a report instead (``_storage_counts``).
+_made = 0
+
+
 class Storage:
     """The value shared by a tensor and all its aliases, with a version bumped on every write."""
 
     __slots__ = ("ref", "version", "views", "sharding", "from_host", "__weakref__")
 
     def __init__(self, ref: Ref):
+        global _made
+        _made += 1  # not atomic across threads: a loader thread's upload racing may go uncounted
         # ``set`` inlined for a first value: every traced op makes a storage
         node = ref[0]
         node.holders += 1
@@ -82,6 +91,15 @@ class Storage:
             self.ref[0].holders -= 1
 
 
+def _storages_listed() -> int:
+    """The storages alive now that the collector lists (all but those a heap freeze took out):
+    counting frees so costs a report, not each op."""
+    return sum(1 for o in gc.get_objects() if type(o) is Storage)
+
+
+counters.STORAGES.update(made=lambda: _made, listed=_storages_listed)
+
+
 class LazyTensor(torch.Tensor):
     """A tensor on the xla device; ``_storage`` holds its value, ``_view`` how to read it from there."""
 
@@ -95,7 +113,7 @@ class LazyTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, storage: Storage, aval: Aval, view: tuple | None = None) -> LazyTensor:
-        device = XLA_DEVICES[storage.ref[0].device] if SEVERAL_DEVICES else DEVICE
+        device = current().mode.names[storage.ref[0].device] if SEVERAL_DEVICES else DEVICE
         t = torch.Tensor._make_wrapper_subclass(cls, aval.shape, dtype=aval.dtype, device=device)
         t._storage = storage
         if view is not None:

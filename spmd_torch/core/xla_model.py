@@ -75,7 +75,7 @@ def xla_device(n: int | None = None, devkind: str | None = None) -> torch.device
         raise RuntimeError(
             f"xla_device(devkind={devkind!r}): this program runs on {runtime.device_type()}"
         )
-    return _engine.current().mode.use_device(n or 0)
+    return _engine.current().mode.use_device(n)
 
 
 def get_xla_supported_devices(
@@ -826,7 +826,7 @@ def _check_device(device, api: str) -> int:
     if parsed.type != "xla":
         raise ValueError(f"{api}(device={str(device)!r}): not an xla device")
     try:
-        return _engine.current().mode.use_device(parsed.index or 0).index
+        return _engine.current().mode.use_device(parsed.index).index
     except IndexError as error:
         raise ValueError(f"{api}(device={str(device)!r}): {error}") from None
 

@@ -10,11 +10,19 @@ PyTorch/XLA's names and units: times in nanoseconds (``CompileTime``, ``ExecuteT
 download) and ``TensorsGraphSize``, the node count of each program run. Reports read the same as
 PyTorch/XLA's, and tests can count events instead of timing them.
 
+``ExecuteTime`` runs from a program's dispatch until its outputs are ready (a thread of its own
+waits; a read of the metrics waits for the programs in flight), ``DispatchTime`` covers the
+dispatch alone; ``CreateXlaTensor``/``DestroyXlaTensor`` count the storages (one per traced value)
+made and freed, ``DeviceDataCacheMiss`` each upload of a program's lifted scalars that were not
+on the device from an earlier run.
+
 A few of PyTorch/XLA's names are other names of events recorded here (``ALIASES``): the counters
 ``ExecuteComputation`` and ``ExecuteReplicated`` count the programs run on one device and over
 several (the samples of ``ExecuteTime`` and ``ExecuteReplicatedTime``), ``CreateCompileHandles``
-the programs compiled (``CompileTime``'s samples), and the metric
-``TensorToData`` times each tensor's upload (``TransferToDeviceTime``'s samples).
+the programs compiled (``CompileTime``'s samples), and the metrics ``TensorToData`` time each
+tensor's upload (``TransferToDeviceTime``'s samples), ``UnwrapXlaData`` the gathering of a
+program's inputs (``GatherTime``'s) and ``WrapXlaData`` the binding of its outputs to their
+tensors (``BindTime``'s).
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ BARRIER_PHASES = {
     "key": ("ProgramKeyTime",),
     "gather": ("GatherTime",),
     "lookup": ("CacheLookupTime",),
-    "dispatch": ("ExecuteTime", "ExecuteReplicatedTime"),
+    "dispatch": ("DispatchTime",),
     "bind": ("BindTime",),
 }
 _PERCENTILES = (1, 5, 10, 20, 50, 80, 90, 95, 99)
@@ -46,7 +54,13 @@ COUNTED_METRICS = {
     "ExecuteComputation": "ExecuteTime",
     "ExecuteReplicated": "ExecuteReplicatedTime",
 }
-SAME_METRICS = {"TensorToData": "TransferToDeviceTime"}
+SAME_METRICS = {
+    "TensorToData": "TransferToDeviceTime",
+    "UnwrapXlaData": "GatherTime",  # a program's input buffers, gathered
+    "WrapXlaData": "BindTime",  # its output buffers, bound to their tensors
+}
+# Storages made and freed, each traced value's (PyTorch/XLA's XLATensor), counted apart.
+_STORAGE_COUNTERS = ("CreateXlaTensor", "DestroyXlaTensor")
 ALIASES = {**COUNTED_METRICS, **SAME_METRICS}
 # Per counted metric, its samples object and count when the counters were last cleared: a
 # counter restarts from zero then, though the metric keeps its samples.
@@ -73,7 +87,8 @@ def counter_names() -> list[str]:
     """
     own = {name for name, value in _store.COUNTERS.items() if value}
     ops = {name for name, value in _store.op_counters().items() if value}
-    return sorted(own | ops | {name for name in COUNTED_METRICS if _counted(name)})
+    storages = {name for name, value in _store.storage_counters().items() if value}
+    return sorted(own | ops | storages | {name for name in COUNTED_METRICS if _counted(name)})
 
 
 def _counted(name: str) -> int:
@@ -100,6 +115,8 @@ def counter_value(name: str) -> int | None:
     value = _store.COUNTERS.get(name, 0) + (_counted(name) if name in COUNTED_METRICS else 0)
     if name.startswith("xla::"):
         value += _store.op_counters().get(name, 0)
+    elif name in _STORAGE_COUNTERS:
+        value += _store.storage_counters(name == "DestroyXlaTensor")[name]
     return value if value else None
 
 
@@ -159,6 +176,7 @@ def clear_counters() -> None:
     _store.COUNTERS.clear()
     _store.OPS.clear()
     _store.SITES.clear()
+    _store.clear_storage_counters()
     store = _store.metrics()
     for name, metric in COUNTED_METRICS.items():
         samples = store.get(metric)

@@ -624,7 +624,7 @@ def _check_device(device: Any, api: str) -> torch.device:
             "spmd_torch.device() (xla:0)"
         )
     try:
-        return engine.current().mode.use_device(parsed.index or 0)
+        return engine.current().mode.use_device(parsed.index)
     except IndexError as error:
         raise ValueError(f"{api}: no device {str(parsed)!r}: {error}") from None
 

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import torch
 
+from spmd_torch import config, runtime
 from spmd_torch._lazy import engine, modes
 from spmd_torch._lazy.replicas import ReplicaAborted, World
 
@@ -36,7 +37,9 @@ def spawn(
 ) -> Any:
     """Run ``fn(index, *args)`` once per replica, one replica per device, and wait for them all.
 
-    Each replica sees ``xm.xla_device()`` as ``xla:0`` (its own device), its global ordinal as
+    Each replica sees ``xm.xla_device()`` as ``xla:0`` (its own device; ``xla:N`` for replica N
+    under the ``torch_xla`` name on the CPU platform, as PyTorch/XLA's CPU threads), its global
+    ordinal as
     ``index`` and ``xr.world_size()`` replicas. Its tensors and graphs are its own; collectives
     (``xm.all_reduce``, ``xm.optimizer_step``...) and barriers meet the other replicas', and all
     replicas' graphs run as one program, compiled once. ``args`` are deep-copied into each
@@ -102,6 +105,13 @@ def _replica_count(nprocs: int | None) -> int:
     return nprocs
 
 
+def cpu_threads() -> bool:
+    """Whether replicas stand for PyTorch/XLA's CPU threads, thread N on ``xla:N``: under the
+    ``torch_xla`` face on the CPU platform. Elsewhere a replica stands for a process owning one
+    device, ``xla:0``, as on TPU v4+ and GPUs, so per-device code reads alike on every platform."""
+    return config.FACE.on and runtime.device_type() == "CPU"
+
+
 def _world(replicas: int) -> World:
     """The replicas of this launch: one per device of every host, numbered host after host
     (host 1 of 2 with 4 devices runs ordinals 4-7); this host runs its own."""
@@ -117,11 +127,12 @@ def _run(fn: Callable, args: tuple, replicas: int) -> dict:
     cpu_rng = torch.get_rng_state()
     autocast_dtype = torch.get_autocast_dtype("xla")  # per thread in PyTorch: replicas inherit it
     world = _world(replicas)
+    named = cpu_threads()
     outcomes: dict = {}
     threads = [
         threading.Thread(
             target=_replica_main,
-            args=(world, ordinal, fn, args, outcomes, autocast_dtype),
+            args=(world, ordinal, fn, args, outcomes, autocast_dtype, named),
             name=f"spmd_torch-replica-{ordinal}",
             daemon=True,
         )
@@ -153,10 +164,16 @@ def _join(world: World, threads: list) -> None:
 
 
 def _replica_main(
-    world: World, ordinal: int, fn: Callable, args: tuple, outcomes: dict, autocast_dtype
+    world: World,
+    ordinal: int,
+    fn: Callable,
+    args: tuple,
+    outcomes: dict,
+    autocast_dtype,
+    named: bool = False,
 ) -> None:
     torch.set_autocast_dtype("xla", autocast_dtype)
-    replica = modes.Replica(world, ordinal, torch.get_rng_state())
+    replica = modes.Replica(world, ordinal, torch.get_rng_state(), named_by_ordinal=named)
     own = engine.Engine(replica, cache=world.cache)
     # Backward passes on this thread, not autograd's device thread, which runs no engine of its
     # own (the switch is per thread).

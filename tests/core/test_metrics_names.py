@@ -149,3 +149,51 @@ def test_metrics_keep_counts_and_sums_past_the_window_of_samples():
     assert (count, accumulator) == (2000, 2000 * 2001 / 2)
     assert [value for _, value in samples] == list(range(977, 2001))  # the latest 1024
     assert counters.METRICS["Probe"].since(1990) == list(range(1991, 2001))
+
+
+def test_create_and_destroy_xla_tensor_count_storages_made_and_freed():
+    met.clear_all()
+    x = torch.ones(3, device=dev)  # one storage
+    assert met.counter_value("CreateXlaTensor") == 1
+    assert met.counter_value("DestroyXlaTensor") is None
+    y = x * 2 + 1  # two more; the product's is freed once the sum is bound
+    assert met.counter_value("CreateXlaTensor") == 3
+    assert met.counter_value("DestroyXlaTensor") == 1
+    del y
+    assert met.counter_value("DestroyXlaTensor") == 2
+    assert {"CreateXlaTensor", "DestroyXlaTensor"} <= set(met.counter_names())
+    met.clear_counters()
+    assert met.counter_value("CreateXlaTensor") is None
+    del x
+    assert met.counter_value("DestroyXlaTensor") == 1  # a storage made before the clear, freed
+    assert "Counter: DestroyXlaTensor\n  Value: 1" in met.metrics_report()
+
+
+def test_device_data_cache_miss_counts_scalar_uploads_a_repeat_reuses():
+    x = torch.ones(3, device=dev)
+    spmd_torch.sync()
+    met.clear_all()
+    for scale in (0.5, 0.5, 0.25, 0.5):
+        y = x * scale
+        spmd_torch.sync()
+        assert y.cpu().tolist() == [scale] * 3
+    assert met.counter_value("DeviceDataCacheMiss") == 2  # 0.5 and 0.25, each uploaded once
+    assert met.counter_value("UncachedCompile") == 1
+
+
+def test_execute_time_covers_the_execution_not_the_dispatch():
+    x = torch.randn(512, 512, device=dev)
+    spmd_torch.sync()
+    met.clear_all()
+    y = x
+    for _ in range(20):
+        y = y @ x / 512
+    spmd_torch.sync()
+    executed = met.metric_data("ExecuteTime")
+    dispatched = met.metric_data("DispatchTime")
+    assert executed[0] == dispatched[0] == 1
+    assert met.counter_value("ExecuteComputation") == 1
+    assert executed[1] > dispatched[1]  # twenty 512x512 matmuls take longer than a dispatch
+    assert met.metric_data("DeviceLockWait")[0] == 1
+    assert _samples("UnwrapXlaData") == _samples("GatherTime")
+    assert _samples("WrapXlaData") == _samples("BindTime")

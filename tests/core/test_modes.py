@@ -112,6 +112,7 @@ def test_spmd_and_eight_replicas_record_the_same_metrics_as_one_device():
         # traces its own ops (xla::<op>).
         per_replica = ("MarkStep", "TransferToDevice", "TransferFromDevice", "xla::")
         per_replica += ("aten::_local_scalar_dense",)  # each reads its own loss (.item())
+        per_replica += ("CreateXlaTensor", "DestroyXlaTensor")  # each traces its own tensors
         runs = got_counters.pop("ExecuteReplicated")  # PyTorch/XLA's name over several devices
         assert runs == device_counters["ExecuteComputation"]
         # SPMD mode holds uploads on the host (PyTorch/XLA's virtual device) until placed.
