@@ -336,7 +336,6 @@ def settle_heap(cache) -> None:
         if whole:
             gc.unfreeze()
         gc.collect()
-        counters.freezing_storages(whole)
         gc.freeze()
         if whole:
             _LAST_WHOLE_COLLECTION[:] = [start, time.perf_counter() - start]

@@ -63,14 +63,11 @@ _LOCK = threading.Lock()
 # Called before the metrics are read: each records what finished meanwhile (run.py registers the
 # programs' execution times, taken on a thread of their own).
 BEFORE_READ: list[Callable[[], None]] = []
-# How to read the storages made so far and those the collector lists now, which tensor.py
-# registers (making a storage is too hot for ``bump``), and the made and alive ones at the last
-# clear: PyTorch/XLA's CreateXlaTensor and DestroyXlaTensor count from there.
-STORAGES: dict[str, Callable[[], int]] = {}
-_STORAGES_AT_CLEAR = {"made": 0, "alive": 0}
-# Storages the heap's freeze at warm-up's end took out of the collector's lists (the model's):
-# counted alive until a later freeze of the whole heap counts again.
-_FROZEN_STORAGES = [0]
+# Storages made and freed so far, which tensor.py counts (making a storage is too hot for
+# ``bump``: a list item's increment), and both at the last clear: PyTorch/XLA's CreateXlaTensor
+# and DestroyXlaTensor (one XLATensor per traced value) count from there.
+STORAGES = [0, 0]
+_STORAGES_AT_CLEAR = [0, 0]
 # A scalar read to the host (``.item()``, ``if t:``), under PyTorch/XLA's name for it: its
 # troubleshooting guide finds host syncs by this counter. Not a CPU fallback here.
 HOST_SCALAR_READ = "aten::_local_scalar_dense"
@@ -129,35 +126,19 @@ def timed(name: str):
         METRICS[name].append(time.perf_counter_ns() - start)
 
 
-def storage_counters(destroyed: bool = True) -> dict[str, int]:
-    """CreateXlaTensor (storages made) and, unless ``destroyed`` is False, DestroyXlaTensor
-    (storages freed, whenever made) since the counters were cleared. Freed ones are found by
-    listing the live ones: a report's cost, never an op's."""
-    if not STORAGES:
-        return {}
-    created = STORAGES["made"]() - _STORAGES_AT_CLEAR["made"]
-    counts = {"CreateXlaTensor": created}
-    if destroyed:
-        alive = _storages_alive() - _STORAGES_AT_CLEAR["alive"]
-        counts["DestroyXlaTensor"] = created - alive
-    return counts
-
-
-def _storages_alive() -> int:
-    return STORAGES["listed"]() + _FROZEN_STORAGES[0]
-
-
-def freezing_storages(whole: bool) -> None:
-    """``gc.freeze()`` comes next (after ``gc.unfreeze()`` if ``whole``): the storages listed
-    now leave the collector's lists."""
-    if STORAGES:
-        _FROZEN_STORAGES[0] = (0 if whole else _FROZEN_STORAGES[0]) + STORAGES["listed"]()
+def storage_counters() -> dict[str, int]:
+    """CreateXlaTensor (storages made) and DestroyXlaTensor (storages freed, whenever made) since
+    the counters were cleared."""
+    made, freed = STORAGES
+    return {
+        "CreateXlaTensor": made - _STORAGES_AT_CLEAR[0],
+        "DestroyXlaTensor": freed - _STORAGES_AT_CLEAR[1],
+    }
 
 
 def clear_storage_counters() -> None:
     """CreateXlaTensor and DestroyXlaTensor start again from zero."""
-    if STORAGES:
-        _STORAGES_AT_CLEAR.update(made=STORAGES["made"](), alive=_storages_alive())
+    _STORAGES_AT_CLEAR[:] = STORAGES
 
 
 def op_counters() -> dict[str, int]:

@@ -118,9 +118,10 @@ class _Finishes:
     def _wait_each(self) -> None:
         while True:
             name, start, entry = self.queue.get()
-            for output in entry[1]:
+            for output in entry[1]:  # one program's outputs are ready together: one will do
                 try:
                     output.block_until_ready()
+                    break
                 except Exception:  # noqa: BLE001 - a later program took it (donated): not ours
                     continue
             counters.record(name, time.perf_counter_ns() - start)

@@ -7,7 +7,6 @@ become functional updates of the storage's value (see views.py).
 
 from __future__ import annotations
 
-import gc
 import time
 import weakref
 from collections.abc import Callable
@@ -36,10 +35,8 @@ XLA_DEVICES = _Devices({None: DEVICE})
 SEVERAL_DEVICES: list = []
 
 
-# Storages made so far (PyTorch/XLA's CreateXlaTensor: one XLATensor per traced value). A plain
-# integer: every traced op makes a storage, and a counter's lock, or a ``__del__`` counting frees,
-# would cost each op more; frees are found at a report instead (``_storage_counts``).
-_made = 0
+_STORAGES = counters.STORAGES  # [made, freed]: not atomic across threads (a loader's upload
+# racing a traced op may go uncounted), as a lock would cost every op more
 
 
 class Storage:
@@ -48,8 +45,7 @@ class Storage:
     __slots__ = ("ref", "version", "views", "sharding", "from_host", "__weakref__")
 
     def __init__(self, ref: Ref):
-        global _made
-        _made += 1  # not atomic across threads: a loader thread's upload racing may go uncounted
+        _STORAGES[0] += 1
         # ``set`` inlined for a first value: every traced op makes a storage
         node = ref[0]
         node.holders += 1
@@ -86,18 +82,10 @@ class Storage:
         node, index = self.ref
         return node.avals[index]
 
-    def __del__(self) -> None:
+    def __del__(self, _storages=_STORAGES) -> None:  # bound here: at exit globals are None
+        _storages[1] += 1
         if self.ref is not None:
             self.ref[0].holders -= 1
-
-
-def _storages_listed() -> int:
-    """The storages alive now that the collector lists (all but those a heap freeze took out):
-    counting frees so costs a report, not each op."""
-    return sum(1 for o in gc.get_objects() if type(o) is Storage)
-
-
-counters.STORAGES.update(made=lambda: _made, listed=_storages_listed)
 
 
 class LazyTensor(torch.Tensor):

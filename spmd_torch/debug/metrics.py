@@ -116,7 +116,7 @@ def counter_value(name: str) -> int | None:
     if name.startswith("xla::"):
         value += _store.op_counters().get(name, 0)
     elif name in _STORAGE_COUNTERS:
-        value += _store.storage_counters(name == "DestroyXlaTensor")[name]
+        value += _store.storage_counters()[name]
     return value if value else None
 
 
