@@ -84,15 +84,18 @@ class Executable:
         kept = [a for a, d in zip(arrays, donated) if not d]
         given = [a for a, d in zip(arrays, donated) if d]
         if type(scalars) is np.ndarray and scalars.size:  # a replicas' run stacks its own
-            scalars = self._on_device(scalars)
+            where = self.compiled.input_shardings[0][2]
+            if where.is_fully_addressable:  # on a pod JAX's device_put checks that every host
+                # has the same values, a collective per upload: there the call takes them as is
+                scalars = self._on_device(scalars, where)
         return self.compiled(given, kept, scalars)
 
-    def _on_device(self, scalars: np.ndarray) -> jax.Array:
+    def _on_device(self, scalars: np.ndarray, where) -> jax.Array:
         key = scalars.tobytes()
         cached = self.scalars_on_device.pop(key, None)
         if cached is None:
             counters.bump("DeviceDataCacheMiss")
-            cached = jax.device_put(scalars, self.compiled.input_shardings[0][2])
+            cached = jax.device_put(scalars, where)
             if len(self.scalars_on_device) >= _SCALARS_KEPT:
                 del self.scalars_on_device[next(iter(self.scalars_on_device))]  # the oldest
         self.scalars_on_device[key] = cached  # now the latest
