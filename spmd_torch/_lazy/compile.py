@@ -331,8 +331,7 @@ def settle_heap(cache) -> None:
     young, *older = gc.get_threshold()
     if young < YOUNG_GENERATION:  # a user's larger setting stays
         gc.set_threshold(YOUNG_GENERATION, *older)
-    for settle in counters.BEFORE_READ:  # programs in flight recorded: their records not frozen
-        settle()
+    counters.settle()  # programs in flight recorded: their records not frozen
     with counters.timed("HeapFreezeTime"):
         start = time.perf_counter()
         whole = start - _LAST_WHOLE_COLLECTION[0] > 10 * _LAST_WHOLE_COLLECTION[1]

@@ -94,18 +94,22 @@ def fold_tracing() -> None:
             METRICS["LazyTracing"].extend(folded)
 
 
+def settle() -> None:
+    """Record what finished meanwhile (the execution times of programs in flight)."""
+    for record_finished in BEFORE_READ:
+        record_finished()
+
+
 def metrics() -> dict[str, Samples]:
     """Every metric, LazyTracing's latest samples included (and the execution times of programs
     that finished)."""
-    for settle in BEFORE_READ:
-        settle()
+    settle()
     fold_tracing()
     return METRICS
 
 
 def clear_metrics() -> None:
-    for settle in BEFORE_READ:  # what ran before the clear records before it, not after
-        settle()
+    settle()  # what ran before the clear records before it, not after
     with _LOCK:
         METRICS.clear()
         TRACING.clear()
@@ -150,8 +154,7 @@ def op_counters() -> dict[str, int]:
 
 
 def clear() -> None:
-    for settle in BEFORE_READ:
-        settle()
+    settle()
     with _LOCK:
         COUNTERS.clear()
         METRICS.clear()

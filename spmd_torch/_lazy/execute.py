@@ -173,5 +173,4 @@ def wait_device_ops() -> None:
         output = unfinished_output(outputs)
         if output is not None:
             output.block_until_ready()
-    for settle in counters.BEFORE_READ:
-        settle()
+    counters.settle()
