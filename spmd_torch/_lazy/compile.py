@@ -84,9 +84,10 @@ class Executable:
         kept = [a for a, d in zip(arrays, donated) if not d]
         given = [a for a, d in zip(arrays, donated) if d]
         if type(scalars) is np.ndarray and scalars.size:  # a replicas' run stacks its own
-            where = self.compiled.input_shardings[0][2]
-            if where.is_fully_addressable:  # on a pod JAX's device_put checks that every host
-                # has the same values, a collective per upload: there the call takes them as is
+            where = self.compiled.input_shardings[0][2]  # None: the default device
+            if where is None or where.is_fully_addressable:  # on a pod JAX's device_put checks
+                # that every host has the same values, a collective per upload: there the call
+                # takes them as is
                 scalars = self._on_device(scalars, where)
         return self.compiled(given, kept, scalars)
 

@@ -595,3 +595,15 @@ def test_a_cycle_frozen_then_dropped_is_collected_when_the_next_warm_up_ends(mon
     warm_up(19)
     assert alive() is None
     gc.unfreeze()
+
+
+def test_a_mid_step_read_of_a_program_with_lifted_scalars_matches_eager():
+    # PyTorch/XLA's test_spooky_ailing: a zeroed result of a pending op, element writes of
+    # Python floats (lifted scalars), then a host read of the pending values: a partial program
+    # whose only inputs are those scalars.
+    m = torch.arange(3, dtype=torch.float32)
+    values = [3.0**v for v in m.tolist()]
+    ours = torch.empty_like(torch.pow(3, m.to(dev))).zero_()
+    for i, v in enumerate(values):
+        ours[i] = v
+    assert_close(ours.cpu(), torch.tensor(values))
