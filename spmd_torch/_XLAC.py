@@ -414,7 +414,8 @@ def _get_xla_tensor_debug_info(t: torch.Tensor) -> str:
             lines
             + ["IR: None", "XLAData: None", f"Tensor on host: with size {list(t.shape)}", "}\n"]
         )
-    lines.append("IR: xla::device_data")
+    # An upload is PyTorch/XLA's device-data IR node; a program's output holds data, no IR.
+    lines.append("IR: xla::device_data" if t._storage.from_host else "IR: None")
     devices = sorted(sharding.device_set, key=lambda d: d.id)
     data = "XLAData: " if len(devices) == 1 else "XLAShardedData: "
     where = _runtime_name(devices[0]) if len(devices) == 1 else "SPMD:0"

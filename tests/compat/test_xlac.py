@@ -327,15 +327,20 @@ def test_tensor_to_data_is_the_upload_time():
 
 
 def test_debug_info_shows_the_pending_op_then_the_device_data():
+    # As PyTorch/XLA's: an upload is a device-data IR node; a computed value, once synced, data
+    # with no IR.
     assert xlac._get_xla_tensor_debug_info(torch.randn(5)) == "Not a XLATensor\n"
-    y = torch.randn(5).to(dev) + 5
+    x = torch.randn(5).to(dev)
+    spmd_torch.sync()
+    assert "IR: xla::device_data" in xlac._get_xla_tensor_debug_info(x)
+    y = x + 5
     info = xlac._get_xla_tensor_debug_info(y)
     assert info.startswith("XLATensor {\n") and info.endswith("}\n")
     assert "XLA Shape: f32[5]" in info and "IR: aten::add.Tensor" in info
     assert "XLAData: None" in info
     spmd_torch.sync()
     info = xlac._get_xla_tensor_debug_info(y)
-    assert "IR: xla::device_data" in info and "XLAData: None" not in info
+    assert "IR: None" in info and "XLAData: None" not in info
     assert "Data Shape: f32[5]" in info and f"Data Device: {xr.device_type()}:" in info
 
 
