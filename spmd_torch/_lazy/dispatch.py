@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch._decomp import decomposition_table
 
-from . import attention, collective, counters, placement, rng, views
+from . import attention, collective, counters, placement, rng, stacks, views
 from .engine import FORKED_AFTER_JAX, current, refuse_in_bad_fork
 from .execute import sync, to_cpu
 from .graph import Aval, Node, Value
@@ -103,7 +103,8 @@ def _resolve(func) -> Callable:
     if handler is not None and func in _CLASS_TARGETS:
         return _with_class_indices(handler, _CLASS_TARGETS[func])
     if handler is not None and func in factories.MADE_LIKE:  # zeros_like(p): laid out like p
-        return lambda f, args, kwargs: placement.follow(handler(f, args, kwargs), args[0])
+        made_like = partial(_made_like, handler)
+        return partial(_constant_like, made_like) if func in factories.CONSTANT_LIKE else made_like
     if handler is not None:
         return handler
     if _has_kernel(func, "CompositeImplicitAutograd"):
@@ -123,6 +124,16 @@ def _resolve(func) -> Callable:
 
 
 _COMPOSITE = torch._C.DispatchKey.CompositeExplicitAutograd
+
+
+def _made_like(handler: Callable, func, args: tuple, kwargs: dict) -> LazyTensor:
+    return placement.follow(handler(func, args, kwargs), args[0])
+
+
+def _constant_like(made_like: Callable, func, args: tuple, kwargs: dict) -> LazyTensor:
+    """``zeros_like(p)``: a member of a new stack where ``p`` is a stack's (stacks.like)."""
+    made = stacks.like(made_like, func, args, kwargs)
+    return made_like(func, args, kwargs) if made is None else made
 
 
 def _has_kernel(func, key: str) -> bool:
@@ -435,7 +446,10 @@ def _foreach_handler(func) -> Callable:
     if lowering is not None:
         lift = not lowering.static_scalars
         lift_ints = lift and _lifts_ints(functional if inplace else func)
-        return partial(_record_foreach, functional if inplace else None, lift, lift_ints)
+        element = element_overload(func)[0]
+        pointwise = element is not None and torch.Tag.pointwise in element.tags
+        record = partial(_record_foreach, functional if inplace else None, lift, lift_ints)
+        return partial(_over_stacks, record) if pointwise else record
     packet = element_packet(func)
     write_back = inplace and not packet.__name__.endswith("_")  # maximum_ does not exist: copy
     element, trailing = element_overload(func)
@@ -479,6 +493,17 @@ def _record_foreach(functional, lift: bool, lift_ints: bool, func, args: tuple, 
         else:
             _assign(target, wrap((node, k), aval), func)
     return None
+
+
+def _over_stacks(record: Callable, func, args: tuple, kwargs: dict) -> Any:
+    """A pointwise foreach op recorded over whole stacks where its lists hold all their members
+    (stacks.py: one array updated per stack, not one per member)."""
+    collapsed = stacks.collapse(args) if args and args[0] else None
+    if collapsed is None:
+        return record(func, args, kwargs)
+    args, plan = collapsed
+    results = record(func, args, kwargs)
+    return None if results is None else stacks.expand(results, plan)
 
 
 # Ops writing lists in place -> (their functional overload, the arguments they write).

@@ -22,9 +22,9 @@ import functools
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from . import transfer
+from . import stacks, transfer
 from .engine import current
 from .graph import Arg, Aval, Node, Ref
 from .layout import canonical, crop, even_part, pad_to, padded, padded_shape
@@ -76,6 +76,13 @@ def mark(t: LazyTensor, sharding: NamedSharding) -> None:
     sharding = canonical(sharding)
     on_xla(t, "mark_sharding")
     current().mode.refuse_per_replica("mark_sharding")
+    found = stacks.member(t)
+    if found is not None and type(sharding) is NamedSharding:  # a layer's weight in its stack
+        mark(
+            stacks.whole(found[0]),
+            NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec)),
+        )
+        return
     node, index = ref = t._ref()
     if t._view is not None and not node.is_leaf(index):
         t._remember(_constrained(ref, sharding))  # a pending view: this value only, as PyTorch/XLA
@@ -118,6 +125,10 @@ def _grads_follow(t: LazyTensor) -> None:
 
 def _grad_like_param(param: LazyTensor) -> None:
     grad = param.grad
+    pair = stacks.member(param), stacks.member(grad)
+    if None not in pair:  # a stack's member, as its parameter is: the stacks share the layout
+        follow(stacks.whole(pair[1][0]), stacks.whole(pair[0][0]))
+        return
     if type(grad) is LazyTensor and grad._view is not None:  # autograd kept a view of its buffer
         ref = grad._ref()
         grad._alias_of(wrap(ref, ref[0].avals[ref[1]]))  # the gradient's own storage, to lay out
@@ -134,6 +145,12 @@ def sharding_of(t: LazyTensor):
     cleared or while unmarked and pending (a view reports its data's, if it has data)."""
     if t._view is None:
         return t._storage.sharding
+    found = stacks.member(t)
+    if found is not None:  # a member is laid out as its stack, less the stacked axis
+        stack = found[0].sharding
+        spec = tuple(stack.spec) if type(stack) is NamedSharding else (0,)
+        if not spec or spec[0] is None:
+            return NamedSharding(stack.mesh, PartitionSpec(*spec[1:]))
     node, index = t._ref()
     return node.arrays[index].sharding if node.is_leaf(index) else None
 

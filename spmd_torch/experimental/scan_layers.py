@@ -2,23 +2,25 @@
 
 ``scan_layers(layers, x)`` is ``nn.Sequential(*layers)(x)`` whose program holds one layer's ops
 whatever the depth: each parameter and buffer is stacked across the layers along a new leading
-axis (one ``stack`` op each, recorded lazily like any op), and the first layer, called with
-``torch.func.functional_call`` on one slice of each stack, is the body of a ``scan`` over them.
-The parameters stay the layers' own: autograd takes each gradient back through its stack to the
-layer's parameter, so optimizers, ``state_dict`` and checkpoints see the usual per-layer names.
-A parameter marked with ``mark_sharding`` lays its stack out the same way, the stacked axis
-unsplit.
+axis, and the first layer, called with ``torch.func.functional_call`` on one slice of each stack,
+is the body of a ``scan`` over them. The first call makes the layers' tensors the members of
+their stack (stacks.py), so that later steps read it as it is and the optimizer updates one array
+per kind of weight, whatever the depth. The parameters stay the layers' own: autograd takes each
+gradient back through its stack to the layer's parameter, so optimizers, ``state_dict`` and
+checkpoints see the usual per-layer names. A parameter marked with ``mark_sharding`` lays its
+stack out the same way, the stacked axis unsplit.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spmd_torch._lazy import placement
+from spmd_torch._lazy import placement, stacks
 
 from .scan import _scan, _text, _xla_tensor, without_dynamo
 
@@ -65,8 +67,8 @@ def _scan_layers(layers: list, input_data: Any, partition_fn: Callable | None) -
     first = layers[0]
     states = [{**dict(m.named_parameters()), **dict(m.named_buffers())} for m in layers]
     _check_same_structure(layers, states)
-    indices = _layer_numbers(len(layers), states)
-    stacked = {name: _stacked(indices, [state[name] for state in states]) for name in states[0]}
+    numbers = functools.cache(lambda: _layer_numbers(len(layers), _device_of(states)))
+    stacked = {name: _stacked([state[name] for state in states], numbers) for name in states[0]}
 
     def one_layer(carry: Any, state: dict) -> tuple[Any, None]:
         args = carry if isinstance(carry, tuple) else (carry,)
@@ -116,41 +118,55 @@ def _module_text(modules: list, at: int) -> str:
 
 
 class _Stack(torch.autograd.Function):
-    """``torch.stack`` of one tensor of each layer; its backward reads layer k's gradient at
-    ``indices[k]``, a device tensor of its own, instead of at a constant offset (``unbind``).
-    Every layer's gradient, and the optimizer kernels it fuses into, are then one XLA kernel,
-    compiled once for all the layers: with constant offsets, one per layer, and the first step's
-    compile would grow with the depth."""
+    """The layers' tensors as one (layers x ...) tensor: their stack itself where they are one
+    stack's members, else ``torch.stack`` of them. Layer k's gradient is member k of the
+    stacked gradient, so that torch.optim's foreach ops update it whole (stacks.py); outside a
+    stack it is read at ``indices[k]``, a device tensor of its own, instead of at a constant
+    offset, so that every layer's gradient is one XLA kernel compiled once for all the layers."""
 
     @staticmethod
-    def forward(ctx, indices: list, *tensors: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, indices: list | None, *tensors: torch.Tensor) -> torch.Tensor:
         ctx.indices = indices
-        return torch.stack(tensors)
+        whole = stacks.stacked(list(tensors))
+        return torch.stack(tensors) if whole is None else whole
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple:
         needed = ctx.needs_input_grad[1:]
+        if ctx.indices is None:
+            return None, *(grad.select(0, k) if n else None for k, n in enumerate(needed))
         return None, *(
             grad.index_select(0, k).squeeze(0) if n else None for k, n in zip(ctx.indices, needed)
         )
 
 
-def _layer_numbers(count: int, states: list) -> list | None:
-    """Each layer's number, a device tensor of its own (what ``_Stack`` reads gradients at);
-    None where no gradient will be read (no uploads)."""
-    tensors = [t for state in states for t in state.values()]
-    if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
-        return None
-    return [torch.tensor([k], device=tensors[0].device) for k in range(count)]
+def _stacked(tensors: list, numbers: Callable) -> torch.Tensor:
+    """The layers' tensors as one, stacked along a new leading axis.
+
+    Their first call makes them the members of one stack (stacks.restack): each step then reads
+    the stack as it is, and its optimizer updates one array per kind of weight, not one per
+    layer. The stack is laid out as they were when they all had one sharding over several
+    devices (the new axis unsplit). Tensors that cannot be re-homed (shared with other layers
+    or aliased elsewhere) are stacked again at each call."""
+    whole = stacks.stacked(tensors)
+    if whole is None:
+        layouts = {placement.sharding_of(t) for t in tensors}
+        whole = stacks.restack(tensors)
+        if whole is not None and len(layouts) == 1:
+            (layout,) = layouts
+            if type(layout) is NamedSharding and not layout.is_fully_replicated:
+                placement.mark(whole, NamedSharding(layout.mesh, PartitionSpec(None, *layout.spec)))
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if not needs_grad:
+        return torch.stack(tensors) if whole is None else whole
+    indices = None if whole is not None else numbers()
+    return _Stack.apply(indices, *tensors)
 
 
-def _stacked(indices: list | None, tensors: list) -> torch.Tensor:
-    """The layers' tensors stacked along a new leading axis, laid out as theirs when they all
-    have one sharding over several devices (the new axis unsplit)."""
-    stacked = torch.stack(tensors) if indices is None else _Stack.apply(indices, *tensors)
-    layouts = {placement.sharding_of(t) for t in tensors}
-    if len(layouts) == 1:
-        (layout,) = layouts
-        if type(layout) is NamedSharding and not layout.is_fully_replicated:
-            placement.mark(stacked, NamedSharding(layout.mesh, PartitionSpec(None, *layout.spec)))
-    return stacked
+def _layer_numbers(count: int, device: torch.device) -> list:
+    """Each layer's number, a device tensor of its own (what ``_Stack`` reads gradients at)."""
+    return [torch.tensor([k], device=device) for k in range(count)]
+
+
+def _device_of(states: list) -> torch.device:
+    return next(iter(states[0].values())).device

@@ -446,3 +446,27 @@ def test_a_body_may_neither_write_its_inputs_nor_read_values():
         RuntimeError, match="scan's body would run a program .* a loop body is one graph"
     ):
         scan(lambda c, x: (c * c.sum().item(), None), torch.zeros(2, device=dev), xs_)
+
+
+def _adamw_step_size(layers: int) -> list[tuple[int, int]]:
+    """(nodes, inputs) of each of two training steps' programs, AdamW included, over ``layers``
+    scanned MLP layers."""
+    stack = _stack("mlp", layers).to(dev)
+    optimizer = torch.optim.AdamW(stack.parameters(), lr=1e-2)
+    sizes = []
+    for _ in range(2):
+        _loss(scan_layers(stack, torch.randn(2, 4, D, device=dev))).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        program = graph.pending_program()
+        sizes.append((len(program.nodes), len(program.leaves)))
+        spmd_torch.sync()
+    return sizes
+
+
+def test_an_adamw_step_over_8_scanned_layers_is_the_program_of_2():
+    """The layers' weights, gradients and moments are stacks (stacks.py): the optimizer updates
+    one array per kind of weight, so neither program grows with the depth, and the second step
+    reads each stack as one input."""
+    (first, second), (first_8, second_8) = _adamw_step_size(2), _adamw_step_size(8)
+    assert first_8[0] == first[0] and second_8 == second

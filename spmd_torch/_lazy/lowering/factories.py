@@ -95,6 +95,12 @@ MADE_LIKE = frozenset(
     + (aten.randint_like.default, aten.randint_like.low_dtype, aten.clone.default)
 )
 
+# The ones of them making a constant: each element the same whatever the source's values.
+CONSTANT_LIKE = frozenset(
+    (aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default)
+    + (aten.full_like.default,)
+)
+
 register_table(
     {
         aten.full.default: _full,

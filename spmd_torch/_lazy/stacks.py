@@ -1,0 +1,190 @@
+"""Stacks: same-shaped tensors kept as the slices of one array, updated as one.
+
+A deep model's optimizer step is the same few elementwise updates applied to every parameter. One
+array per parameter makes that one XLA kernel per parameter, and XLA compiles each (a 64-layer
+decoder's AdamW step: hundreds of kernels, most of its first step's time). JAX users keep each
+kind of layer weight stacked (layers x ...) for that reason. Here a stack is a storage of shape
+(L, ...) whose L members are tensors viewing it through ``select(0, k)``: the view machinery reads
+and writes each member as any view, and an elementwise foreach op given all L members of a stack
+(torch.optim's, in any order) is recorded over the stack itself, so the step updates one array
+per stack whatever the depth.
+
+Stacks are made where the members are known to come together: ``scan_layers`` stacks each
+parameter of its layers (``restack``), the gradients its scan returns are members of one
+gradient, and ``zeros_like`` (and the other constant ``*_like`` ops) of members 0, 1, ... of a
+stack, in order, as torch.optim makes its moments, are members of one new stack (``like``).
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+
+import torch
+
+from .graph import Aval, Value
+from .record import emit_value
+from .tensor import LazyTensor, Storage, wrap
+from .views import View
+
+aten = torch.ops.aten
+_SELECT = aten.select.int
+
+
+def member(t) -> tuple[Storage, int] | None:
+    """(the stack, the index) of a tensor viewing a storage through ``select(0, index)`` only."""
+    view = t._view if type(t) is LazyTensor else None
+    if view is None or len(view) != 1 or view[0].func is not _SELECT or view[0].args[0] != 0:
+        return None
+    return t._storage, view[0].args[1]
+
+
+def members(stack: Storage) -> list[LazyTensor]:
+    """New tensors viewing each slice of ``stack``."""
+    shape, dtype = stack.aval
+    aval = Aval(shape[1:], dtype)
+    return [LazyTensor(stack, aval, (View(_SELECT, (0, k)),)) for k in range(shape[0])]
+
+
+def whole(stack: Storage) -> LazyTensor:
+    """A tensor for the whole stack (a write to it is a write to every member)."""
+    return LazyTensor(stack, stack.aval)
+
+
+def stacked(tensors: list) -> LazyTensor | None:
+    """The whole stack when ``tensors`` are its members 0, 1, ... in order, else None."""
+    first = member(tensors[0]) if tensors else None
+    if first is None or first[0].aval.shape[0] != len(tensors):
+        return None
+    for k, t in enumerate(tensors):
+        if member(t) != (first[0], k):
+            return None
+    return whole(first[0])
+
+
+def restack(tensors: list) -> LazyTensor | None:
+    """Make ``tensors`` the members of one new stack holding their values, and return it whole;
+    None (nothing changed) unless each is a distinct plain tensor that nothing else aliases
+    (re-homing one alias would part it from the others)."""
+    if len({id(t._storage) for t in tensors if type(t) is LazyTensor}) != len(tensors):
+        return None
+    for t in tensors:
+        # references to the storage: the tensor's own and getrefcount's argument
+        if t._view is not None or sys.getrefcount(t._storage) > 2:
+            return None
+    value = emit_value(aten.stack.default, [Value(t._storage.ref) for t in tensors], 0)
+    stack = wrap(value.ref, value.aval)._storage
+    for t, new in zip(tensors, members(stack)):
+        t._alias_of(new)
+    return whole(stack)
+
+
+# --- foreach ops over whole stacks ---------------------------------------------------------------
+
+
+def collapse(args: tuple) -> tuple[tuple, list] | None:
+    """A pointwise foreach op's arguments with every complete stack of its first list written as
+    the stack itself, in each of its lists alike; with the plan ``expand`` needs: per entry of the
+    shortened lists, the original positions it stands for (a stack's, in member order) or one
+    position. None when no stack is complete in every list.
+
+    A stack counts when its L members sit at the same positions of every tensor list (member k
+    of one list beside member k of the others, all of one shape), the Python scalar lists hold
+    one value at those positions, and every other argument is one value for all elements."""
+    lists = [i for i, a in enumerate(args) if isinstance(a, (list, tuple))]
+    for i, a in enumerate(args):
+        if i not in lists and isinstance(a, torch.Tensor) and a.dim() != 0:
+            return None  # a tensor of per-element scalars
+    at: dict = {}  # id(stack) -> [stack, positions by index]
+    for position, t in enumerate(args[0]):
+        found = member(t)
+        if found is not None:
+            stack, k = found
+            entry = at.setdefault(id(stack), [stack, [None] * stack.aval.shape[0]])
+            if entry[1][k] is None:
+                entry[1][k] = position
+    groups = []
+    for stack, positions in at.values():
+        if None not in positions and _aligned(args, lists, positions):
+            groups.append(positions)
+    if not groups:
+        return None
+    first_of = {positions[0]: positions for positions in groups}
+    grouped = {p for positions in groups for p in positions}
+    plan = []
+    for position in range(len(args[0])):
+        if position in first_of:
+            plan.append(first_of[position])
+        elif position not in grouped:
+            plan.append(position)
+    new_args = list(args)
+    for i in lists:
+        new_args[i] = [_entry(args[i], where) for where in plan]
+    return tuple(new_args), plan
+
+
+def _aligned(args: tuple, lists: list, positions: list) -> bool:
+    shape = tuple(args[0][positions[0]].shape)
+    for i in lists:
+        values = [args[i][p] for p in positions]
+        if not isinstance(values[0], torch.Tensor):
+            if values.count(values[0]) != len(values):
+                return False
+            continue
+        if tuple(values[0].shape) != shape:
+            return False
+        stack = member(values[0])
+        if stack is None or any(member(v) != (stack[0], k) for k, v in enumerate(values)):
+            return False
+    return True
+
+
+def _entry(values, where):
+    if type(where) is int:
+        return values[where]
+    first = values[where[0]]
+    return whole(first._storage) if isinstance(first, torch.Tensor) else first
+
+
+def expand(outputs: list, plan: list) -> list:
+    """A collapsed foreach op's results at the original positions: a stack's, its members."""
+    length = sum(1 if type(where) is int else len(where) for where in plan)
+    results: list = [None] * length
+    for out, where in zip(outputs, plan):
+        if type(where) is int:
+            results[where] = out
+        else:
+            for position, piece in zip(where, members(out._storage)):
+                results[position] = piece
+    return results
+
+
+# --- new stacks like existing ones ---------------------------------------------------------------
+
+# stack -> {(op, arguments): [[a new stack like it (weakly), the next member to hand out], ...]}
+_LIKE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def like(make, func, args: tuple, kwargs: dict):
+    """``func(member k of a stack, ...)`` for a constant ``*_like`` op: member k of a new stack of
+    that constant, shared with calls for members 0..k-1 that came before it in order (as
+    torch.optim makes each parameter's moments, one new stack per moment); None where
+    ``args[0]`` is not such a member."""
+    found = member(args[0])
+    if found is None:
+        return None
+    stack, k = found
+    key = (func, tuple(args[1:]), tuple(sorted(kwargs.items(), key=str)))
+    opened = _LIKE.setdefault(stack, {}).setdefault(key, [])
+    opened[:] = [e for e in opened if e[0]() is not None and e[1] < stack.aval.shape[0]]
+    entry = next((e for e in opened if e[1] == k), None)
+    if entry is None:
+        if k != 0:
+            return None
+        new = make(func, (whole(stack),) + tuple(args[1:]), kwargs)._storage
+        entry = [weakref.ref(new), 0]
+        opened.append(entry)
+    new = entry[0]()
+    entry[1] += 1
+    shape, dtype = new.aval
+    return LazyTensor(new, Aval(shape[1:], dtype), (View(_SELECT, (0, k)),))

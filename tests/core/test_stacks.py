@@ -1,0 +1,106 @@
+"""Stacks (spmd_torch/_lazy/stacks.py): same-shaped tensors as the slices of one array. Every
+member must read and write as the independent tensor it stands for, against the same ops on CPU
+tensors; a pointwise foreach op given all of a stack's members is recorded over the stack."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import spmd_torch
+import spmd_torch.distributed.spmd as xs
+import spmd_torch.runtime as xr
+from spmd_torch._lazy import stacks
+from spmd_torch.debug import graph
+from tests.helpers import assert_close
+
+dev = spmd_torch.device()
+
+
+def _stacked(values: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Device copies of ``values``, made the members of one stack."""
+    tensors = [v.to(dev) for v in values]
+    assert stacks.restack(tensors) is not None
+    return tensors
+
+
+def _values(n: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(3, 5, generator=g) for _ in range(n)]
+
+
+def _ops(text: str, op: str) -> int:
+    return sum(f"= {op}(" in line for line in text.splitlines())
+
+
+def test_a_foreach_op_over_every_member_in_any_order_updates_the_stack_whole():
+    a_cpu, b_cpu = _values(4, 0), _values(4, 1)
+    a, b = _stacked(a_cpu), _stacked(b_cpu)
+    spmd_torch.sync()
+    order = [2, 0, 3, 1]  # torch.optim interleaves the layers' weights: any order counts
+    torch._foreach_addcmul_(
+        [a[k] for k in order], [b[k] for k in order], [b[k] for k in order], 0.5
+    )
+    torch._foreach_addcmul_(
+        [a_cpu[k] for k in order], [b_cpu[k] for k in order], [b_cpu[k] for k in order], 0.5
+    )
+    roots = torch._foreach_sqrt(torch._foreach_abs(b))
+    text = graph.pending_text()
+    assert _ops(text, "aten.select_scatter.default") == 0  # no member written on its own
+    assert stacks.stacked(roots) is not None  # a functional op's results: one stack too
+    assert_close(a, a_cpu)
+    assert_close(roots, torch._foreach_sqrt([v.abs() for v in b_cpu]))
+
+
+def test_an_incomplete_or_misaligned_stack_is_updated_member_by_member():
+    a_cpu, b_cpu = _values(4, 2), _values(4, 3)
+    a, b = _stacked(a_cpu), _stacked(b_cpu)
+    torch._foreach_add_(a[:3], b[:3])  # member 3 absent
+    torch._foreach_add_(a_cpu[:3], b_cpu[:3])
+    torch._foreach_mul_(a, [b[1], b[0], b[2], b[3]])  # member k beside another's member
+    torch._foreach_mul_(a_cpu, [b_cpu[1], b_cpu[0], b_cpu[2], b_cpu[3]])
+    torch._foreach_add_(a, [1.0, 2.0, 3.0, 4.0])  # a Scalar[] of several values
+    torch._foreach_add_(a_cpu, [1.0, 2.0, 3.0, 4.0])
+    assert _ops(graph.pending_text(), "aten.select_scatter.default") > 0
+    assert_close(a, a_cpu)
+
+
+def test_zeros_like_members_in_order_make_stacks_whose_members_stay_independent():
+    params = _stacked(_values(3, 4))
+    firsts, seconds = [], []
+    for p in params:  # as torch.optim makes two moments per parameter
+        firsts.append(torch.zeros_like(p))
+        seconds.append(torch.zeros_like(p))
+    assert stacks.stacked(firsts) is not None and stacks.stacked(seconds) is not None
+    assert stacks.stacked(firsts)._storage is not stacks.stacked(seconds)._storage
+    firsts[1].add_(2.0)
+    seconds[2].copy_(params[0])
+    expected = [torch.zeros(3, 5) for _ in range(3)]
+    assert_close(firsts, [expected[0], expected[1] + 2.0, expected[2]])
+    assert_close(seconds, [expected[0], expected[1], params[0].cpu()])
+    lone = torch.zeros_like(params[1])  # not member 0 of a new run: a tensor of its own
+    assert stacks.member(lone) is None and lone.shape == (3, 5)
+
+
+def test_restacking_refuses_aliased_or_repeated_tensors():
+    tensors = [v.to(dev) for v in _values(2, 5)]
+    alias = tensors[0].detach()  # noqa: F841  (re-homing tensors[0] alone would part them)
+    assert stacks.restack(tensors) is None
+    assert stacks.restack([tensors[1], tensors[1]]) is None
+    assert all(stacks.member(t) is None for t in tensors)
+
+
+def test_a_member_reports_and_takes_its_layout_through_the_stack():
+    xr.use_spmd()
+    mesh = xs.Mesh(np.arange(8), (2, 4), ("data", "model"))
+    members = _stacked([torch.randn(4, 8) for _ in range(3)])  # a (3, 4, 8) stack
+    xs.mark_sharding(members[1], mesh, (None, "model"))
+    for m in members:  # the stack is laid out (None, None, model): every member as marked
+        assert (
+            xs.get_xla_sharding_spec(m)
+            == "{devices=[1,4,2]0,4,1,5,2,6,3,7 last_tile_dim_replicate}"
+        )
+    whole = stacks.stacked(members)
+    assert tuple(whole._storage.sharding.spec) == (None, None, "model")
+    spmd_torch.sync()
+    xr.reset()
