@@ -104,7 +104,7 @@ def _resolve(func) -> Callable:
         return _with_class_indices(handler, _CLASS_TARGETS[func])
     if handler is not None and func in factories.MADE_LIKE:  # zeros_like(p): laid out like p
         made_like = partial(_made_like, handler)
-        return partial(_constant_like, made_like) if func in factories.CONSTANT_LIKE else made_like
+        return partial(_stacked_like, made_like) if func in factories.STACKED_LIKE else made_like
     if handler is not None:
         return handler
     if _has_kernel(func, "CompositeImplicitAutograd"):
@@ -130,8 +130,9 @@ def _made_like(handler: Callable, func, args: tuple, kwargs: dict) -> LazyTensor
     return placement.follow(handler(func, args, kwargs), args[0])
 
 
-def _constant_like(made_like: Callable, func, args: tuple, kwargs: dict) -> LazyTensor:
-    """``zeros_like(p)``: a member of a new stack where ``p`` is a stack's (stacks.like)."""
+def _stacked_like(made_like: Callable, func, args: tuple, kwargs: dict) -> LazyTensor:
+    """``zeros_like(p)``, ``clone(p)``: a member of a new stack where ``p`` is a stack's
+    (stacks.like)."""
     made = stacks.like(made_like, func, args, kwargs)
     return made_like(func, args, kwargs) if made is None else made
 

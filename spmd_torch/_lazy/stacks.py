@@ -12,7 +12,9 @@ per stack whatever the depth.
 Stacks are made where the members are known to come together: ``scan_layers`` stacks each
 parameter of its layers (``restack``), the gradients its scan returns are members of one
 gradient, and ``zeros_like`` (and the other constant ``*_like`` ops) of members 0, 1, ... of a
-stack, in order, as torch.optim makes its moments, are members of one new stack (``like``).
+stack, in order, as torch.optim makes its moments, are members of one new stack (``like``). A
+tensor made alone from one member (``zeros_like(layers[3].weight)``) is a tensor of its own; one
+made from member 0 is member 0 of a new stack, and holds the stack's memory.
 """
 
 from __future__ import annotations
@@ -166,9 +168,9 @@ _LIKE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def like(make, func, args: tuple, kwargs: dict):
-    """``func(member k of a stack, ...)`` for a constant ``*_like`` op: member k of a new stack of
-    that constant, shared with calls for members 0..k-1 that came before it in order (as
-    torch.optim makes each parameter's moments, one new stack per moment); None where
+    """``func(member k of a stack, ...)`` for a constant ``*_like`` op: member k of a new stack,
+    ``func`` of the whole stack, shared with the calls for members 0..k-1 that came before it in
+    order (as torch.optim makes each parameter's moments, one new stack per moment); None where
     ``args[0]`` is not such a member."""
     found = member(args[0])
     if found is None:

@@ -95,8 +95,9 @@ MADE_LIKE = frozenset(
     + (aten.randint_like.default, aten.randint_like.low_dtype, aten.clone.default)
 )
 
-# The ones of them making a constant: each element the same whatever the source's values.
-CONSTANT_LIKE = frozenset(
+# The ones of them making a constant, whatever the source's values: a stack's member makes a
+# member of a new stack (stacks.like). Not ``clone``: one layer's copy would hold every layer's.
+STACKED_LIKE = frozenset(
     (aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default)
     + (aten.full_like.default,)
 )
