@@ -499,7 +499,7 @@ def _record_foreach(functional, lift: bool, lift_ints: bool, func, args: tuple, 
 def _over_stacks(record: Callable, func, args: tuple, kwargs: dict) -> Any:
     """A pointwise foreach op recorded over whole stacks where its lists hold all their members
     (stacks.py: one array updated per stack, not one per member)."""
-    collapsed = stacks.collapse(args) if args and args[0] else None
+    collapsed = stacks.collapse(args)
     if collapsed is None:
         return record(func, args, kwargs)
     args, plan = collapsed

@@ -137,7 +137,8 @@ def _grad_like_param(param: LazyTensor) -> None:
 
 def clear(t: LazyTensor) -> None:
     """Forget ``t``'s sharding: later values are laid out by the partitioner."""
-    _own_storage(t, "clear_sharding").sharding = None
+    found = stacks.member(t)  # a layer's weight in its stack: the stack's layout
+    (found[0] if found is not None else _own_storage(t, "clear_sharding")).sharding = None
 
 
 def sharding_of(t: LazyTensor):

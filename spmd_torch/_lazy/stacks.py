@@ -94,11 +94,14 @@ def collapse(args: tuple) -> tuple[tuple, list] | None:
     of one list beside member k of the others, all of one shape), the Python scalar lists hold
     one value at those positions, and every other argument is one value for all elements."""
     lists = [i for i, a in enumerate(args) if isinstance(a, (list, tuple))]
+    if not lists or not args[lists[0]]:
+        return None
+    first = args[lists[0]]  # pow(Scalar, Tensor[]): its list comes second
     for i, a in enumerate(args):
         if i not in lists and isinstance(a, torch.Tensor) and a.dim() != 0:
             return None  # a tensor of per-element scalars
     at: dict = {}  # id(stack) -> [stack, positions by index]
-    for position, t in enumerate(args[0]):
+    for position, t in enumerate(first):
         found = member(t)
         if found is not None:
             stack, k = found
@@ -114,7 +117,7 @@ def collapse(args: tuple) -> tuple[tuple, list] | None:
     first_of = {positions[0]: positions for positions in groups}
     grouped = {p for positions in groups for p in positions}
     plan = []
-    for position in range(len(args[0])):
+    for position in range(len(first)):
         if position in first_of:
             plan.append(first_of[position])
         elif position not in grouped:
@@ -126,7 +129,7 @@ def collapse(args: tuple) -> tuple[tuple, list] | None:
 
 
 def _aligned(args: tuple, lists: list, positions: list) -> bool:
-    shape = tuple(args[0][positions[0]].shape)
+    shape = tuple(args[lists[0]][positions[0]].shape)
     for i in lists:
         values = [args[i][p] for p in positions]
         if not isinstance(values[0], torch.Tensor):

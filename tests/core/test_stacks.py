@@ -102,5 +102,15 @@ def test_a_member_reports_and_takes_its_layout_through_the_stack():
         )
     whole = stacks.stacked(members)
     assert tuple(whole._storage.sharding.spec) == (None, None, "model")
+    xs.clear_sharding(members[0])
+    assert whole._storage.sharding is None
     spmd_torch.sync()
     xr.reset()
+
+
+def test_a_foreach_op_whose_list_comes_second_runs_over_the_stack():
+    exponents_cpu = _values(3, 8)
+    exponents = _stacked(exponents_cpu)
+    powers = torch._foreach_pow(0.9, exponents)  # Adam's bias corrections, when capturable
+    assert stacks.stacked(powers) is not None
+    assert_close(powers, torch._foreach_pow(0.9, exponents_cpu))
