@@ -48,6 +48,14 @@ def members(stack: Storage) -> list[LazyTensor]:
     return [LazyTensor(stack, aval, (View(_SELECT, (0, k)),)) for k in range(shape[0])]
 
 
+def slices(t) -> list[LazyTensor] | None:
+    """``t``'s slices along its first axis as members of its storage (no node recorded until
+    one is read); None unless ``t`` is a tensor holding its storage's value as it is."""
+    if type(t) is not LazyTensor or t._view is not None or not t.dim():
+        return None
+    return members(t._storage)
+
+
 def whole(stack: Storage) -> LazyTensor:
     """A tensor for the whole stack (a write to it is a write to every member)."""
     return LazyTensor(stack, stack.aval)

@@ -134,7 +134,8 @@ class _Stack(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple:
         needed = ctx.needs_input_grad[1:]
         if ctx.indices is None:
-            return None, *(grad.select(0, k) if n else None for k, n in enumerate(needed))
+            pieces = stacks.slices(grad) or [grad.select(0, k) for k in range(len(needed))]
+            return None, *(piece if n else None for piece, n in zip(pieces, needed))
         return None, *(
             grad.index_select(0, k).squeeze(0) if n else None for k, n in zip(ctx.indices, needed)
         )
