@@ -450,6 +450,8 @@ def _foreach_handler(func) -> Callable:
         element = element_overload(func)[0]
         pointwise = element is not None and torch.Tag.pointwise in element.tags
         record = partial(_record_foreach, functional if inplace else None, lift, lift_ints)
+        if func is aten._foreach_norm.Scalar:
+            return partial(_norms_over_stacks, record)
         return partial(_over_stacks, record) if pointwise else record
     packet = element_packet(func)
     write_back = inplace and not packet.__name__.endswith("_")  # maximum_ does not exist: copy
@@ -505,6 +507,26 @@ def _over_stacks(record: Callable, func, args: tuple, kwargs: dict) -> Any:
     args, plan = collapsed
     results = record(func, args, kwargs)
     return None if results is None else stacks.expand(results, plan)
+
+
+def _norms_over_stacks(record: Callable, func, args: tuple, kwargs: dict) -> list:
+    """``_foreach_norm`` (clip_grad_norm_'s): the norms of a complete stack's members as one
+    ``vector_norm`` of the stack over all but its stacked axis, the other tensors' as one node."""
+    collapsed = stacks.collapse(args)
+    if collapsed is None:
+        return record(func, args, kwargs)
+    (tensors, *rest), plan = collapsed
+    ord = rest[0] if rest else kwargs.get("ord", 2)
+    dtype = rest[1] if len(rest) > 1 else kwargs.get("dtype")
+    singles = [t for t, where in zip(tensors, plan) if type(where) is int]
+    norms = iter(record(func, (singles, *rest), kwargs) if singles else [])
+    results = [
+        next(norms)
+        if type(where) is int
+        else torch.linalg.vector_norm(t.reshape(t.shape[0], -1), ord, dim=1, dtype=dtype)
+        for t, where in zip(tensors, plan)
+    ]
+    return stacks.expand(results, plan)
 
 
 # Ops writing lists in place -> (their functional overload, the arguments they write).

@@ -114,3 +114,21 @@ def test_a_foreach_op_whose_list_comes_second_runs_over_the_stack():
     powers = torch._foreach_pow(0.9, exponents)  # Adam's bias corrections, when capturable
     assert stacks.stacked(powers) is not None
     assert_close(powers, torch._foreach_pow(0.9, exponents_cpu))
+
+
+def test_clip_grad_norm_over_stacks_norms_each_member():
+    for norm_type in (2.0, float("inf")):
+        grads_cpu = _values(4, 9) + [torch.randn(7)]
+        grads = _stacked(grads_cpu[:4]) + [grads_cpu[4].to(dev)]
+        norms = torch._foreach_norm(grads, norm_type)
+        assert stacks.stacked(norms[:4]) is not None  # one vector_norm over the stack
+        assert _ops(graph.pending_text(), "aten.select.int") == 0
+        assert_close(norms, torch._foreach_norm(grads_cpu, norm_type))
+        params = [torch.zeros(g.shape, device=dev, requires_grad=True) for g in grads_cpu]
+        params_cpu = [torch.zeros_like(g, requires_grad=True) for g in grads_cpu]
+        for p, q, g, g_cpu in zip(params, params_cpu, grads, grads_cpu):
+            p.grad, q.grad = g, g_cpu.clone()
+        total = torch.nn.utils.clip_grad_norm_(params, 0.5, norm_type, foreach=True)
+        want = torch.nn.utils.clip_grad_norm_(params_cpu, 0.5, norm_type, foreach=True)
+        assert want > 0.5  # the gradients are scaled
+        assert_close((total, [p.grad for p in params]), (want, [q.grad for q in params_cpu]))
