@@ -131,8 +131,7 @@ def _made_like(handler: Callable, func, args: tuple, kwargs: dict) -> LazyTensor
 
 
 def _stacked_like(made_like: Callable, func, args: tuple, kwargs: dict) -> LazyTensor:
-    """``zeros_like(p)``, ``clone(p)``: a member of a new stack where ``p`` is a stack's
-    (stacks.like)."""
+    """``zeros_like(p)``: a member of a new stack where ``p`` is a stack's (stacks.like)."""
     made = stacks.like(made_like, func, args, kwargs)
     return made_like(func, args, kwargs) if made is None else made
 
