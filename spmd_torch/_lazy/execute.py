@@ -18,7 +18,7 @@ import torch
 
 from spmd_torch import config
 
-from . import counters, manual, modes, placement, rng  # noqa: F401  (modes: the default mode)
+from . import counters, manual, modes, placement, rng, views  # noqa: F401  (modes: the default mode)
 from .engine import current
 from .graph import DATA, Node, linearize
 from .record import user_frame
@@ -124,7 +124,14 @@ def materialize_refs(refs: list, layouts: dict | None = None) -> list[jax.Array]
     missing = list({(id(n), i): (n, i) for n, i in refs if not n.is_leaf(i)}.values())
     if missing:
         _check_may_run(engine)
-        engine.mode.read(missing, layouts, sync)
+        read = [
+            None if layouts and (id(n), i) in layouts else views.read_by_index((n, i))
+            for n, i in missing
+        ]
+        engine.mode.read([r or ref for r, ref in zip(read, missing)], layouts, sync)
+        for (node, index), by_index in zip(missing, read):
+            if by_index is not None:
+                node.keep(index, by_index[0].arrays[by_index[1]])
     return [placement.resolve(node, index) for node, index in refs]
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from .graph import Ref, Value
+from .graph import Arg, Aval, Node, Ref, Value
+from .lowering.indexing import SELECT_AT, SLICE_AT
 from .record import emit_value
 from .tensor import LazyTensor
 
@@ -88,11 +89,14 @@ def make_view(base: LazyTensor, func, args: tuple) -> LazyTensor:
 
 
 def alias(base: LazyTensor) -> LazyTensor:
-    """Another tensor for the very same value (detach, alias): same storage, same chain."""
-    ref = base._ref()
-    view = LazyTensor(base._storage, ref[0].avals[ref[1]], base._view)
-    if base._view is not None:
-        view._remember(ref)
+    """Another tensor for the very same value (detach, alias): same storage, same chain. A view's
+    value is read when first needed (autograd detaches every gradient it stores, slices of a
+    stacked gradient too, and most are next read whole, through their stack)."""
+    if base._view is None:
+        return LazyTensor(base._storage, base._storage.aval)
+    view = LazyTensor(base._storage, Aval(tuple(base.shape), base.dtype), base._view)
+    if base._cache_version == base._storage.version:
+        view._remember(base._cache)
     return view
 
 
@@ -117,3 +121,61 @@ def split_views(base: LazyTensor, func, args: tuple) -> list[LazyTensor]:
 
 
 SPLIT_VIEWS = {aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int}
+
+
+# --- reading views of known data -----------------------------------------------------------------
+
+# View ops whose result does not depend on an index: read again as they are.
+_UNINDEXED = set(WRITE_BACK) - {aten.select.int, aten.slice.Tensor} | IDENTITY_VIEWS
+
+
+def read_by_index(ref: Ref) -> Ref | None:
+    """``ref``, a chain of view ops over known data holding a select or a slice, recorded again
+    with their indices as program inputs: reading each slice of a stack (a checkpoint's
+    parameters) or each row of a tensor then compiles one program per shape, not one per index.
+    None where ``ref`` is not such a chain."""
+    chain, (node, index) = [], ref
+    while not node.is_leaf(index):
+        if index or len(node.src) != 1 or node.kwargs:
+            return None
+        if node.op not in _UNINDEXED and node.op is not _SELECT and node.op is not _SLICE:
+            return None
+        chain.append(node)
+        node, index = node.src[0]
+    if not any(n.op is _SELECT or n.op is _SLICE for n in chain):
+        return None
+    source = (node, index)
+    for view in reversed(chain):
+        source = _read_again(view, source)
+    return source
+
+
+_SELECT, _SLICE = aten.select.int, aten.slice.Tensor
+
+
+def _read_again(view: Node, source: Ref) -> Ref:
+    """``view``'s op on ``source``, an index it holds lifted to a program input."""
+    shape = source[0].avals[source[1]].shape
+    op, args = view.op, view.args
+    if op is _SELECT:
+        dim = args[1] % len(shape)
+        op, src, args = SELECT_AT, (source, _lifted(args[2] % shape[dim])), (Arg(0), Arg(1), dim)
+    elif op is _SLICE and _slice_args(args)[3] == 1:
+        dim, start, end, _ = _slice_args(args)
+        dim %= len(shape)
+        kept = range(shape[dim])[start:end]
+        op, src, args = SLICE_AT, (source, _lifted(kept.start)), (Arg(0), Arg(1), dim, len(kept))
+    else:
+        src = (source,)
+    node = Node(op, src, args, view.kwargs, view.avals)
+    node.device = view.device
+    return (node, 0)
+
+
+def _slice_args(args: tuple) -> tuple:
+    """``aten.slice.Tensor``'s (dim, start, end, step), defaults filled in."""
+    return tuple(args[1:]) + (0, None, None, 1)[len(args) - 1 :]
+
+
+def _lifted(index: int) -> Ref:
+    return (Node.scalar(index), 0)

@@ -18,7 +18,7 @@ from jax import lax
 
 from ..layout import crop
 from .dtypes import promote, to_jax_dtype
-from .registry import lowers
+from .registry import EngineOp, lowers
 
 aten = torch.ops.aten
 
@@ -179,6 +179,21 @@ def _select(x, dim, index):
 def _slice(x, dim=0, start=None, end=None, step=1):
     """Python slices clamp out-of-range and wrap negative bounds exactly as aten.slice does."""
     return x[_at(x.ndim, dim, slice(start, end, step))]
+
+
+# A read of one slice of known data, its index a program input (views.py's reads by index).
+SELECT_AT = EngineOp("select_at")  # args (x, index, dim)
+SLICE_AT = EngineOp("slice_at")  # args (x, start, dim, length): step 1
+
+
+@lowers(SELECT_AT)
+def _select_at(x, index, dim):
+    return lax.dynamic_index_in_dim(x, index.astype(jnp.int32), dim, keepdims=False)
+
+
+@lowers(SLICE_AT)
+def _slice_at(x, start, dim, length):
+    return lax.dynamic_slice_in_dim(x, start.astype(jnp.int32), length, dim)
 
 
 @lowers(aten.unsqueeze.default, aten.unsqueeze_copy.default)
