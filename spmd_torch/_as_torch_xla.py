@@ -42,6 +42,16 @@ _TORCH_XLA_PY = {
     "utils": "spmd_torch.utils.utils",
 }
 
+# torch_xla.<short name> -> its module: PyTorch/XLA's top level imports them under these names
+# (torch_xla/torch_xla.py) and exports them with its functions, so scripts write torch_xla.xm.
+_SHORT_NAMES = {
+    "xm": "spmd_torch.core.xla_model",
+    "xenv": "spmd_torch.core.xla_env_vars",
+    "xmp": "spmd_torch.distributed.xla_multiprocessing",
+    "xr": "spmd_torch.runtime",
+    "xu": "spmd_torch.utils.utils",
+}
+
 
 def _ours(fullname: str) -> str | None:
     """The spmd_torch module a submodule of ``torch_xla`` or an older name stands for, if any."""
@@ -134,6 +144,8 @@ def _top_level_name(name: str):
     """``torch_xla.<name>``: spmd_torch's, or its submodule of that name."""
     if name.startswith("__"):
         raise AttributeError(name)
+    if name in _SHORT_NAMES:
+        return importlib.import_module(_SHORT_NAMES[name])
     try:
         return getattr(spmd_torch, name)
     except AttributeError:

@@ -41,6 +41,7 @@ assert len(list(importlib.metadata.distributions(name="torch_xla"))) == 1
 assert Version(torch_xla.__version__) >= Version("2.2")  # transformers' FSDPv2 gate
 assert importlib.util.find_spec("torch_xla") is not None
 assert xm is spmd_torch.core.xla_model and xr is spmd_torch.runtime
+assert torch_xla.xm is xm and torch_xla.xr is xr  # PyTorch/XLA's top level imports them so
 assert sys.modules["torch_xla.distributed.spmd"] is spmd_torch.distributed.spmd
 mesh = xs.Mesh(list(range(8)), (8,), ("data",))
 assert isinstance(mesh, spmd_torch.distributed.spmd.Mesh)
