@@ -490,26 +490,39 @@ class _Differentiated(torch.autograd.Function):
         return (None, None, *gradients)
 
 
-def scan(
-    name: str,
-    body: Callable[[list, list], tuple[list, list]],
-    init: list,
-    xs: list,
-    length: int,
-    names: list[str],
-    policy: Callable | None = None,
-) -> tuple[list, list]:
-    """``body(carry, x) -> (carry, ys)`` (lists of xla tensors) over the leading axis of ``xs``
-    as one node (differentiable): the last carry and the ys stacked. ``names`` name the carry
-    and xs in errors; ``policy``: jax.checkpoint's for each iteration's residuals."""
+def scan_avals(init: list, xs: list) -> tuple:
+    """What a scan body is recorded on: the carry's avals, then one slice of each of ``xs``."""
+    return (*(_aval(t) for t in init), *(Aval(tuple(x.shape[1:]), x.dtype) for x in xs))
+
+
+def record_scan(
+    name: str, body: Callable[[list, list], tuple[list, list]], init: list, xs: list, names: list
+) -> Recorded:
+    """``body(carry, x) -> (carry, ys)`` recorded once on placeholders of ``scan_avals``;
+    ``names`` name the carry and xs in errors."""
     n = len(init)
-    avals = [_aval(t) for t in init] + [Aval(tuple(x.shape[1:]), x.dtype) for x in xs]
 
     def flat(inputs: list) -> list:
         carry, ys = body(inputs[:n], inputs[n:])
         return carry + ys
 
-    recorded = record(name, [flat], avals, names)
+    return record(name, [flat], list(scan_avals(init, xs)), names)
+
+
+def recording_inside() -> bool:
+    """Whether a body is being recorded: a recording made inside one reads its placeholders, so
+    it holds for that call only."""
+    return bool(getattr(_RECORDING, "stack", None))
+
+
+def scan(
+    recorded: Recorded, init: list, xs: list, length: int, policy: Callable | None = None
+) -> tuple[list, list]:
+    """The recorded body (``record_scan``) over the leading axis of ``xs`` as one node
+    (differentiable): the last carry and the ys stacked. ``policy``: jax.checkpoint's for each
+    iteration's residuals. A recording serves every call on the same avals: the tensors it read
+    from outside are passed at their values of the moment."""
+    n = len(init)
     tensors = [*init, *xs, *recorded.captured]
     diff = ()
     if torch.is_grad_enabled():

@@ -97,9 +97,8 @@ def _fori_loop(lower: Any, upper: Any, body_fun: Callable, values: list) -> list
     if type(lower) is int and type(upper) is int:
         if upper < lower:
             raise ValueError(f"fori_loop: upper ({upper}) is below lower ({lower})")
-        carry, _ = loop.scan(
-            "fori_loop", lambda c, _: (step(c), []), values, [], upper - lower, names
-        )
+        body = loop.record_scan("fori_loop", lambda c, _: (step(c), []), values, [], names)
+        carry, _ = loop.scan(body, values, [], upper - lower)
         return [torch.zeros((), dtype=torch.int64, device=values[0].device), *carry]
     count = upper - lower
     _xla_tensor("fori_loop: upper - lower (a trip count on the device)", count)

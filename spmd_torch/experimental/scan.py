@@ -9,14 +9,20 @@ and ``min_cut_rematerialization_partition`` (matmul results only, the rest recom
 ``jax.checkpoint_policies`` policy (``nothing_saveable``: each iteration's carry only, as
 checkpointing every layer does).
 
-Where it differs from PyTorch/XLA: ``fn`` is traced at each call (one iteration's ops), so
-``is_fn_pure`` changes nothing and ``fn`` may close over tensors, which get gradients like the
-arguments; random ops draw new numbers in each iteration, the same ones as the unrolled loop.
+``is_fn_pure=True`` records ``fn`` once per structure of its inputs (the carry's and xs' pytrees,
+shapes and dtypes, and the autocast state) and replays the recording at later calls, so a step
+calling it costs no tracing of ``fn``, as PyTorch/XLA's tracing cache does. Without it ``fn`` is
+traced at each call (one iteration's ops).
+
+Where it differs from PyTorch/XLA: ``fn`` may close over tensors, which get gradients like the
+arguments (a replayed recording reads them at their values of the moment); random ops draw new
+numbers in each iteration, the same ones as the unrolled loop.
 """
 
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +32,7 @@ import torch.utils._pytree as pytree
 
 from spmd_torch._lazy import loop
 from spmd_torch._lazy.graph import Aval, aval_text
-from spmd_torch._lazy.tensor import LazyTensor
+from spmd_torch._lazy.tensor import DEVICE, LazyTensor
 
 __all__ = ["scan"]
 
@@ -60,7 +66,9 @@ def scan(
             ``functorch.compile.default_partition`` (all it needs),
             ``min_cut_rematerialization_partition`` (matmul results), or a
             ``jax.checkpoint_policies`` policy (``nothing_saveable``: only the carry).
-        is_fn_pure: PyTorch/XLA's tracing cache switch; ``fn`` is traced at each call here.
+        is_fn_pure: ``fn`` computes its results from its arguments (and the tensors it reads)
+            only, with no side effects: it is recorded once per structure of its inputs and
+            the recording replayed at later calls (``_SCAN_COMPUTATION_CACHE``).
 
     Returns:
         ``(carry, ys)``: the last carry, and the ys stacked along a new dimension 0.
@@ -72,7 +80,7 @@ def scan(
         >>> ys.cpu()  # the running sums
         tensor([[0., 1.], [2., 4.], [6., 9.]])
     """
-    return without_dynamo(_scan)(fn, init, xs, partition_fn)
+    return without_dynamo(_scan)(fn, init, xs, partition_fn, is_fn_pure)
 
 
 def without_dynamo(function: Callable) -> Callable:
@@ -103,7 +111,16 @@ def checkpoint_policy(partition_fn: Callable | None, api: str) -> Callable | Non
 _PARTITIONERS = "torch._functorch.partitioners"
 
 
-def _scan(fn: Callable, init: Any, xs: Any, partition_fn: Callable | None) -> tuple[Any, Any]:
+# PyTorch/XLA's name: per function scanned with is_fn_pure=True (weakly), its recordings, by
+# what else a recording depends on (``_recording_key``), with the structure of its ys.
+_SCAN_COMPUTATION_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _scan(
+    fn: Callable, init: Any, xs: Any, partition_fn: Callable | None, pure: bool, state: tuple = ()
+) -> tuple[Any, Any]:
+    """``scan``; ``state``: what else ``fn``'s ops depend on (a module's training modes), part of
+    a pure ``fn``'s recording key."""
     if not callable(fn):
         raise ValueError(f"scan: fn {fn!r} is not callable")
     policy = checkpoint_policy(partition_fn, "scan")
@@ -111,6 +128,22 @@ def _scan(fn: Callable, init: Any, xs: Any, partition_fn: Callable | None) -> tu
     xs_leaves, xs_tree, xs_names = _flatten(xs, "xs")
     names = init_names + xs_names
     length = _length(xs_leaves, xs_names)
+    recordings = _recordings(fn) if pure and not loop.recording_inside() else None
+    key = None if recordings is None else _recording_key(init_leaves, init_tree, xs_leaves, xs_tree)
+    found = None if recordings is None else recordings.get((key, state))
+    if found is None:
+        found = _record(fn, init_leaves, init_tree, xs_leaves, xs_tree, names)
+        if recordings is not None:
+            recordings[(key, state)] = found
+    recorded, ys_tree = found
+    carry, ys = loop.scan(recorded, init_leaves, xs_leaves, length, policy=policy)
+    return _unflatten(carry, init_tree), _unflatten(ys, ys_tree)
+
+
+def _record(
+    fn: Callable, init: list, init_tree: tuple, xs: list, xs_tree: tuple, names: list
+) -> tuple[loop.Recorded, tuple]:
+    """``fn`` recorded on placeholders, and the structure of the ys it returns."""
     ys_structure: list = []
 
     def body(carry: list, x: list) -> tuple[list, list]:
@@ -135,8 +168,30 @@ def _scan(fn: Callable, init: Any, xs: Any, partition_fn: Callable | None) -> tu
         ys_structure.append(ys_tree)
         return leaves, ys
 
-    carry, ys = loop.scan("scan", body, init_leaves, xs_leaves, length, names, policy=policy)
-    return _unflatten(carry, init_tree), _unflatten(ys, ys_structure[0])
+    recorded = loop.record_scan("scan", body, init, xs, names)
+    return recorded, ys_structure[0]
+
+
+def _recordings(fn: Callable) -> dict | None:
+    """The kept recordings of ``fn`` (None where it cannot be held weakly)."""
+    try:
+        return _SCAN_COMPUTATION_CACHE.setdefault(fn, {})
+    except TypeError:
+        return None
+
+
+def _recording_key(init: list, init_tree: tuple, xs: list, xs_tree: tuple) -> tuple:
+    """What a pure function's recording depends on besides the function: the pytrees' structures
+    (None leaves included), the avals it is recorded on, and autocast (its casts are recorded)."""
+    return (
+        init_tree[1],
+        tuple(t is None for t in init_tree[0]),
+        xs_tree[1],
+        tuple(t is None for t in xs_tree[0]),
+        loop.scan_avals(init, xs),
+        torch.is_autocast_enabled(DEVICE.type),
+        torch.get_autocast_dtype(DEVICE.type),
+    )
 
 
 def _flatten(tree: Any, name: str) -> tuple[list, tuple, list]:

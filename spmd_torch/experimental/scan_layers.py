@@ -8,12 +8,14 @@ their stack (stacks.py), so that later steps read it as it is and the optimizer 
 per kind of weight, whatever the depth. The parameters stay the layers' own: autograd takes each
 gradient back through its stack to the layer's parameter, so optimizers, ``state_dict`` and
 checkpoints see the usual per-layer names. A parameter marked with ``mark_sharding`` lays its
-stack out the same way, the stacked axis unsplit.
+stack out the same way, the stacked axis unsplit. With ``is_layer_pure=True`` the first layer's
+recording is kept and replayed at later calls (``_ONE_LAYER_CACHE``, scan's tracing cache).
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -46,7 +48,9 @@ def scan_layers(
         partition_fn: What each layer keeps for the backward, as in
             :func:`spmd_torch.experimental.scan.scan`
             (``jax.checkpoint_policies.nothing_saveable`` checkpoints every layer).
-        is_layer_pure: PyTorch/XLA's tracing cache switch; the layer is traced at each call here.
+        is_layer_pure: The layers compute their outputs from their inputs and tensors only,
+            with no side effects: the first layer is recorded once per structure of its inputs
+            (and training modes) and the recording replayed at later calls.
 
     Returns:
         The last layer's output.
@@ -58,10 +62,10 @@ def scan_layers(
         >>> out.shape
         torch.Size([4, 16])
     """
-    return without_dynamo(_scan_layers)(list(layers), input_data, partition_fn)
+    return without_dynamo(_scan_layers)(list(layers), input_data, partition_fn, is_layer_pure)
 
 
-def _scan_layers(layers: list, input_data: Any, partition_fn: Callable | None) -> Any:
+def _scan_layers(layers: list, input_data: Any, partition_fn: Callable | None, pure: bool) -> Any:
     if not layers:
         return input_data
     first = layers[0]
@@ -69,12 +73,33 @@ def _scan_layers(layers: list, input_data: Any, partition_fn: Callable | None) -
     _check_same_structure(layers, states)
     numbers = functools.cache(lambda: _layer_numbers(len(layers), _device_of(states)))
     stacked = {name: _stacked([state[name] for state in states], numbers) for name in states[0]}
+    one_layer = _one_layer_function(first, partition_fn, pure)
+    modes = tuple(m.training for m in first.modules())
+    return _scan(one_layer, input_data, stacked, partition_fn, pure, modes)[0]
+
+
+# PyTorch/XLA's name: (id(partition_fn), id(first layer)) -> (the layer, weakly; the function
+# scanned for it), for layers called with is_layer_pure=True: the same function at each call, so
+# that scan keeps its recording (_SCAN_COMPUTATION_CACHE is per function).
+_ONE_LAYER_CACHE: dict = {}
+
+
+def _one_layer_function(first: torch.nn.Module, partition_fn: Callable | None, pure: bool):
+    """``first`` as a scan body over its stacked tensors; a pure layer's is made once."""
+    key = (id(partition_fn), id(first))
+    if pure:
+        kept = _ONE_LAYER_CACHE.get(key)
+        if kept is not None and kept[0]() is first:
+            return kept[1]
+    layer = weakref.ref(first)  # the cache keeps no layer, nor its stacks, alive
 
     def one_layer(carry: Any, state: dict) -> tuple[Any, None]:
         args = carry if isinstance(carry, tuple) else (carry,)
-        return torch.func.functional_call(first, state, args), None
+        return torch.func.functional_call(layer(), state, args), None
 
-    return _scan(one_layer, input_data, stacked, partition_fn)[0]
+    if pure:
+        _ONE_LAYER_CACHE[key] = (layer, one_layer)
+    return one_layer
 
 
 def _check_same_structure(layers: list, states: list) -> None:
@@ -84,6 +109,12 @@ def _check_same_structure(layers: list, states: list) -> None:
     names = set(states[0])
     for k, (layer, state) in enumerate(zip(layers, states)):
         theirs = [(name, type(m), m.training) for name, m in layer.named_modules()]
+        keys = (
+            ""
+            if set(state) == names
+            else f"mismatched keys: missing {sorted(names - set(state))}, extra "
+            f"{sorted(set(state) - names)}"
+        )
         if theirs != modules:
             at = next(
                 i
@@ -92,14 +123,12 @@ def _check_same_structure(layers: list, states: list) -> None:
             )
             raise ValueError(
                 f"scan_layers: layer {k} differs from layer 0 at module "
-                f"{_module_text(theirs, at)} (layer 0: {_module_text(modules, at)}); scanned layers "
-                "must have the same structure"
+                f"{_module_text(theirs, at)} (layer 0: {_module_text(modules, at)})"
+                f"{f', and has {keys}' if keys else ''}; scanned layers must have the same "
+                "structure"
             )
-        if set(state) != names:
-            raise ValueError(
-                f"scan_layers: layer {k} has mismatched keys: missing {sorted(names - set(state))}"
-                f", extra {sorted(set(state) - names)}"
-            )
+        if keys:
+            raise ValueError(f"scan_layers: layer {k} has {keys}")
         for name, t in state.items():
             _xla_tensor(f"scan_layers: layer {k}'s {name}", t)
             ref = states[0][name]

@@ -306,6 +306,87 @@ def test_a_python_number_in_the_body_is_lifted_and_compiles_once():
     assert_close(got, want)
 
 
+def test_a_pure_function_is_recorded_once_and_replayed_on_the_values_of_the_moment():
+    traced = []
+    w_cpu = (torch.rand(3) / 2).requires_grad_()
+    w = w_cpu.detach().to(dev).requires_grad_()  # closed over: read at its value of each call
+
+    def fn(carry, x):
+        traced.append(x.shape)
+        return carry * w + x, torch.sin(carry)
+
+    def python_loop(xs):
+        carry, ys = torch.ones(3), []
+        for x in xs:
+            ys.append(torch.sin(carry))
+            carry = carry * w_cpu + x
+        return carry, torch.stack(ys)
+
+    for length in (4, 4, 6):
+        xs = torch.randn(length, 3)
+        carry, ys = scan(fn, torch.ones(3, device=dev), xs.to(dev), is_fn_pure=True)
+        (carry.sum() + ys.square().sum()).backward()
+        want_carry, want_ys = python_loop(xs)
+        (want_carry.sum() + want_ys.square().sum()).backward()
+        assert_close(carry, want_carry.detach())
+        assert_close(ys, want_ys.detach())
+        assert_close(w.grad, w_cpu.grad, kind="grad")
+        with torch.no_grad():
+            for p in (w, w_cpu):
+                p.sub_(0.1 * p.grad)
+                p.grad = None
+    assert traced == [(3,)]  # the trip count is not part of the recording
+    scan(fn, torch.ones(3, device=dev), torch.randn(2, 3, device=dev))
+    scan(fn, torch.ones(3, device=dev), torch.randn(2, 3, device=dev))
+    assert len(traced) == 3  # not pure: traced at each call
+    with torch.autocast("xla", dtype=torch.bfloat16):
+        scan(fn, torch.ones(3, device=dev), torch.randn(2, 3, device=dev), is_fn_pure=True)
+    assert len(traced) == 4  # autocast records other ops
+
+
+def test_pure_layers_are_recorded_once_across_optimizer_steps():
+    layers_cpu = _stack("mlp", 4)
+    layers = copy.deepcopy(layers_cpu).to(dev)
+    calls = []
+    layers[0].register_forward_pre_hook(lambda module, args: calls.append(1))
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (layers, layers_cpu)]
+    for _ in range(3):
+        x = torch.randn(2, 4, D)
+        out = scan_layers(layers, x.to(dev), is_layer_pure=True)
+        want = _unrolled(layers_cpu, x)
+        for o in (out, want):
+            _loss(o).backward()
+        assert_close(out, want.detach())
+        for p, q in zip(layers.parameters(), layers_cpu.parameters()):
+            assert_close(p.grad, q.grad, kind="grad")
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    assert len(calls) == 1
+
+
+def test_pure_layers_draw_new_numbers_at_each_call_and_are_recorded_again_in_eval_mode():
+    torch.manual_seed(0)
+    layers_cpu = nn.ModuleList(MLP(dropout=0.5) for _ in range(3))
+    layers = copy.deepcopy(layers_cpu).to(dev)
+    calls = []
+    layers[0].register_forward_pre_hook(lambda module, args: calls.append(module.training))
+    x = torch.randn(2, 4, D)
+    outs = []
+    for seed in (1, 2):
+        for run in (lambda ls, x: scan_layers(ls, x, is_layer_pure=True), _unrolled):
+            spmd_torch.manual_seed(seed)
+            outs.append(run(layers, x.to(dev)).cpu())
+    assert calls.count(True) == 1 + 2  # the scan's recording, then layer 0 in each unrolled loop
+    assert_close(outs[0], outs[1])
+    assert_close(outs[2], outs[3])
+    assert not torch.equal(outs[0], outs[2])
+    layers.eval(), layers_cpu.eval()
+    out = scan_layers(layers, x.to(dev), is_layer_pure=True)
+    assert calls.count(False) == 1
+    assert_close(out, _unrolled(layers_cpu, x))
+
+
 def test_a_checkpoint_policy_keeps_only_each_iterations_carry():
     layers = _stack("decoder", 4).to(dev)
     x = torch.randn(2, 4, D, device=dev).requires_grad_()
@@ -387,7 +468,9 @@ def test_while_loops_and_tensor_bounded_fori_loops_match_python_loops():
 def test_layers_of_different_structure_raise_naming_the_layer():
     different = [MLP(), MLP(), Decoder()]
     with pytest.raises(
-        ValueError, match="layer 2 differs from layer 0 at module '\\(itself\\)', a Decoder"
+        ValueError,
+        match="layer 2 differs from layer 0 at module '\\(itself\\)', a Decoder .*, and has "
+        "mismatched keys: missing \\[\\], extra \\['ln1.bias'",
     ):
         scan_layers(nn.ModuleList(different).to(dev), torch.zeros(2, D, device=dev))
     wider = _stack("mlp", 2)

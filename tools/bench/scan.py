@@ -2,8 +2,10 @@
 
 A Llama-style decoder (W6's block at width 128: 4 query heads, 2 kv heads, SwiGLU 384, vocab 512,
 seq 64, batch 2) trained with W3's AdamW, 4, 16 or 64 layers deep, four ways: ``spmd_torch``
-(``for layer in layers``), ``spmd_scan`` (``scan_layers``), ``jax`` (a Python loop inside
-``jax.jit``) and ``jax_scan`` (``lax.scan`` over parameters stored stacked). Each (depth,
+(``for layer in layers``), ``spmd_scan`` (``scan_layers`` with ``is_layer_pure=True``: the block
+is pure, so its recording is replayed after the first step, as PyTorch/XLA's tracing cache
+does), ``jax`` (a Python loop inside ``jax.jit``) and ``jax_scan`` (``lax.scan`` over
+parameters stored stacked). Each (depth,
 implementation) runs in a child of its own, so its first step pays for all of its own tracing
 and compiling.
 
@@ -59,7 +61,7 @@ class Decoder(Llama):
 
         carry = (self.embed_tokens(idx), self.cos, self.sin)
         if self.scanned:
-            carry = scan_layers(self.layers, carry)
+            carry = scan_layers(self.layers, carry, is_layer_pure=True)
         else:
             for layer in self.layers:
                 carry = layer(*carry)
