@@ -99,14 +99,26 @@ def _owners(engine) -> dict:
 
 def materialize(tensors: list[LazyTensor]) -> list[jax.Array]:
     """The arrays of ``tensors``, running only the part of the graph they need (no donation);
-    each gets its tensor's layout, as at the barrier, so reading mid-step changes no layout."""
-    refs = [t._ref() for t in tensors]
+    each gets its tensor's layout, as at the barrier, so reading mid-step changes no layout.
+
+    A view through a select or a slice is read from its storage's value, computed first if
+    pending (it is live, so the barrier would compute it anyway), together with the live values
+    of the same op (a scan's backward gives every stacked gradient): reading each layer's
+    gradient then runs the backward once and one small program per shape of slice
+    (views.read_by_index), instead of the whole computation once per layer."""
+    storages = {id(t._storage): t._storage for t in tensors if t._view is None}
+    bases = {id(t._storage.ref[0]) for t in tensors if t._view and views.indexed(t._view)}
+    if bases:
+        storages.update((id(s), s) for s in live_pending() if id(s.ref[0]) in bases)
+    storages = storages.values()
     layouts = {
-        (id(ref[0]), ref[1]): placement.output_sharding(t._storage, ref[0].avals[ref[1]])
-        for t, ref in zip(tensors, refs)
-        if t._view is None
+        (id(s.ref[0]), s.ref[1]): placement.output_sharding(s, s.aval)
+        for s in storages
+        if not s.ref[0].is_leaf(s.ref[1])
     }
-    return materialize_refs(refs, layouts)
+    if layouts:
+        materialize_refs([s.ref for s in storages if (id(s.ref[0]), s.ref[1]) in layouts], layouts)
+    return materialize_refs([t._ref() for t in tensors])
 
 
 def global_array(t: LazyTensor) -> jax.Array:

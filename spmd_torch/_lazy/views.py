@@ -153,6 +153,11 @@ def read_by_index(ref: Ref) -> Ref | None:
 _SELECT, _SLICE = aten.select.int, aten.slice.Tensor
 
 
+def indexed(chain: tuple) -> bool:
+    """Whether a view chain reads at an index (a select or a slice)."""
+    return any(entry.func is _SELECT or entry.func is _SLICE for entry in chain)
+
+
 def _read_again(view: Node, source: Ref) -> Ref:
     """``view``'s op on ``source``, an index it holds lifted to a program input."""
     shape = source[0].avals[source[1]].shape

@@ -387,6 +387,22 @@ def test_pure_layers_draw_new_numbers_at_each_call_and_are_recorded_again_in_eva
     assert_close(out, _unrolled(layers_cpu, x))
 
 
+def test_reading_each_layers_gradient_runs_the_backward_once():
+    """Each layer's gradient is a slice of a pending stacked gradient: reading them one by one
+    runs the backward once, then one small program per shape of slice (not the backward once
+    per layer, as when each read compiled its own program)."""
+    torch.manual_seed(0)
+    layers_cpu = nn.ModuleList(nn.Linear(8, 8) for _ in range(6))
+    layers = copy.deepcopy(layers_cpu).to(dev)
+    x = torch.randn(3, 8)
+    scan_layers(layers, x.to(dev)).square().sum().backward()
+    _unrolled(layers_cpu, x).square().sum().backward()
+    with assert_compiles(3):  # the backward; the (8, 8) and (8,) slices
+        grads = [p.grad.cpu() for p in layers.parameters()]
+    for got, p in zip(grads, layers_cpu.parameters()):
+        assert_close(got, p.grad, kind="grad")
+
+
 def test_a_checkpoint_policy_keeps_only_each_iterations_carry():
     layers = _stack("decoder", 4).to(dev)
     x = torch.randn(2, 4, D, device=dev).requires_grad_()
