@@ -108,18 +108,19 @@ def collapse(args: tuple) -> tuple[tuple, list] | None:
     for i, a in enumerate(args):
         if i not in lists and isinstance(a, torch.Tensor) and a.dim() != 0:
             return None  # a tensor of per-element scalars
+    found = [member(t) for t in first]
     at: dict = {}  # id(stack) -> [stack, positions by index]
-    for position, t in enumerate(first):
-        found = member(t)
-        if found is not None:
-            stack, k = found
-            entry = at.setdefault(id(stack), [stack, [None] * stack.aval.shape[0]])
-            if entry[1][k] is None:
-                entry[1][k] = position
-    groups = []
-    for stack, positions in at.values():
-        if None not in positions and _aligned(args, lists, positions):
-            groups.append(positions)
+    for position, entry in enumerate(found):
+        if entry is not None:
+            stack, k = entry
+            slots = at.setdefault(id(stack), [stack, [None] * stack.aval.shape[0]])
+            if slots[1][k] is None:
+                slots[1][k] = position
+    candidates = [positions for _, positions in at.values() if None not in positions]
+    if not candidates:
+        return None
+    others = {i: _members_of(args[i]) for i in lists if args[i] is not first}
+    groups = [p for p in candidates if _aligned(args, lists, p, found, others)]
     if not groups:
         return None
     first_of = {positions[0]: positions for positions in groups}
@@ -136,19 +137,32 @@ def collapse(args: tuple) -> tuple[tuple, list] | None:
     return tuple(new_args), plan
 
 
-def _aligned(args: tuple, lists: list, positions: list) -> bool:
-    shape = tuple(args[lists[0]][positions[0]].shape)
+def _members_of(values) -> list | None:
+    """``member`` of each of a tensor list (None for a list of Python scalars)."""
+    if not values or not isinstance(values[0], torch.Tensor):
+        return None
+    return [member(v) for v in values]
+
+
+def _aligned(args: tuple, lists: list, positions: list, found: list, others: dict) -> bool:
+    """Whether the stack at ``positions`` of the first list has, in every other list, the
+    members of one stack of the same shape at the same positions (or one scalar value)."""
+    shape = found[positions[0]][0].aval.shape
     for i in lists:
-        values = [args[i][p] for p in positions]
-        if not isinstance(values[0], torch.Tensor):
+        members = others.get(i, found)
+        if members is None:  # Python scalars: one value for the whole stack
+            values = [args[i][p] for p in positions]
             if values.count(values[0]) != len(values):
                 return False
             continue
-        if tuple(values[0].shape) != shape:
+        head = members[positions[0]]
+        if head is None or head[0].aval.shape != shape:
             return False
-        stack = member(values[0])
-        if stack is None or any(member(v) != (stack[0], k) for k, v in enumerate(values)):
-            return False
+        stack = head[0]
+        for k, p in enumerate(positions):
+            entry = members[p]
+            if entry is None or entry[0] is not stack or entry[1] != k:
+                return False
     return True
 
 
