@@ -106,19 +106,22 @@ def materialize(tensors: list[LazyTensor]) -> list[jax.Array]:
     of the same op (a scan's backward gives every stacked gradient): reading each layer's
     gradient then runs the backward once and one small program per shape of slice
     (views.read_by_index), instead of the whole computation once per layer."""
-    storages = {id(t._storage): t._storage for t in tensors if t._view is None}
-    bases = {id(t._storage.ref[0]) for t in tensors if t._view and views.indexed(t._view)}
-    if bases:
-        storages.update((id(s), s) for s in live_pending() if id(s.ref[0]) in bases)
-    storages = storages.values()
+    refs = [t._ref() for t in tensors]
     layouts = {
-        (id(s.ref[0]), s.ref[1]): placement.output_sharding(s, s.aval)
-        for s in storages
-        if not s.ref[0].is_leaf(s.ref[1])
+        (id(ref[0]), ref[1]): placement.output_sharding(t._storage, ref[0].avals[ref[1]])
+        for t, ref in zip(tensors, refs)
+        if t._view is None
     }
-    if layouts:
-        materialize_refs([s.ref for s in storages if (id(s.ref[0]), s.ref[1]) in layouts], layouts)
-    return materialize_refs([t._ref() for t in tensors])
+    bases = {id(t._storage.ref[0]) for t in tensors if t._view and views.indexed(t._view)}
+    if not bases:
+        return materialize_refs(refs, layouts)
+    pending = [s for s in live_pending() if id(s.ref[0]) in bases]
+    layouts.update(
+        ((id(s.ref[0]), s.ref[1]), placement.output_sharding(s, s.aval)) for s in pending
+    )
+    direct = [r for t, r in zip(tensors, refs) if not (t._view and views.indexed(t._view))]
+    materialize_refs(direct + [s.ref for s in pending], layouts)
+    return materialize_refs(refs)
 
 
 def global_array(t: LazyTensor) -> jax.Array:

@@ -125,8 +125,9 @@ SPLIT_VIEWS = {aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int
 
 # --- reading views of known data -----------------------------------------------------------------
 
+_SELECT, _SLICE = aten.select.int, aten.slice.Tensor
 # View ops whose result does not depend on an index: read again as they are.
-_UNINDEXED = set(WRITE_BACK) - {aten.select.int, aten.slice.Tensor} | IDENTITY_VIEWS
+_UNINDEXED = set(WRITE_BACK) - {_SELECT, _SLICE} | IDENTITY_VIEWS
 
 
 def read_by_index(ref: Ref) -> Ref | None:
@@ -148,9 +149,6 @@ def read_by_index(ref: Ref) -> Ref | None:
     for view in reversed(chain):
         source = _read_again(view, source)
     return source
-
-
-_SELECT, _SLICE = aten.select.int, aten.slice.Tensor
 
 
 def indexed(chain: tuple) -> bool:

@@ -74,7 +74,7 @@ def _scan_layers(layers: list, input_data: Any, partition_fn: Callable | None, p
     numbers = functools.cache(lambda: _layer_numbers(len(layers), _device_of(states)))
     stacked = {name: _stacked([state[name] for state in states], numbers) for name in states[0]}
     one_layer = _one_layer_function(first, partition_fn, pure)
-    modes = tuple(m.training for m in first.modules())
+    modes = tuple(m.training for m in first.modules()) if pure else ()  # in the recording's key
     return _scan(one_layer, input_data, stacked, partition_fn, pure, modes)[0]
 
 
