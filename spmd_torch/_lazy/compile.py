@@ -413,7 +413,13 @@ def explain_last_miss() -> str:
     previous = cache.history[:-1]
     if not previous:
         return "first compilation"
-    best = max(previous, key=lambda p: sum(a == b for a, b in zip(p, key)))
+    nodes = len(STRUCTURES[key[0]][0])
+
+    def likeness(k: int) -> tuple:  # a graph of as many nodes first (the same step, changed)
+        p = previous[k]
+        return len(STRUCTURES[p[0]][0]) == nodes, sum(a == b for a, b in zip(p, key)), k
+
+    best = previous[max(range(len(previous)), key=likeness)]
     for name, old, new in zip(_KEY_PARTS, best, key):
         if old != new:
             if name == "graph":
@@ -438,10 +444,23 @@ def explain_graph_change(old: tuple, new: tuple, ops: dict) -> str:
     for k, (a, b) in enumerate(zip(old_rows, new_rows)):
         if a != b:
             part = _ROW_PARTS[next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)]
+            if part == "inputs" and _only_scalar_slots_differ(a[3], b[3]):
+                return (
+                    f"graph changed at node {k} ({ops[a[0]]}): Python numbers it shared a "
+                    "program input with because they were equal differ now, or the reverse "
+                    "(equal numbers share one input, as PyTorch/XLA's data cache gives them one)"
+                )
             return f"graph changed at node {k} ({part}): {ops[a[0]]}{a[1:3]} -> {ops[b[0]]}{b[1:3]}"
     if len(old_rows) != len(new_rows):
         return f"graph changed ({len(old_rows)} -> {len(new_rows)} nodes)"
     return "graph outputs changed (which tensors are computed, or their order)"
+
+
+def _only_scalar_slots_differ(old: tuple, new: tuple) -> bool:
+    """Whether two wirings differ only in which lifted scalar slot an input reads."""
+    return len(old) == len(new) and all(
+        o == n or (o[0] == n[0] == "s" and o[2] == n[2]) for o, n in zip(old, new)
+    )
 
 
 def lowered(program: Program, arrays: list) -> jax.stages.Lowered:

@@ -8,6 +8,7 @@ whose arrays are known: device data, or results computed by an earlier partial r
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -77,14 +78,15 @@ class Node:
         return _input(DATA, (), (aval,), [array], device)
 
     @classmethod
-    def scalar(cls, value: float | int | tuple) -> Node:
+    def scalar(cls, value: float | int | tuple, shared: bool = True) -> Node:
         """A lifted Python float or int, or a tuple of them of one type (a foreach op's list,
-        one vector): a program input too (ints exactly, below 2**53)."""
+        one vector): a program input too (ints exactly, below 2**53). ``shared``: it may share
+        its input with an equal number (an index, which changes from read to read, may not)."""
         if type(value) is tuple:
             avals = (Aval((len(value),), torch.int64 if type(value[0]) is int else torch.float64),)
         else:
             avals = _INT_SCALAR_AVALS if type(value) is int else _SCALAR_AVALS
-        return _input(SCALAR, (value,), avals, None, 0)
+        return _input(SCALAR, (value,) if shared else (value, "own input"), avals, None, 0)
 
     def is_leaf(self, index: int) -> bool:
         return self.arrays is not None and self.arrays[index] is not None
@@ -209,8 +211,9 @@ def linearize(outputs: list[Ref], device: int = 0) -> Program:
         if node.op == SCALAR:  # its aval is part of the structure: x * 2 is not x * 2.0
             k = index.get(id(node))
             if k is None:
-                k = index[id(node)] = len(scalars)
-                scalars.append(node)
+                k = index[id(node)] = _scalar_slot(node.args, index, scalars)
+                if k == len(scalars):
+                    scalars.append(node)
             return ("s", k, node.avals[0])
         arrays = node.arrays
         if arrays is None or arrays[i] is None:
@@ -244,6 +247,21 @@ def linearize(outputs: list[Ref], device: int = 0) -> Program:
                         stack.append((source, False))
     located = tuple([where(root) for root in outputs])  # every computed root is placed now
     return Program(nodes, leaves, scalars, list(outputs), index, rows, located, device=device)
+
+
+def _scalar_slot(args: tuple, index: dict, scalars: list) -> int:
+    """Where a lifted scalar goes in the program's packed vector: with the earlier scalar of the
+    same value where there is one, as PyTorch/XLA's data cache gives equal scalars one device
+    buffer. Each layer's ``eps`` then reads one slot, so XLA's kernels of alike layers stay alike
+    and it compiles each once (a slot per use made every layer's kernels different: 1.6x the
+    compile time of a 16-layer step). Which scalars share a slot is part of the structure; 1 and
+    1.0, 0.0 and -0.0 never share, nor do the indices of reads by index (``shared=False``),
+    which would coincide with other numbers from one read to the next."""
+    value = args[0]
+    if len(args) > 1 or type(value) is tuple:
+        return len(scalars)
+    key = ("value", type(value), value, math.copysign(1.0, value))
+    return index.setdefault(key, len(scalars))
 
 
 _DTYPE_NAMES = {torch.bool: "pred", torch.bfloat16: "bf16"}  # the rest: f32, i64, u8, c64...

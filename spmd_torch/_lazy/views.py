@@ -181,4 +181,4 @@ def _slice_args(args: tuple) -> tuple:
 
 
 def _lifted(index: int) -> Ref:
-    return (Node.scalar(index), 0)
+    return (Node.scalar(index, shared=False), 0)

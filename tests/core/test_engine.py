@@ -607,3 +607,27 @@ def test_a_mid_step_read_of_a_program_with_lifted_scalars_matches_eager():
     for i, v in enumerate(values):
         ours[i] = v
     assert_close(ours.cpu(), torch.tensor(values))
+
+
+def test_equal_python_numbers_share_one_lifted_input():
+    """Each layer's ``eps`` reads one program input, so XLA's kernels of alike layers stay alike
+    (and compile once); 0.0 and -0.0, 1 and 1.0 stay apart, and a pattern of equal numbers that
+    changes is one more program, named as such, whose results stay exact."""
+    x = torch.tensor([1.0, -2.0, 0.25, 3.5])
+    xd = x.to(dev)
+    spmd_torch.sync()
+    y, want = xd, x
+    for _ in range(6):
+        y, want = y * 0.5 + 1e-6, want * 0.5 + 1e-6
+    assert spmd_torch.debug.graph.pending_text([y]).count(" = scalar") == 2
+    assert torch.equal(y.cpu(), want)
+    apart = (xd * 0.0, xd * -0.0, xd + 1, xd + 1.0, xd / -0.0, xd * 1)
+    assert spmd_torch.debug.graph.pending_text(list(apart)).count(" = scalar") == 4
+    for got, w in zip(apart, (x * 0.0, x * -0.0, x + 1, x + 1.0, x / -0.0, x * 1)):
+        assert got.dtype == w.dtype and torch.equal(got.cpu(), w), (got, w)
+        assert torch.equal(got.cpu().signbit(), w.signbit())
+    with assert_compiles(2):
+        for a, b in [(0.5, 0.5), (0.5, 0.25), (0.5, 0.5), (0.75, 0.25)]:
+            assert torch.equal((xd * a + b).cpu(), x * a + b), (a, b)
+            if (a, b) == (0.5, 0.25):
+                assert "equal numbers share one input" in compile_module.explain_last_miss()

@@ -47,3 +47,17 @@ def test_a_list_of_one_value_is_lifted_as_one_scalar():
     assert len(graph.pending_program().scalars) == 1
     assert graph.pending_program().scalar_values().tolist() == [0.5]
     assert_close(tensors, [torch.full((2,), 2.0)] * 3)
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.1, 0.49, 0.5, 0.9, 1.0, -0.3, 1.7])
+def test_lerp_with_one_weight_is_aten_bit_for_bit(weight):
+    """A single weight picks ATen's formula side once per op (``end + (w - 1) * d`` for the far
+    side): the same bits as eager CPU's two-sided formula, on either side of 0.5."""
+    torch.manual_seed(1)
+    start, end = torch.randn(64) * 3, torch.randn(64) * 1e-3
+    dev = spmd_torch.device()
+    assert torch.equal(
+        torch.lerp(start.to(dev), end.to(dev), weight).cpu(), start.lerp(end, weight)
+    )
+    got = torch._foreach_lerp([start.to(dev)], [end.to(dev)], weight)[0].cpu()
+    assert torch.equal(got, torch._foreach_lerp([start], [end], weight)[0])

@@ -247,8 +247,13 @@ def _leaky_relu(x, negative_slope=0.01):
 
 
 def _lerp(start, end, weight):
-    """ATen's two-sided formula: exact at weight 0 and at weight 1."""
+    """ATen's two-sided formula: exact at weight 0 and at weight 1. A single weight (AdamW's
+    ``1 - beta1``) picks its side once: ``end + (w - 1) * d`` is ``end - d * (1 - w)`` bit for
+    bit, so one select of the base, not two whole formulas, per element."""
     small = jnp.abs(weight) < 0.5
+    if jnp.ndim(weight) == 0 and jnp.shape(start) == jnp.shape(end):
+        base = lax.select(small, start, end)
+        return base + lax.select(small, weight, weight - 1) * (end - start)
     return jnp.where(small, start + weight * (end - start), end - (end - start) * (1 - weight))
 
 
