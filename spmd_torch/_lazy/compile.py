@@ -74,9 +74,11 @@ class Executable:
     # Its devices' parts must all run at once: CPU collectives, whose participants each hold a
     # thread of XLA's one CPU thread pool until all of them arrived (see run.execute).
     lockstep: bool
-    # Packed scalars' bytes -> the vector on the device, least recently used first: PyTorch/XLA's
-    # device data cache for scalars. A step whose scalars did not change (a constant learning rate)
-    # uploads nothing; a miss counts DeviceDataCacheMiss.
+    # (packed scalars' bytes, where) -> the vector on the device, least recently used first,
+    # shared by the programs of one compile cache: PyTorch/XLA's device data cache for scalars.
+    # A step whose scalars did not change (a constant learning rate) uploads nothing, nor does
+    # another program with the same scalars; an upload counts DeviceDataCacheMiss and is timed as
+    # TransferToDeviceTime, as a tensor's.
     scalars_on_device: dict = field(default_factory=dict)
 
     def __call__(self, arrays: list, donated: tuple, scalars) -> list:
@@ -92,18 +94,19 @@ class Executable:
         return self.compiled(given, kept, scalars)
 
     def _on_device(self, scalars: np.ndarray, where) -> jax.Array:
-        key = scalars.tobytes()
+        key = (scalars.tobytes(), where)
         cached = self.scalars_on_device.pop(key, None)
         if cached is None:
             counters.bump("DeviceDataCacheMiss")
-            cached = jax.device_put(scalars, where)
+            with counters.timed("TransferToDeviceTime"):
+                cached = jax.device_put(scalars, where)
             if len(self.scalars_on_device) >= _SCALARS_KEPT:
                 del self.scalars_on_device[next(iter(self.scalars_on_device))]  # the oldest
         self.scalars_on_device[key] = cached  # now the latest
         return cached
 
 
-_SCALARS_KEPT = 8  # packed scalar vectors kept on the device per program
+_SCALARS_KEPT = 64  # packed scalar vectors kept on the device per compile cache
 
 
 class CacheKey(NamedTuple):
@@ -387,7 +390,7 @@ def lookup_or_compile(run) -> tuple[Executable, bool]:
     devices = {d for s in shardings for d in s.device_set}
     cpu = len(devices) > 1 and next(iter(devices)).platform == "cpu"
     lockstep = cpu and _COLLECTIVE.search(compiled.as_text()) is not None
-    executable = Executable(compiled, digest, len(devices), lockstep)
+    executable = Executable(compiled, digest, len(devices), lockstep, cache.scalars_on_device)
     cache.executables[key] = executable
     cache.history.append(key)
     del cache.history[:-16]

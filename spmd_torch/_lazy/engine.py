@@ -22,10 +22,11 @@ class CompileCache:
     """Executables by cache key, and the recent keys that explain a recompilation. Engines may
     share one: the same program traced by two of them compiles once."""
 
-    __slots__ = ("executables", "history", "ops", "unsettled")
+    __slots__ = ("executables", "history", "ops", "unsettled", "scalars_on_device")
 
     def __init__(self):
         self.executables: dict = {}
+        self.scalars_on_device: dict = {}  # its programs' packed scalars (compile.Executable)
         self.unsettled = False  # compiled since the heap was last frozen (compile.settle_heap)
         self.history: list = []  # recent keys, newest last
         self.ops: dict = {}  # id(op) -> op, for naming the ops of keys (which hold ids)
@@ -33,6 +34,7 @@ class CompileCache:
     def clear(self) -> None:
         self.executables.clear()
         self.history.clear()
+        self.scalars_on_device.clear()
 
 
 # What user code switches on an engine for a while; reset() switches each back.

@@ -14,7 +14,8 @@ PyTorch/XLA's, and tests can count events instead of timing them.
 waits; a read of the metrics waits for the programs in flight), ``DispatchTime`` covers the
 dispatch alone; ``CreateXlaTensor``/``DestroyXlaTensor`` count the storages (one per traced value)
 made and freed, ``DeviceDataCacheMiss`` each upload of a program's lifted scalars that were not
-on the device from an earlier run.
+on the device from an earlier run (of any program; the upload is a ``TransferToDeviceTime``
+sample too).
 
 A few of PyTorch/XLA's names are other names of events recorded here (``ALIASES``): the counters
 ``ExecuteComputation`` and ``ExecuteReplicated`` count the programs run on one device and over

@@ -181,6 +181,26 @@ def test_device_data_cache_miss_counts_scalar_uploads_a_repeat_reuses():
     assert met.counter_value("UncachedCompile") == 1
 
 
+def test_a_scalar_upload_is_a_transfer_and_other_programs_reuse_it():
+    """The packed scalars' upload is timed as TransferToDeviceTime, as a tensor's; another
+    program with the same scalars (here one slot, 0.1, read twice) uploads nothing, as
+    PyTorch/XLA's device data cache (its test_cached_addcdiv)."""
+    met.clear_all()
+    t1, t2, t3 = (torch.randn(1, 3).to(dev) for _ in range(3))
+    want = t1.cpu().addcdiv(t2.cpu(), t3.cpu(), value=0.1)
+    t1.addcdiv_(t2, t3, value=0.1)
+    spmd_torch.sync()
+    assert met.metric_data("TransferToDeviceTime")[0] == 4
+    t1.addcdiv_(t2, t3, value=0.1)
+    t1.addcdiv_(t2, t3, value=0.1)
+    spmd_torch.sync()
+    assert met.metric_data("TransferToDeviceTime")[0] == 4
+    assert met.counter_value("DeviceDataCacheMiss") == 1
+    for _ in range(2):
+        want = want.addcdiv(t2.cpu(), t3.cpu(), value=0.1)
+    torch.testing.assert_close(t1.cpu(), want)
+
+
 def test_execute_time_covers_the_execution_not_the_dispatch():
     x = torch.randn(512, 512, device=dev)
     spmd_torch.sync()
