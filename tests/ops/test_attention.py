@@ -102,6 +102,17 @@ def test_long_keys_go_blockwise_and_match_eager():
     assert counters.COUNTERS.get("Attention::blockwise", 0) > before
 
 
+def test_plain_attention_lowers_without_a_loop_and_long_keys_with_one():
+    """Plain attention is the blockwise code with one block, called once: no one-trip loop for
+    XLA to take apart at every layer (a 32-layer step had 64); blockwise keeps its scan."""
+    for keys, loops in ((10, 0), (400, 2)):
+        leaves = [t.to(dev).requires_grad_() for t in _qkv((1, 2, 24, 8), (1, 2, keys, 8))]
+        out = F.scaled_dot_product_attention(*leaves, is_causal=True)
+        grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+        assert graph.pending_hlo(list(grads)).count(" while(") == loops, keys
+        spmd_torch.sync()
+
+
 def test_one_node_forward_and_one_backward_without_bmm_or_softmax():
     leaves = [t.to(dev).requires_grad_() for t in _qkv()]
     mask = MASKS["bool"]["attn_mask"].to(dev)

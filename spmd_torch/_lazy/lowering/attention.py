@@ -13,7 +13,8 @@ dropout, which forward and backward share, so both halves of one attention use o
   ``PLAIN_MAX_KEYS`` keys on CPU, where it is as fast as the blockwise form or faster;
 - ``blockwise``: everywhere else, an online softmax over blocks of ``BLOCK`` keys (``lax.scan``)
   that saves the log-sum-exp; the backward recomputes each block's probabilities from it, so memory
-  grows linearly with the sequence. ``plain`` is the same code with one block.
+  grows linearly with the sequence. ``plain`` is the same code with one block, called once (no
+  loop).
 
 The forward's second result is the float32 log-sum-exp of the scaled, masked scores, less a float
 mask's largest value in each row (see ``_Problem``); only the blockwise backward reads it, the
@@ -218,6 +219,15 @@ def _grouped_bias(bias, heads: int, kv_heads: int, group: int):
     return bias.reshape(b, h, 1, q_len, kv_len)
 
 
+def _over_blocks(step, init, blocks: int):
+    """``lax.scan(step, init, arange(blocks))``; one block (plain attention) is one call, no loop:
+    JAX keeps a one-trip loop, which XLA then has to take apart at every attention."""
+    if blocks > 1:
+        return lax.scan(step, init, jnp.arange(blocks))
+    carry, ys = step(init, 0)
+    return carry, jax.tree.map(lambda y: y[None], ys)
+
+
 def blockwise_forward(q, k, v, bias, causal, scale, dropout_p, key, block):
     """(output (B, H, L, Ev), log-sum-exp (B, H, L)) by an online softmax over key blocks."""
     p = _Problem(q, k, v, bias, causal, scale, dropout_p, key, block)
@@ -242,7 +252,7 @@ def blockwise_forward(q, k, v, bias, causal, scale, dropout_p, key, block):
         jnp.zeros(rows, p.wide),
         jnp.zeros(rows + (v.shape[-1],), p.wide),
     )
-    (top, total, acc), _ = lax.scan(step, start, jnp.arange(p.blocks))
+    (top, total, acc), _ = _over_blocks(step, start, p.blocks)
     empty = total == 0  # every key masked: zeros, as PyTorch's _safe_softmax
     out = jnp.where(empty[..., None], 0, acc / jnp.where(empty, 1, total)[..., None])
     lse = jnp.where(empty, -jnp.inf, top + jnp.log(jnp.where(empty, 1, total)))
@@ -285,7 +295,7 @@ def blockwise_backward(
         return (dq, dbias + reduced), (dk, dv)
 
     dbias = jnp.zeros(p.bias.shape, p.wide) if bias_grad and not per_block_bias else None
-    (dq, dbias), blocks = lax.scan(step, (jnp.zeros_like(p.q), dbias), jnp.arange(p.blocks))
+    (dq, dbias), blocks = _over_blocks(step, (jnp.zeros_like(p.q), dbias), p.blocks)
     dk, dv = (_unblock(b, p.kv_len) for b in blocks[:2])
     if per_block_bias:
         dbias = _unblock(blocks[2], p.kv_len, axis=4)
