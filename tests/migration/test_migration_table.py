@@ -798,6 +798,20 @@ def check_executed_fallback_ops(fn):
     assert fn() == []
 
 
+def check_mcu_get_data_points(fn):
+    report = (
+        "Metric: CompileTime\n  TotalSamples: 2\n  Accumulator: 01s500ms\nCounter: X\n  Value: 3"
+    )
+    points = fn([report, met.metrics_report()])
+    assert points["CompileTime__Accumulator_sec"][0] == 1.5 and points["X__Value"] == [3, None]
+
+
+def check_mcu_compare_metrics(fn):
+    points = {"X__Value": [3, 3]}
+    assert fn(points, "Counter: X\n  Value: 3") == ""
+    assert fn(points, "Counter: X\n  Value: 4").startswith("X__Value failed its expression check")
+
+
 def _metric_after_a_step(name: str):
     spmd_torch.sync()
     x = torch.randn(64, 64).to(_device())
@@ -1286,6 +1300,8 @@ CHECKS: dict[str, Callable] = {
     "met.metrics": check_met_metrics,
     "met.clear": check_met_clear,
     "met.executed_fallback_ops": check_executed_fallback_ops,
+    "mcu.get_data_points": check_mcu_get_data_points,
+    "mcu.compare_metrics": check_mcu_compare_metrics,
     "xp.trace_files": check_profiler_trace_files,
     "xp.Trace": check_profiler_trace,
     "flash_attention": check_flash_attention,
