@@ -205,13 +205,14 @@ def linearize(outputs: list[Ref], device: int = 0) -> Program:
     scalars: list[Node] = []
     rows: list = []
     index: dict = {}
+    shared = current().mode.shares_equal_scalars
 
     def where(ref: Ref) -> tuple:
         node, i = ref
         if node.op == SCALAR:  # its aval is part of the structure: x * 2 is not x * 2.0
             k = index.get(id(node))
             if k is None:
-                k = index[id(node)] = _scalar_slot(node.args, index, scalars)
+                k = index[id(node)] = _scalar_slot(node.args, index, scalars, shared)
                 if k == len(scalars):
                     scalars.append(node)
             return ("s", k, node.avals[0])
@@ -249,16 +250,17 @@ def linearize(outputs: list[Ref], device: int = 0) -> Program:
     return Program(nodes, leaves, scalars, list(outputs), index, rows, located, device=device)
 
 
-def _scalar_slot(args: tuple, index: dict, scalars: list) -> int:
+def _scalar_slot(args: tuple, index: dict, scalars: list, shared: bool) -> int:
     """Where a lifted scalar goes in the program's packed vector: with the earlier scalar of the
     same value where there is one, as PyTorch/XLA's data cache gives equal scalars one device
     buffer. Each layer's ``eps`` then reads one slot, so XLA's kernels of alike layers stay alike
     and it compiles each once (a slot per use made every layer's kernels different: 1.6x the
     compile time of a 16-layer step). Which scalars share a slot is part of the structure; 1 and
     1.0, 0.0 and -0.0 never share, nor do the indices of reads by index (``shared=False``),
-    which would coincide with other numbers from one read to the next."""
+    which would coincide with other numbers from one read to the next, nor any in a mode whose
+    programs must not part by it (``shared``: ``launch``'s replicas)."""
     value = args[0]
-    if len(args) > 1 or type(value) is tuple:
+    if not shared or len(args) > 1 or type(value) is tuple:
         return len(scalars)
     key = ("value", type(value), value, math.copysign(1.0, value))
     return index.setdefault(key, len(scalars))

@@ -51,6 +51,10 @@ class PerDevice:
     replicated = None  # the layout replicated over the SPMD devices: none here
     input_key = staticmethod(_inputs_by_aval)  # what of an input the compile cache keys on
     alone_axis = ALONE_AXIS  # XLA_ALWAYS_ALLREDUCE's collectives: over a mesh of the one device
+    # Equal Python numbers share one program input (graph.linearize) where the program is this
+    # process's alone; on a pod every host runs it, and hosts' numbers may differ (a host index),
+    # so which of them are equal must not part the hosts' programs.
+    shares_equal_scalars = property(lambda self: jax.process_count() == 1)
 
     def __init__(self):
         self.meetings: dict = {}  # tag -> rendezvous held with the other processes so far
@@ -229,6 +233,9 @@ class Replica(PerDevice):
     process of PyTorch/XLA's multiprocessing. Its world runs all replicas' runs as one program."""
 
     input_key = staticmethod(_inputs_by_layout)  # the replicas' inputs, stacked over their mesh
+    # Replicas' numbers differ by ordinal (``x * ordinal``): which of them are equal must not part
+    # their programs, which run as one (with collectives, nothing else may run).
+    shares_equal_scalars = False
 
     def __init__(self, world, ordinal: int, cpu_rng, named_by_ordinal: bool = False):
         super().__init__()

@@ -71,6 +71,19 @@ CASES = [(t, np.float32) for t in ("sum", "mul", "min", "max")] + [
 ]
 
 
+def test_replicas_numbers_that_are_equal_in_some_replicas_only_keep_one_program():
+    """Replica 1's ``x * 1.0 + 1.0`` holds two equal numbers where the others' do not: replicas'
+    numbers never share an input, so all replicas still run one program (with a collective,
+    parting them would be a mismatch error)."""
+
+    def fn(index):
+        return xm.all_reduce(xm.REDUCE_SUM, to_device(value(index)) * float(index) + 1.0)
+
+    want = np.sum([value(j) * float(j) + 1.0 for j in range(WORLD)], axis=0)
+    for got in launch_each(fn).values():
+        assert_close(torch.from_numpy(got), torch.from_numpy(want), tol="exact")
+
+
 @pytest.mark.parametrize("grouping", list(GROUPINGS))
 def test_all_reduce_every_type_and_dtype_matches_numpy(grouping):
     groups = GROUPINGS[grouping]
