@@ -11,6 +11,7 @@ import spmd_torch
 import spmd_torch.debug.metrics as met
 import spmd_torch.runtime as xr
 from spmd_torch import config
+from spmd_torch._lazy import compile as compile_module
 from spmd_torch._lazy import counters
 from spmd_torch.distributed.spmd import Mesh, mark_sharding
 
@@ -172,6 +173,7 @@ def test_create_and_destroy_xla_tensor_count_storages_made_and_freed():
 def test_device_data_cache_miss_counts_scalar_uploads_a_repeat_reuses():
     x = torch.ones(3, device=dev)
     spmd_torch.sync()
+    compile_module.clear_cache()  # the scalars an earlier test left on the device go with it
     met.clear_all()
     for scale in (0.5, 0.5, 0.25, 0.5):
         y = x * scale
@@ -185,6 +187,7 @@ def test_a_scalar_upload_is_a_transfer_and_other_programs_reuse_it():
     """The packed scalars' upload is timed as TransferToDeviceTime, as a tensor's; another
     program with the same scalars (here one slot, 0.1, read twice) uploads nothing, as
     PyTorch/XLA's device data cache (its test_cached_addcdiv)."""
+    compile_module.clear_cache()
     met.clear_all()
     t1, t2, t3 = (torch.randn(1, 3).to(dev) for _ in range(3))
     want = t1.cpu().addcdiv(t2.cpu(), t3.cpu(), value=0.1)
