@@ -17,7 +17,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -79,7 +79,7 @@ class Executable:
     # A step whose scalars did not change (a constant learning rate) uploads nothing, nor does
     # another program with the same scalars; an upload counts DeviceDataCacheMiss and is timed as
     # TransferToDeviceTime, as a tensor's.
-    scalars_on_device: dict = field(default_factory=dict)
+    scalars_on_device: dict
 
     def __call__(self, arrays: list, donated: tuple, scalars) -> list:
         """Run on ``arrays`` (the donated ones given up) and the packed scalars."""

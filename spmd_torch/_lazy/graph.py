@@ -205,14 +205,14 @@ def linearize(outputs: list[Ref], device: int = 0) -> Program:
     scalars: list[Node] = []
     rows: list = []
     index: dict = {}
-    shared = current().mode.shares_equal_scalars
+    slots: dict | None = {} if current().mode.shares_equal_scalars else None  # value -> slot
 
     def where(ref: Ref) -> tuple:
         node, i = ref
         if node.op == SCALAR:  # its aval is part of the structure: x * 2 is not x * 2.0
             k = index.get(id(node))
             if k is None:
-                k = index[id(node)] = _scalar_slot(node.args, index, scalars, shared)
+                k = index[id(node)] = _scalar_slot(node.args, slots, len(scalars))
                 if k == len(scalars):
                     scalars.append(node)
             return ("s", k, node.avals[0])
@@ -250,7 +250,7 @@ def linearize(outputs: list[Ref], device: int = 0) -> Program:
     return Program(nodes, leaves, scalars, list(outputs), index, rows, located, device=device)
 
 
-def _scalar_slot(args: tuple, index: dict, scalars: list, shared: bool) -> int:
+def _scalar_slot(args: tuple, slots: dict | None, count: int) -> int:
     """Where a lifted scalar goes in the program's packed vector: with the earlier scalar of the
     same value where there is one, as PyTorch/XLA's data cache gives equal scalars one device
     buffer. Each layer's ``eps`` then reads one slot, so XLA's kernels of alike layers stay alike
@@ -258,12 +258,12 @@ def _scalar_slot(args: tuple, index: dict, scalars: list, shared: bool) -> int:
     compile time of a 16-layer step). Which scalars share a slot is part of the structure; 1 and
     1.0, 0.0 and -0.0 never share, nor do the indices of reads by index (``shared=False``),
     which would coincide with other numbers from one read to the next, nor any in a mode whose
-    programs must not part by it (``shared``: ``launch``'s replicas)."""
+    programs must not part by it (``slots`` None: ``launch``'s replicas, pods). ``count``: the
+    slots taken so far."""
     value = args[0]
-    if not shared or len(args) > 1 or type(value) is tuple:
-        return len(scalars)
-    key = ("value", type(value), value, math.copysign(1.0, value))
-    return index.setdefault(key, len(scalars))
+    if slots is None or len(args) > 1 or type(value) is tuple:
+        return count
+    return slots.setdefault((type(value), value, math.copysign(1.0, value)), count)
 
 
 _DTYPE_NAMES = {torch.bool: "pred", torch.bfloat16: "bf16"}  # the rest: f32, i64, u8, c64...

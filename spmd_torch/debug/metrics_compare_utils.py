@@ -20,20 +20,29 @@ _METRIC = re.compile(
 )
 _COUNTER = re.compile(r"Counter: (\S+)\s+Value: (\d+)")
 _PERCENTILE = re.compile(r"([\d.]+)%=(\S+?);?(?:\s|$)")
-# An accumulator's units, in the order they are printed, with their factor to seconds or MB.
-_DURATION = (("d", 86400.0), ("h", 3600.0), ("m", 60.0), ("s", 1.0), ("ms", 1e-3), ("us", 1e-6))
-_SIZE = (("PB", 1e9), ("TB", 1e6), ("GB", 1e3), ("MB", 1.0), ("KB", 1e-3), ("B", 1e-6))
+
+
+def _units(units: tuple) -> tuple:
+    """A pattern of numbers each followed by one of ``units`` (each once, in the order printed),
+    and each unit's factor to seconds or MB."""
+    pattern = "".join(rf"(?:([\d.]+){re.escape(unit)})?" for unit, _ in units)
+    return re.compile(pattern, re.IGNORECASE), [factor for _, factor in units]
+
+
+_DURATION = _units(
+    (("d", 86400.0), ("h", 3600.0), ("m", 60.0), ("s", 1.0), ("ms", 1e-3), ("us", 1e-6))
+)
+_SIZE = _units((("PB", 1e9), ("TB", 1e6), ("GB", 1e3), ("MB", 1.0), ("KB", 1e-3), ("B", 1e-6)))
 _WITHIN_TWO_STDDEVS = "v_mean - 2.0 * v_stddev <= v <= v_mean + 2.0 * v_stddev"
 
 
 def _composite(text: str, units: tuple) -> float | None:
-    """``text`` as a sum of numbers each followed by one of ``units`` (each once, in order), or
-    None when it is not written so."""
-    pattern = "".join(rf"(?:([\d.]+){re.escape(unit)})?" for unit, _ in units)
-    match = re.fullmatch(pattern, text, re.IGNORECASE)
+    """``text`` in ``units`` (``_units``'s) as one number, or None when it is not written so."""
+    pattern, factors = units
+    match = pattern.fullmatch(text)
     if match is None or not any(match.groups()):
         return None
-    return sum(float(v) * factor for v, (_, factor) in zip(match.groups(), units) if v)
+    return sum(float(v) * factor for v, factor in zip(match.groups(), factors) if v)
 
 
 def _accumulator(text: str) -> tuple[float, str]:
