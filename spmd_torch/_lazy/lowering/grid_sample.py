@@ -9,7 +9,9 @@ both directions. Low-precision inputs are sampled in float32 and rounded once.
 
 from __future__ import annotations
 
+import functools
 import itertools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -93,32 +95,44 @@ def grid_sample(x, grid, interpolation_mode: int, padding_mode: int, align_corne
 
 
 def _linear(channels_last, coords):
-    """Each point from its 2**dims neighbours, weighted by how near it lies to each."""
+    """Each point from its 2**dims neighbours, gathered at once, weighted by how near it lies
+    to each."""
     lows = [jnp.floor(c) for c in coords]
     fractions = [c - low for c, low in zip(coords, lows)]
-    out = 0
-    for corner in itertools.product((0, 1), repeat=len(coords)):
-        weight = 1
-        for up, fraction in zip(corner, fractions):
-            weight = weight * (fraction if up else 1 - fraction)
-        indices = [(low + up).astype(jnp.int32) for low, up in zip(lows, corner)]
-        out = out + weight[..., None] * _gather(channels_last, indices)
-    return out
+    corners = list(itertools.product((0, 1), repeat=len(coords)))
+    indices = [
+        jnp.stack([low + corner[d] for corner in corners], -1).astype(jnp.int32)
+        for d, low in enumerate(lows)
+    ]
+    weight = jnp.stack(
+        [
+            functools.reduce(operator.mul, [f if up else 1 - f for up, f in zip(corner, fractions)])
+            for corner in corners
+        ],
+        -1,
+    )
+    return (weight[..., None] * _gather(channels_last, indices)).sum(-2)
 
 
 def _bicubic(channels_last, coords, padding_mode: int, align_corners: bool):
-    """Each point from its 4x4 neighbours; padding moves each tap, not the point."""
+    """Each point from its 4x4 neighbours, gathered at once; padding moves each tap, not the
+    point."""
     sizes = channels_last.shape[1:-1]
-    (row, col), (height, width) = coords, sizes
-    row_low, col_low = jnp.floor(row), jnp.floor(col)
-    row_weights, col_weights = cubic_weights(row - row_low), cubic_weights(col - col_low)
-    out = 0
-    for i, j in itertools.product(range(4), repeat=2):
-        tap_row = _pad(row_low - 1 + i, height, padding_mode, align_corners)
-        tap_col = _pad(col_low - 1 + j, width, padding_mode, align_corners)
-        taps = _gather(channels_last, [tap_row.astype(jnp.int32), tap_col.astype(jnp.int32)])
-        out = out + (row_weights[i] * col_weights[j])[..., None] * taps
-    return out
+    taps, weights = [], []
+    for coord, size in zip(coords, sizes):  # rows, then columns: 4 taps and weights each
+        low = jnp.floor(coord)
+        taps.append(
+            jnp.stack(
+                [_pad(low - 1 + k, size, padding_mode, align_corners) for k in range(4)], -1
+            ).astype(jnp.int32)
+        )
+        weights.append(jnp.stack(cubic_weights(coord - low), -1))
+    grid_shape = taps[0].shape + (4,)
+    rows = jnp.broadcast_to(taps[0][..., :, None], grid_shape)
+    cols = jnp.broadcast_to(taps[1][..., None, :], grid_shape)
+    values = _gather(channels_last, [rows, cols])  # (N, *out, 4, 4, C)
+    weight = weights[0][..., :, None] * weights[1][..., None, :]
+    return (weight[..., None] * values).sum((-3, -2))
 
 
 @lowers(aten.grid_sampler_2d.default, aten.grid_sampler_3d.default)
