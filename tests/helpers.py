@@ -305,31 +305,43 @@ def assert_matches_eager(fn, *args, grad: bool = False, tol: str | None = None, 
     fixed random cotangent on both sides, and every input's gradient is compared too ("grad"
     tolerance). Returns the xla result.
     """
+    return matches_eager(fn, *args, grad=grad, tol=tol, **kwargs)()
+
+
+def matches_eager(fn, *args, grad: bool = False, tol: str | None = None, **kwargs):
+    """assert_matches_eager in two halves: this runs both sides (the xla side traced, gradients
+    included) and returns the comparison, which returns the xla result. Several of them, one
+    ``spmd_torch.sync()``, then their comparisons: every case's values come from one program."""
     cpu_args, cpu_kwargs = _inputs((args, kwargs), grad)
     device_args, device_kwargs = to_device((cpu_args, cpu_kwargs))
     expected, (leaves, wide_leaves, wide_result) = _run_reference(fn, cpu_args, cpu_kwargs)
     actual = fn(*device_args, **device_kwargs)
-    _compare(actual, expected, lambda dtype: tolerance(dtype, "fwd", tol))
-    if not grad:
+    checks = [(actual, expected, lambda dtype: tolerance(dtype, "fwd", tol), "result")]
+    if grad:
+        outputs = _differentiable(wide_result, expected)
+        inputs = [
+            i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad
+        ]
+        assert outputs and inputs, "grad=True, but no floating output depends on a floating input"
+        cotangents = _cotangents(_pick(expected, outputs))
+        wide_inputs = [wide_leaves[i] for i in inputs]
+        wide_grads = _grads(_pick(wide_result, outputs), wide_inputs, cotangents)
+        expected_grads = {
+            f"input {i}": None if g is None else _round_once(g, leaves[i].dtype)
+            for i, g in zip(inputs, wide_grads)
+        }
+        device_leaves = pytree.tree_leaves((device_args, device_kwargs))
+        device_inputs = [device_leaves[i] for i in inputs]
+        actual_grads = _grads(_pick(actual, outputs), device_inputs, cotangents)
+        grad_tol = lambda dtype: tolerance(dtype, "grad", tol)  # noqa: E731
+        checks.append((dict(zip(expected_grads, actual_grads)), expected_grads, grad_tol, "grad"))
+
+    def compare():
+        for check in checks:
+            _compare(*check)
         return actual
-    outputs = _differentiable(wide_result, expected)
-    inputs = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
-    assert outputs and inputs, "grad=True, but no floating output depends on a floating input"
-    cotangents = _cotangents(_pick(expected, outputs))
-    wide_grads = _grads(_pick(wide_result, outputs), [wide_leaves[i] for i in inputs], cotangents)
-    expected_grads = {
-        f"input {i}": None if g is None else _round_once(g, leaves[i].dtype)
-        for i, g in zip(inputs, wide_grads)
-    }
-    device_leaves = pytree.tree_leaves((device_args, device_kwargs))
-    actual_grads = _grads(_pick(actual, outputs), [device_leaves[i] for i in inputs], cotangents)
-    _compare(
-        dict(zip(expected_grads, actual_grads)),
-        expected_grads,
-        lambda dtype: tolerance(dtype, "grad", tol),
-        "grad",
-    )
-    return actual
+
+    return compare
 
 
 # --- metrics -------------------------------------------------------------------------------------
