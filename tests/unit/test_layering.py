@@ -9,6 +9,8 @@ from __future__ import annotations
 import ast
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -223,3 +225,22 @@ def test_import_check_sees_imports_inside_functions():
     source = "import jax\n\ndef f():\n    from .execute import to_cpu\n"
     found = _imports(ENGINE / "tensor.py", source)
     assert ("spmd_torch._lazy.execute", True) in found and ("jax", False) not in found
+
+
+# --- what `import spmd_torch` costs ----------------------------------------------------------------
+
+
+def test_import_leaves_dtensor_and_checkpointing_for_their_first_use():
+    """``import spmd_torch`` takes torch and JAX only: the DTensor and checkpoint packages, which
+    ``_XLAC`` (PyTorch/XLA's binding) needs, took as long again; they come with its first use."""
+    heavy = ("torch.distributed.tensor", "orbax.checkpoint", "spmd_torch._XLAC")
+    code = (
+        "import sys, spmd_torch\n"
+        f"print([m for m in {heavy!r} if m in sys.modules])\n"
+        "spmd_torch._XLAC._xla_runtime_is_initialized()\n"
+        f"print([m for m in {heavy!r} if m in sys.modules])\n"
+    )
+    run = [sys.executable, "-c", code]
+    done = subprocess.run(run, capture_output=True, text=True, timeout=300, cwd=PACKAGE.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["[]", repr(list(heavy))]
