@@ -210,8 +210,9 @@ LOOPBACK = _flag(
 FREEZE_HEAP = _flag(
     "SPMD_TORCH_FREEZE_HEAP",
     True,
-    "Once warm-up ends (a compiled program runs again), collect and gc.freeze() the Python heap "
-    "and collect the young generation every 50,000 net allocations instead of 700.",
+    "gc.freeze() what import made, and once warm-up ends (a compiled program runs again) collect "
+    "and freeze the Python heap and collect the young generation every 50,000 net allocations "
+    "instead of 700.",
 )
 AUTO_CAPTURE = _flag(
     "SPMD_TORCH_AUTO_CAPTURE",
