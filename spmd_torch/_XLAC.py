@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import weakref
 from collections.abc import Sequence
@@ -87,6 +88,7 @@ __all__ = [
     "_get_xla_tensors_hlo",
     "_get_xla_tensors_text",
     "_global_tensor_from_cpu_shards",
+    "_init_computation_client",
     "_short_xla_metrics_report",
     "_spmd_full_to_shard_shape",
     "_spmd_shard_to_full_shape",
@@ -510,6 +512,43 @@ def _xla_runtime_is_initialized() -> bool:
         True
     """
     return xla_bridge.backends_are_initialized()
+
+
+_CLIENT_START: list = []  # the first _init_computation_client's error (None: it started)
+
+
+def _init_computation_client() -> None:
+    """Start the runtime client for the device kind ``PJRT_DEVICE`` names: JAX's backend for that
+    platform (``'CPU'`` -> ``cpu``, ``'CUDA'``/``'GPU'`` -> ``cuda``, ...; JAX's default when
+    unset). As in PyTorch/XLA, the first call's outcome stands: after a failure every later call
+    raises the first call's error, whatever ``PJRT_DEVICE`` says by then.
+
+    Raises:
+        RuntimeError: JAX has no backend of that name in this process (the message names it).
+
+    Example:
+        >>> os.environ['PJRT_DEVICE'] = 'CPU'
+        >>> _init_computation_client()
+    """
+    if not _CLIENT_START:
+        _CLIENT_START.append(_start_client(os.environ.get("PJRT_DEVICE")))
+    if _CLIENT_START[0] is not None:
+        raise RuntimeError(_CLIENT_START[0])
+
+
+def _start_client(device_kind: str | None) -> str | None:
+    """Start JAX's backend for ``device_kind`` (its default when None); why it failed, or None."""
+    if device_kind is None:
+        jax.devices()
+        return None
+    try:
+        jax.devices(runtime._JAX_PLATFORMS.get(device_kind.upper(), device_kind.lower()))
+    except RuntimeError as error:
+        return (
+            f"No PjRtPlugin registered for: {device_kind}. Make sure the environment variable "
+            f"PJRT_DEVICE is set to a correct device name. (JAX: {error})"
+        )
+    return None
 
 
 def _ensure_xla_coordinator_initialized(

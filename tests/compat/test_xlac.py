@@ -415,3 +415,20 @@ def test_preemption_sync_manager_calls_reach_the_checkpoint_package():
     finally:
         xlac._deactivate_preemption_sync_manager()
     assert xlac._sync_point_reached is _preemption.sync_point_reached
+
+
+def test_init_computation_client_starts_the_named_platform_and_keeps_its_first_failure(
+    monkeypatch,
+):
+    """PyTorch/XLA's test_runtime_client_initialization_error: an unknown PJRT_DEVICE fails
+    naming it, and the first call's outcome stands, even once the variable names a real one."""
+    monkeypatch.setattr(xlac, "_CLIENT_START", [])
+    monkeypatch.setenv("PJRT_DEVICE", "CPU")
+    xlac._init_computation_client()  # the platform this process runs
+    monkeypatch.setattr(xlac, "_CLIENT_START", [])
+    message = "No PjRtPlugin registered for: DUMMY_DEVICE. Make sure the environment variable"
+    for device_kind in ("DUMMY_DEVICE", "CPU"):
+        monkeypatch.setenv("PJRT_DEVICE", device_kind)
+        with pytest.raises(RuntimeError, match=message) as raised:
+            xlac._init_computation_client()
+        assert "Unknown backend dummy_device" in str(raised.value)
