@@ -152,6 +152,6 @@ def __getattr__(name: str):
 if _config.FREEZE_HEAP.value:
     # What import made (torch's and JAX's modules, ~380k objects) lives as long as the process:
     # out of the cyclic collector's reach, full collections before warm-up ends
-    # (compile.settle_heap) and the one at interpreter exit do not walk it (2-3 s of a short
-    # run's exit on the 2-core CPU host).
+    # (compile.settle_heap) and the one at interpreter exit do not walk it (0.5-1.5 s of a
+    # short run's exit on the 2-core CPU host).
     gc.freeze()
