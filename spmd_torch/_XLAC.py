@@ -519,9 +519,9 @@ _CLIENT_START: list = []  # the first _init_computation_client's error (None: it
 
 def _init_computation_client() -> None:
     """Start the runtime client for the device kind ``PJRT_DEVICE`` names: JAX's backend for that
-    platform (``'CPU'`` -> ``cpu``, ``'CUDA'``/``'GPU'`` -> ``cuda``, ...; JAX's default when
-    unset). As in PyTorch/XLA, the first call's outcome stands: after a failure every later call
-    raises the first call's error, whatever ``PJRT_DEVICE`` says by then.
+    platform (``runtime.jax_platform``; JAX's default when unset). As in PyTorch/XLA, the first
+    call's outcome stands: after a failure every later call raises the first call's error,
+    whatever ``PJRT_DEVICE`` says by then.
 
     Raises:
         RuntimeError: JAX has no backend of that name in this process (the message names it).
@@ -542,7 +542,7 @@ def _start_client(device_kind: str | None) -> str | None:
         jax.devices()
         return None
     try:
-        jax.devices(runtime._JAX_PLATFORMS.get(device_kind.upper(), device_kind.lower()))
+        jax.devices(runtime.jax_platform(device_kind))
     except RuntimeError as error:
         return (
             f"No PjRtPlugin registered for: {device_kind}. Make sure the environment variable "

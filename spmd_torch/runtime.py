@@ -35,6 +35,18 @@ _JAX_PLATFORMS = {"CPU": "cpu", "TPU": "tpu", "CUDA": "cuda", "GPU": "cuda", "RO
 _XLA_DEVICE = re.compile(r"xla(?::(\d+))?$")
 
 
+def jax_platform(device_kind: str) -> str:
+    """JAX's platform for a PyTorch/XLA device kind: ``'CPU'`` -> ``cpu``, ``'CUDA'``/``'GPU'``
+    -> ``cuda``, ``'ROCM'`` -> ``rocm``, ``'TPU'`` -> ``tpu``, any other name lower-cased (a JAX
+    PJRT plugin's platform).
+
+    Example:
+        >>> xr.jax_platform('GPU')
+        'cuda'
+    """
+    return _JAX_PLATFORMS.get(device_kind.upper(), device_kind.lower())
+
+
 def device_type() -> str:
     """The kind of accelerator the program runs on, as PyTorch/XLA's ``PJRT_DEVICE`` names it.
 
@@ -77,9 +89,9 @@ def set_device_type(pjrt_device: str) -> None:
         >>> xr.device_type()
         'CPU'
     """
-    requested = _JAX_PLATFORMS.get(pjrt_device.upper(), pjrt_device.lower())
+    requested = jax_platform(pjrt_device)
     if xla_bridge.backends_are_initialized():
-        running = _JAX_PLATFORMS.get(device_type(), device_type().lower())
+        running = jax_platform(device_type())
         if requested != running:
             raise RuntimeError(
                 f"Can't change device type to {pjrt_device!r} after the runtime is initialized: "
