@@ -6,9 +6,9 @@
 2. A new process shards the model over a (4, 2) mesh ('data', 'fsdp'): restore fills the fresh
    model and a fresh AdamW (whose state does not exist yet) from the newest complete checkpoint,
    each device reading only its shards, and training goes on from the step after it.
-3. An uninterrupted run on the 8-way mesh, alongside the other two, gives the reference losses. The resumed losses must
-   equal them (to float32 rounding: the other mesh sums in another order); the script exits
-   non-zero otherwise.
+3. An uninterrupted run on the 8-way mesh, alongside the other two, gives the reference losses.
+   The resumed losses must equal them (to float32 rounding: the other mesh sums in another
+   order); the script exits non-zero otherwise.
 
 Run: python examples/checkpoint_resume.py   (on CPU it sets up 8 virtual devices itself)
 """
@@ -130,14 +130,19 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as root:
         crashed = os.path.join(root, "crashed")
         uninterrupted = start(os.path.join(root, "reference"), "8")  # meanwhile: it shares nothing
-        print("training on 8 devices, killed mid-run:")
-        losses_of(start(crashed, "8"), "8", kill_after=KILL_AFTER)
-        complete = xc.CheckpointManager(crashed, save_interval=3).all_steps()
-        print(f"complete checkpoints after the kill: {complete}")
-        print("resuming on a (4, 2) mesh:")
-        resumed = losses_of(start(crashed, "4x2"), "4x2")
-        print("the uninterrupted reference (run alongside):")
-        reference = losses_of(uninterrupted, "8")
+        try:
+            print("training on 8 devices, killed mid-run:")
+            losses_of(start(crashed, "8"), "8", kill_after=KILL_AFTER)
+            complete = xc.CheckpointManager(crashed, save_interval=3).all_steps()
+            print(f"complete checkpoints after the kill: {complete}")
+            print("resuming on a (4, 2) mesh:")
+            resumed = losses_of(start(crashed, "4x2"), "4x2")
+            print("the uninterrupted reference (run alongside):")
+            reference = losses_of(uninterrupted, "8")
+        finally:
+            if uninterrupted.poll() is None:  # the resume failed: leave no training behind
+                uninterrupted.kill()
+                uninterrupted.wait()
 
     worst = max(abs(resumed[s] - reference[s]) / abs(reference[s]) for s in resumed)
     print(f"resumed steps {min(resumed)}..{max(resumed)}: largest relative difference {worst:.2e}")
