@@ -238,6 +238,7 @@ def build_sharded(
     model.to_empty(device=xm.xla_device())
     shard(model, mesh)
     if initialise:
+        xm.mark_step()  # the allocations apart: then every layer's program is the same one
         for layer in model.layers:
             init_weights(layer.parameters())
             xm.mark_step()

@@ -46,6 +46,9 @@ def state() -> Storage:
     if engine.rng is None:
         seed = DEFAULT_SEED if engine.seed is None else engine.seed
         engine.rng = Storage((_key(key_words(seed)), 0))
+        # Uploaded replicated over a mesh, as a program would leave it: said now, the first
+        # program that draws numbers is the same program as the ones after it.
+        engine.rng.sharding = engine.mode.replicated
     return engine.rng
 
 

@@ -17,7 +17,7 @@ import spmd_torch.runtime as xr
 from spmd_torch._lazy import placement
 from spmd_torch._lazy.execute import global_array
 from spmd_torch.amp import syncfree
-from tests.helpers import assert_close
+from tests.helpers import assert_close, assert_compiles
 
 dev = spmd_torch.device()
 ROWS = "{devices=[8,1]0,1,2,3,4,5,6,7}"
@@ -128,6 +128,28 @@ def test_like_factory_sharded_like_its_source(mesh, rows, make, value):
     assert made.shape == source.shape and made.dtype == source.dtype
     if value is not None:
         assert torch.equal(made.cpu(), torch.full((rows, 8), value))
+
+
+def test_the_first_program_drawing_random_numbers_is_the_one_after_it(mesh):
+    """The device key lands replicated over the mesh, and is given that layout at once: the
+    program of a step that draws numbers compiles once, not again at its second run because the
+    key's layout became known (a model initialised one layer at a time compiled each layer's
+    program twice)."""
+    weight = torch.empty(16, 8, device=dev)
+    xs.mark_sharding(weight, mesh, ("fsdp", None))
+    spmd_torch.sync()
+    torch.manual_seed(5)  # a fresh key, read by the first program below
+    draws = []
+    for compiles in (1, 0, 0):
+        with assert_compiles(compiles):
+            nn.init.normal_(weight)
+            spmd_torch.sync()
+        draws.append(weight.cpu())
+    assert xs.get_xla_sharding_spec(weight) == ROWS
+    assert not torch.equal(draws[0], draws[1]) and not torch.equal(draws[1], draws[2])
+    torch.manual_seed(5)
+    nn.init.normal_(weight)
+    assert torch.equal(weight.cpu(), draws[0])  # the same seed, the same numbers
 
 
 def test_like_factory_of_a_replicated_source_is_left_to_the_partitioner():
