@@ -9,9 +9,8 @@ both directions. Low-precision inputs are sampled in float32 and rounded once.
 
 from __future__ import annotations
 
-import functools
 import itertools
-import operator
+import math
 
 import jax
 import jax.numpy as jnp
@@ -105,10 +104,7 @@ def _linear(channels_last, coords):
         for d, low in enumerate(lows)
     ]
     weight = jnp.stack(
-        [
-            functools.reduce(operator.mul, [f if up else 1 - f for up, f in zip(corner, fractions)])
-            for corner in corners
-        ],
+        [math.prod(f if up else 1 - f for up, f in zip(corner, fractions)) for corner in corners],
         -1,
     )
     return (weight[..., None] * _gather(channels_last, indices)).sum(-2)
