@@ -37,6 +37,7 @@ from jax import lax
 from jax.extend import backend as jax_backend
 
 from .. import counters
+from ._helpers import traced_once
 from .linalg import accumulation_dtype, precision
 from .random import wrap_key
 from .registry import lowers
@@ -335,6 +336,16 @@ def _differentiable_blockwise(causal: bool, scale: float, dropout_p: float):
     return attend
 
 
+@traced_once
+def _blockwise_attend(q, k, v, bias, words, causal: bool, scale: float, dropout_p: float):
+    return _differentiable_blockwise(causal, scale, dropout_p)(q, k, v, bias, words)
+
+
+# Every layer's attention is the same trace: JAX traces each form once per shapes and arguments.
+_traced_forward = traced_once(blockwise_forward)
+_traced_backward = traced_once(blockwise_backward)
+
+
 def _sum_to(x, shape: tuple):
     """``x`` summed over the axes where ``shape`` is 1 (a broadcast operand's gradient)."""
     axes = tuple(i for i, (n, m) in enumerate(zip(x.shape, shape)) if m == 1 and n != 1)
@@ -419,9 +430,9 @@ def _attention(
         lse = blockwise_forward(q, k, v, None, is_causal, scale, 0.0, None, BLOCK)[1]
     elif impl == "blockwise":
         words = jax.random.key_data(key) if dropout_p else None  # a residual must be an array
-        out, lse = _differentiable_blockwise(is_causal, scale, dropout_p)(q, k, v, attn_bias, words)
+        out, lse = _blockwise_attend(q, k, v, attn_bias, words, is_causal, scale, dropout_p)
     else:
-        out, lse = blockwise_forward(
+        out, lse = _traced_forward(
             q, k, v, attn_bias, is_causal, scale, dropout_p, key, _block(impl, k)
         )
     seed = lax.bitcast_convert_type(jax.random.key_data(key), jnp.int64)
@@ -456,7 +467,7 @@ def _attention_backward(
         primal, pullback = jax.vjp(_kernel(impl, is_causal, scale), q, k, v)
         return *pullback(grad.astype(primal.dtype)), None
     key = wrap_key(lax.bitcast_convert_type(philox_seed, jnp.uint32))
-    dq, dk, dv, dbias = blockwise_backward(
+    dq, dk, dv, dbias = _traced_backward(
         grad,
         q,
         k,

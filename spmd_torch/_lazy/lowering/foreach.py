@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from ._helpers import traced_once
 from .registry import LOWERINGS, Lowering, lowers
 
 aten = torch.ops.aten
@@ -64,7 +65,7 @@ def _mapped(func, element, trailing: list, lowering: Lowering) -> Callable:
     arguments = func._schema.arguments
     listed = [isinstance(a.type, torch._C.ListType) for a in arguments if not a.kwarg_only]
     positional = sum(not a.kwarg_only for a in element._schema.arguments)
-    fn = lowering.fn
+    fn = traced_once(lowering.fn)  # the lists' entries are mostly a few shapes, many times over
 
     def foreach(*args, **kwargs) -> list:
         length = len(next(a for a, is_list in zip(args, listed) if is_list))

@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import DynamicOutputShapeException
 
 from spmd_torch import config
 
+from ._helpers import traced_once
 from .registry import lowers, meta_kernel
 
 aten = torch.ops.aten
@@ -96,6 +97,7 @@ def _trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
 
 
 @lowers(aten.einsum.default)
+@traced_once  # jnp.einsum plans its contraction in Python at every call: about 1 ms
 def _einsum(equation, operands, path=None):
     """One dot_general per contraction, every operand's dimensions kept: ATen's decomposition
     flattens them into a bmm, and the reshapes hide sharded batch dimensions from the
