@@ -6,7 +6,6 @@ naming the layer or the shape."""
 from __future__ import annotations
 
 import copy
-import re
 
 import jax
 import numpy as np
@@ -221,14 +220,12 @@ def test_scan_layers_in_launch_replicas():
 
 
 def _program_size(run, layers: int) -> tuple[int, int, int]:
-    """(nodes, matmuls, tanhs in the StableHLO) of a forward and backward over ``layers`` MLP
-    layers. Matmuls: the dot_generals written out and the calls of an einsum traced once (each
-    call is one more matmul run)."""
+    """(nodes, dot_generals, tanhs in the StableHLO) of a forward and backward over ``layers``
+    MLP layers."""
     stack = _stack("mlp", layers).to(dev)
     _loss(run(stack, torch.randn(2, 4, D, device=dev))).backward()
     text = graph.pending_stablehlo()
-    matmuls = text.count("stablehlo.dot_general") + len(re.findall(r"call @_einsum(_\d+)?\(", text))
-    return len(graph.pending_program().nodes), matmuls, text.count("tanh")
+    return len(graph.pending_program().nodes), text.count("dot_general"), text.count("tanh")
 
 
 def test_the_program_for_8_layers_is_not_larger_than_for_2():
@@ -239,8 +236,7 @@ def test_the_program_for_8_layers_is_not_larger_than_for_2():
     # The measure sees an unrolled loop: it grows with the layers.
     nodes, dots, _ = _program_size(_unrolled, 2)
     more_nodes, more_dots, _ = _program_size(_unrolled, 8)
-    # Each layer more: its forward matmul and the backward's two.
-    assert more_nodes > 3 * nodes and more_dots - dots >= 3 * (8 - 2)
+    assert more_nodes > 3 * nodes and more_dots >= 4 * dots
 
 
 def test_optimizer_steps_and_state_dict_see_each_layers_own_parameters():

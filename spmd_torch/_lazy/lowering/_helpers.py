@@ -83,7 +83,8 @@ def opmath(dtype: Any) -> np.dtype:
 def traced_once(fn: Callable) -> Callable:
     """``fn`` through ``jax.jit``, its arrays as arguments and everything else static: JAX traces
     it once per distinct shapes, dtypes and static values, and every later call with the same
-    ones, in any program, reuses that trace. For lowerings a deep model calls many times alike
+    ones, in any program, reuses that trace, inlined where it is called (the program and its ops'
+    names are what ``fn`` itself would make). For lowerings a deep model calls many times alike
     (each layer's attention and einsums, the optimizer's update of each parameter): tracing them
     again at every call was most of the time a program took to lower (a cached call costs about
     50 us; ``jnp.einsum`` traced anew about 1 ms, one attention 16 ms).
@@ -105,7 +106,8 @@ def traced_once(fn: Callable) -> Callable:
         if config.HLO_DEBUG.value:
             return fn(*args, **kwargs)
         if jitted is None:
-            jitted = traces[key] = jax.jit(_with_statics(fn, tree, is_array, leaves))
+            flat = _with_statics(fn, tree, is_array, leaves)
+            jitted = traces[key] = jax.jit(flat, inline=True)
         return jitted(*[x for x, a in zip(leaves, is_array) if a])
 
     return call
