@@ -201,13 +201,16 @@ def _div_floor(a, b):
     return jnp.where(b == 0, a / b, jnp.where(div == 0, jnp.copysign(0.0, a / b), floor))
 
 
-_ROUNDED_DIV = {"trunc": arithmetic(_div_trunc), "floor": arithmetic(_div_floor)}
+# Made once: each adapted lowering keeps the traces JAX made of it (traced_once).
+_ROUNDED_DIV = {
+    None: floating(jnp.true_divide),
+    "trunc": arithmetic(_div_trunc),
+    "floor": arithmetic(_div_floor),
+}
 
 
 @lowers(aten.div.Tensor_mode, aten.div.Scalar_mode)
 def _div_mode(a, b, *, rounding_mode=None):
-    if rounding_mode is None:
-        return floating(jnp.true_divide)(a, b)
     return _ROUNDED_DIV[rounding_mode](a, b)
 
 
@@ -227,12 +230,16 @@ def _pow(base, exponent):
     return _int_pow(base, exponent) if category(base.dtype) == 1 else jnp.power(base, exponent)
 
 
+_POW = arithmetic(_pow)
+_STATIC_POW = arithmetic(lambda x, *, exponent: jnp.power(x, exponent))
+
+
 @lowers(aten.pow.Tensor_Scalar, static_scalars=True)
 def _pow_tensor_scalar(x, exponent):
     """A Python exponent stays static, so x**2 is x*x as in ATen, not exp(2 log x)."""
     if type(exponent) is not int:
-        return arithmetic(_pow)(x, exponent)
-    return arithmetic(lambda x: jnp.power(x, exponent))(x)
+        return _POW(x, exponent)
+    return _STATIC_POW(x, exponent=exponent)
 
 
 def _round_decimals(x, *, decimals=0):
@@ -373,7 +380,10 @@ register_table(
 @lowers(aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar)
 def _where(condition, x, other):
     """Only x and other promote together; the condition is a mask, not an operand."""
-    return promoted(partial(jnp.where, condition))(x, other)
+    return _PROMOTED_WHERE(x, other, condition=condition)
+
+
+_PROMOTED_WHERE = promoted(lambda x, other, *, condition: jnp.where(condition, x, other))
 
 
 @lowers(aten.frexp.Tensor)

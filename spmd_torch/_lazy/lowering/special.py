@@ -282,14 +282,18 @@ register_table(
 )
 
 
+_FLOAT_POLYGAMMA = floating(lambda x, *, n: _polygamma(n, x))
+_FLOAT_MVLGAMMA = floating(lambda x, *, p: _mvlgamma(x, p))
+
+
 @lowers(aten.polygamma.default)
 def _polygamma_lowering(n, x):
-    return floating(lambda x: _polygamma(n, x))(x)
+    return _FLOAT_POLYGAMMA(x, n=n)
 
 
 @lowers(aten.mvlgamma.default)
 def _mvlgamma_lowering(x, p):
-    return floating(lambda x: _mvlgamma(x, p))(x)
+    return _FLOAT_MVLGAMMA(x, p=p)
 
 
 # --- orthogonal polynomials: ATen's recurrences, up to the largest degree present -----------
