@@ -51,6 +51,9 @@ def test_static_values_that_compare_equal_are_traced_apart():
     positive = jax.jit(lambda x: 1 / once(x, 0.0))(jnp.ones((1,)))
     negative = jax.jit(lambda x: 1 / once(x, -0.0))(jnp.ones((1,)))
     assert positive[0] == np.inf and negative[0] == -np.inf
+    positive = jax.jit(lambda x: 1 / once(x, np.float64(0.0)))(jnp.ones((1,)))
+    negative = jax.jit(lambda x: 1 / once(x, np.float64(-0.0)))(jnp.ones((1,)))
+    assert positive[0] == np.inf and negative[0] == -np.inf
 
 
 def test_a_flag_of_the_compile_key_traces_again():

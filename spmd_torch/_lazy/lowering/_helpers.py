@@ -95,6 +95,8 @@ def traced_once(fn: Callable) -> Callable:
     traces: dict = {}
 
     def call(*args: Any, **kwargs: Any) -> Any:
+        if config.HLO_DEBUG.value:
+            return fn(*args, **kwargs)
         leaves, tree = jax.tree.flatten((args, kwargs))
         is_array = tuple(isinstance(x, (jax.Array, np.ndarray)) for x in leaves)
         statics = tuple(None if a else _static_key(x) for x, a in zip(leaves, is_array))
@@ -102,8 +104,6 @@ def traced_once(fn: Callable) -> Callable:
         try:
             jitted = traces.get(key)
         except TypeError:  # an unhashable static value
-            return fn(*args, **kwargs)
-        if config.HLO_DEBUG.value:
             return fn(*args, **kwargs)
         if jitted is None:
             flat = _with_statics(fn, tree, is_array, leaves)
@@ -116,8 +116,8 @@ def traced_once(fn: Callable) -> Callable:
 def _static_key(x: Any) -> Any:
     """A static value as a key that tells apart what ``==`` does not: 1, 1.0 and True; 0.0 and
     -0.0."""
-    if type(x) is float:
-        return float, x, math.copysign(1.0, x)
+    if isinstance(x, float):  # numpy's float64 too
+        return type(x), x, math.copysign(1.0, x)
     return type(x), x
 
 
