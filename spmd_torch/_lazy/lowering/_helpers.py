@@ -3,7 +3,8 @@
 Import these, don't copy them. ``result_type`` is ``torch.result_type`` for any number of
 arguments; the adapters ``promoted``, ``arithmetic`` and ``floating`` wrap a jnp function so that
 it sees its positional arguments in the dtype ATen computes in (so every positional argument must
-be a tensor or a Scalar: pass ints, lists and strings by keyword or close over them).
+be a tensor or a Scalar: pass ints, lists and strings by keyword). Each adapted lowering is
+``traced_once``: make it once, at import, not at every call (a wrapper made per call keeps no trace).
 """
 
 from __future__ import annotations
