@@ -43,11 +43,12 @@ def test_calls_alike_are_traced_once_and_give_the_functions_values():
 
 def test_static_values_that_compare_equal_are_traced_apart():
     """1, 1.0 and True, and 0.0 and -0.0, are equal keys to a dict; not to a trace."""
-    once = _helpers.traced_once(lambda x, v: x * jnp.asarray(v))
+    filled = _helpers.traced_once(lambda x, v: jnp.full(x.shape, v))
     x = jnp.ones((2,), jnp.int32)
-    assert jax.jit(lambda x: once(x, 1))(x).dtype == jnp.int32
-    assert jnp.issubdtype(jax.jit(lambda x: once(x, 1.0))(x).dtype, jnp.floating)
-    assert jax.jit(lambda x: once(x, True))(x).dtype == jnp.int32
+    assert jnp.issubdtype(jax.jit(lambda x: filled(x, 1))(x).dtype, jnp.integer)
+    assert jnp.issubdtype(jax.jit(lambda x: filled(x, 1.0))(x).dtype, jnp.floating)
+    assert jax.jit(lambda x: filled(x, True))(x).dtype == jnp.bool_
+    once = _helpers.traced_once(lambda x, v: x * jnp.asarray(v))
     positive = jax.jit(lambda x: 1 / once(x, 0.0))(jnp.ones((1,)))
     negative = jax.jit(lambda x: 1 / once(x, -0.0))(jnp.ones((1,)))
     assert positive[0] == np.inf and negative[0] == -np.inf

@@ -377,13 +377,13 @@ register_table(
 )
 
 
+_PROMOTED_WHERE = promoted(lambda x, other, *, condition: jnp.where(condition, x, other))
+
+
 @lowers(aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar)
 def _where(condition, x, other):
     """Only x and other promote together; the condition is a mask, not an operand."""
     return _PROMOTED_WHERE(x, other, condition=condition)
-
-
-_PROMOTED_WHERE = promoted(lambda x, other, *, condition: jnp.where(condition, x, other))
 
 
 @lowers(aten.frexp.Tensor)
