@@ -7,6 +7,7 @@ same metrics whichever mode runs it.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import queue
 import threading
@@ -103,6 +104,7 @@ class _Finishes:
         self.waiting: list = []  # [done event, outputs] per program not recorded yet
         self.thread: threading.Thread | None = None
         self.lock = threading.Lock()
+        self.stops_at_exit = False
 
     def time(self, name: str, start: int, outputs: list) -> None:
         entry = [threading.Event(), outputs]
@@ -113,11 +115,24 @@ class _Finishes:
                     target=self._wait_each, name="spmd_torch-execute-time", daemon=True
                 )
                 self.thread.start()
+                if not self.stops_at_exit:  # registered after jax.distributed's: runs before it
+                    atexit.register(self.stop)
+                    self.stops_at_exit = True
         self.queue.put((name, start, entry))
 
+    def stop(self) -> None:
+        """At exit, let the thread finish the programs in flight and end. Left running, it could
+        leave XLA's wait while the interpreter finalizes: a daemon thread taking the GIL back
+        then is unwound through XLA's C++ frames, and the process aborts ("FATAL: exception not
+        rethrown"), as a script ending with ``xm.mark_step()`` did."""
+        thread = self.thread
+        if thread is not None and thread.is_alive():
+            self.queue.put(None)
+            thread.join(timeout=_EXIT_WAIT_S)
+
     def _wait_each(self) -> None:
-        while True:
-            name, start, entry = self.queue.get()
+        while (item := self.queue.get()) is not None:
+            name, start, entry = item
             for output in entry[1]:  # one program's outputs are ready together: one will do
                 try:
                     output.block_until_ready()
@@ -141,6 +156,7 @@ class _Finishes:
 
 
 _SETTLE_S = 600.0  # the longest a read of the metrics waits for one program in flight
+_EXIT_WAIT_S = 60.0  # the longest exit waits for the programs in flight (a dead peer's never end)
 _FINISHES = _Finishes()
 counters.BEFORE_READ.append(_FINISHES.settle)
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -223,3 +226,26 @@ def test_graph_rejects_cpu_tensors():
         ValueError, match=r"\(tensors\[1\]\) needs a tensor on the xla device, got .* on cpu"
     ):
         graph.get_tensors_text([torch.ones(1, device=DEV), torch.ones(1)])
+
+
+_ENDS_WITH_A_PROGRAM_IN_FLIGHT = """
+import torch, spmd_torch.core.xla_model as xm
+x = torch.randn(1000, 1000, device=xm.xla_device())
+for _ in range(20):
+    x = torch.tanh(x @ x)
+xm.mark_step()  # dispatched, not waited for: the interpreter exits while it runs
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_script_ending_with_a_program_in_flight_exits_cleanly():
+    """ExecuteTime's waiting thread is stopped at exit: left to leave XLA's wait during the
+    interpreter's finalization, it aborted the process (code -6, "exception not rethrown")."""
+    result = subprocess.run(
+        [sys.executable, "-c", _ENDS_WITH_A_PROGRAM_IN_FLIGHT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
+    assert result.returncode == 0, result.stderr
