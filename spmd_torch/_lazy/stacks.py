@@ -108,61 +108,62 @@ def collapse(args: tuple) -> tuple[tuple, list] | None:
     for i, a in enumerate(args):
         if i not in lists and isinstance(a, torch.Tensor) and a.dim() != 0:
             return None  # a tensor of per-element scalars
-    found = [member(t) for t in first]
-    at: dict = {}  # id(stack) -> [stack, positions by index]
-    for position, entry in enumerate(found):
-        if entry is not None:
-            stack, k = entry
-            slots = at.setdefault(id(stack), [stack, [None] * stack.aval.shape[0]])
-            if slots[1][k] is None:
-                slots[1][k] = position
-    candidates = [positions for _, positions in at.values() if None not in positions]
-    if not candidates:
-        return None
-    others = {i: _members_of(args[i]) for i in lists if args[i] is not first}
-    groups = [p for p in candidates if _aligned(args, lists, p, found, others)]
+    groups = _complete_stacks(first)
+    for i in lists:
+        if args[i] is not first:
+            groups = [g for g in groups if _aligned(args[i], g)]
     if not groups:
         return None
-    first_of = {positions[0]: positions for positions in groups}
-    grouped = {p for positions in groups for p in positions}
-    plan = []
-    for position in range(len(first)):
-        if position in first_of:
-            plan.append(first_of[position])
-        elif position not in grouped:
-            plan.append(position)
+    first_of = {positions[0]: positions for _, positions in groups}
+    grouped = {p for _, positions in groups for p in positions}
+    plan = [
+        first_of.get(position, position)
+        for position in range(len(first))
+        if position in first_of or position not in grouped
+    ]
     new_args = list(args)
     for i in lists:
         new_args[i] = [_entry(args[i], where) for where in plan]
     return tuple(new_args), plan
 
 
-def _members_of(values) -> list | None:
-    """``member`` of each of a tensor list (None for a list of Python scalars)."""
-    if not values or not isinstance(values[0], torch.Tensor):
-        return None
-    return [member(v) for v in values]
-
-
-def _aligned(args: tuple, lists: list, positions: list, found: list, others: dict) -> bool:
-    """Whether the stack at ``positions`` of the first list has, in every other list, the
-    members of one stack of the same shape at the same positions (or one scalar value)."""
-    shape = found[positions[0]][0].aval.shape
-    for i in lists:
-        members = others.get(i, found)
-        if members is None:  # Python scalars: one value for the whole stack
-            values = [args[i][p] for p in positions]
-            if values.count(values[0]) != len(values):
-                return False
+def _complete_stacks(values) -> list[tuple[Storage, list]]:
+    """(stack, the positions of its members 0..L-1) for each stack all of whose members are in
+    ``values`` (``member`` inlined: this runs for every tensor of an optimizer's lists)."""
+    at: dict = {}  # stack -> positions by index
+    for position, t in enumerate(values):
+        view = t._view if type(t) is LazyTensor else None
+        if view is None or len(view) != 1 or view[0].func is not _SELECT:
             continue
-        head = members[positions[0]]
-        if head is None or head[0].aval.shape != shape:
+        axis, k = view[0].args
+        if axis != 0 or k < 0:
+            continue
+        slots = at.get(t._storage)
+        if slots is None:
+            slots = at[t._storage] = [None] * t._storage.aval.shape[0]
+        if slots[k] is None:
+            slots[k] = position
+    return [(stack, positions) for stack, positions in at.items() if None not in positions]
+
+
+def _aligned(values, group: tuple[Storage, list]) -> bool:
+    """Whether ``values`` holds, at the positions of ``group``'s stack, the members 0..L-1 of one
+    stack of the same shape (or, for Python scalars, one value)."""
+    stack, positions = group
+    head = values[positions[0]]
+    if not isinstance(head, torch.Tensor):  # Python scalars: one value for the whole stack
+        return all(values[p] == head for p in positions)
+    found = member(head)
+    if found is None or found[0].aval.shape != stack.aval.shape:
+        return False
+    theirs = found[0]
+    for k, p in enumerate(positions):
+        t = values[p]
+        view = t._view if type(t) is LazyTensor else None
+        if view is None or t._storage is not theirs or len(view) != 1:
             return False
-        stack = head[0]
-        for k, p in enumerate(positions):
-            entry = members[p]
-            if entry is None or entry[0] is not stack or entry[1] != k:
-                return False
+        if view[0].func is not _SELECT or view[0].args != (0, k):
+            return False
     return True
 
 
