@@ -6,6 +6,8 @@ naming the layer or the shape."""
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import jax
 import numpy as np
@@ -22,7 +24,7 @@ import spmd_torch.runtime as xr
 from spmd_torch.debug import graph
 from spmd_torch.experimental.fori_loop import fori_loop, while_loop
 from spmd_torch.experimental.scan import scan
-from spmd_torch.experimental.scan_layers import scan_layers
+from spmd_torch.experimental.scan_layers import _structure, scan_layers
 from tests.helpers import assert_close, assert_compiles
 
 dev = spmd_torch.device()
@@ -500,6 +502,32 @@ def test_layers_of_different_structure_raise_naming_the_layer():
     no_bias[1].up.bias = None
     with pytest.raises(ValueError, match=r"layer 1 has mismatched keys: missing \['up.bias'\]"):
         scan_layers(no_bias.to(dev), torch.zeros(2, D, device=dev))
+
+
+def test_a_layers_walk_names_what_torchs_generators_name_and_keeps_nothing_alive():
+    """scan_layers walks each layer once (modules, then parameters and buffers by name): the
+    same names, order and tensors as named_modules/named_parameters/named_buffers, shared and
+    tied members once, eval mode seen; and no reference cycle holds the tensors afterwards."""
+    shared = nn.Linear(3, 3)
+    layer = nn.Module()
+    layer.a = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.BatchNorm1d(2), shared))
+    layer.b, layer.c, layer.none = shared, shared, None
+    layer.register_buffer("scratch", torch.zeros(2), persistent=False)
+    layer.w = nn.Parameter(torch.ones(1))
+    layer.tied = layer.w
+    layer.register_parameter("absent", None)
+    layer.a[1].eval()
+    modules, state = _structure(layer)
+    assert modules == [(name, type(m), m.training) for name, m in layer.named_modules()]
+    want = {**dict(layer.named_parameters()), **dict(layer.named_buffers())}
+    assert list(state) == list(want) and all(state[k] is want[k] for k in want)
+    weak = weakref.ref(layer.w)
+    gc.disable()
+    try:
+        del layer, state, want
+        assert weak() is None
+    finally:
+        gc.enable()
 
 
 def test_a_body_changing_shapes_raises_naming_the_shape():
