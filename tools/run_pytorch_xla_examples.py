@@ -18,8 +18,10 @@ runs, the subprocess gives ``DecoderOnlyConfig`` the defaults of ``SMALL_CONFIG`
 descriptors on ``TrainDecoderOnlyBase`` for the run-length attributes: every value the script
 writes to ``num_steps`` becomes ``SMALL_STEPS``, to ``seq_len`` becomes ``SMALL_SEQ_LEN``, and to
 ``batch_size`` is scaled by ``SMALL_BATCH_SCALE`` (16 -> 2 on one device; the SPMD scripts'
-``16 * 8`` -> 16). Nothing else in the scripts changes: data, optimizer, loss, seeds, step
-functions and loops are theirs.
+``16 * 8`` -> 16). A script whose argparse builds the config (v2.9's base script) gets the small
+sizes as its own command-line options. Nothing else in the scripts changes: data, optimizer,
+loss, seeds, step functions and loops are theirs; the eager reference starts from the seed the
+script's ``__main__`` block sets, if it sets one.
 """
 
 from __future__ import annotations
@@ -59,6 +61,15 @@ SMALL_CONFIG = {
     "num_key_value_heads": 2,
     "intermediate_size": 256,
     "vocab_size": 128,
+}
+# The options through which a script's own argparse sets the config (v2.9's base script builds
+# its DecoderOnlyConfig from them, with the full sizes as their defaults).
+CONFIG_OPTIONS = {
+    "hidden_size": "--hidden-size",
+    "num_hidden_layers": "--num-layers",
+    "num_attention_heads": "--num-attention-heads",
+    "num_key_value_heads": "--num-key-value-heads",
+    "intermediate_size": "--intermediate-size",
 }
 SMALL_STEPS = 22  # losses print every 10 steps (0, 10, 20), each at the next step's barrier
 SMALL_SEQ_LEN = 32
@@ -116,17 +127,18 @@ def run(
     return Run(SCRIPTS[name], losses, output)
 
 
-def eager_losses(examples: pathlib.Path, full: bool) -> dict[int, float]:
+def eager_losses(examples: pathlib.Path, full: bool, seed: int) -> dict[int, float]:
     """The scripts' training run on eager CPU: same model, seed, data, optimizer and loss.
 
     Every decoder-only script trains on all-zero tokens and targets, so the mean loss does not
-    depend on the batch size: one reference serves the single-device and the SPMD scripts.
+    depend on the batch size: one reference per seed serves the single-device and the SPMD
+    scripts.
     """
     model_module = _load_model_module(examples)
     config = model_module.DecoderOnlyConfig(**({} if full else SMALL_CONFIG))
     steps, seq_len = (FULL_STEPS, 512) if full else (SMALL_STEPS, SMALL_SEQ_LEN)
     batch = SCRIPT_BATCH_SIZE if full else int(SCRIPT_BATCH_SIZE * SMALL_BATCH_SCALE)
-    torch.manual_seed(SEED)
+    torch.manual_seed(seed)
     model = model_module.DecoderOnlyModel(config)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.0001)
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -190,8 +202,8 @@ def _shrink_run_length() -> None:
         setattr(train_decoder_only_base.TrainDecoderOnlyBase, name, descriptor)
 
 
-def _main_block(source: str, path: str):
-    """The body of the script's ``if __name__ == '__main__':`` block, compiled."""
+def _main_body(source: str, path: str) -> list[ast.stmt]:
+    """The statements of the script's ``if __name__ == '__main__':`` block."""
     tree = ast.parse(source, path)
     for node in tree.body:
         if (
@@ -200,8 +212,38 @@ def _main_block(source: str, path: str):
             and isinstance(node.test.left, ast.Name)
             and node.test.left.id == "__name__"
         ):
-            return compile(ast.Module(body=node.body, type_ignores=[]), path, "exec")
+            return node.body
     raise ValueError(f"{path} has no `if __name__ == '__main__':` block")
+
+
+def _main_block(source: str, path: str):
+    """The body of the script's ``if __name__ == '__main__':`` block, compiled."""
+    return compile(ast.Module(body=_main_body(source, path), type_ignores=[]), path, "exec")
+
+
+def script_seed(source: str, path: str) -> int:
+    """The seed the script's ``__main__`` block gives ``torch.manual_seed`` (v2.9's base script
+    seeds 42 there, after ours), else ours: the eager reference must start from the same
+    weights."""
+    for node in ast.walk(ast.Module(body=_main_body(source, path), type_ignores=[])):
+        if (
+            isinstance(node, ast.Call)
+            and ast.unparse(node.func) == "torch.manual_seed"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+        ):
+            return node.args[0].value
+    return SEED
+
+
+def _small_options(source: str) -> list[str]:
+    """The small sizes as the command-line options the script's argparse takes, if it has them."""
+    return [
+        part
+        for field, option in CONFIG_OPTIONS.items()
+        if f'"{option}"' in source
+        for part in (option, str(SMALL_CONFIG[field]))
+    ]
 
 
 def _main(folder: str, script: str, full: bool) -> None:
@@ -213,7 +255,8 @@ def _main(folder: str, script: str, full: bool) -> None:
     define the base script's class afresh).
     """
     sys.path.insert(0, folder)
-    sys.argv = [script]
+    source = pathlib.Path(script).read_text()
+    sys.argv = [script, *([] if full else _small_options(source))]
     if not full:
         _shrink_run_length()
     torch.manual_seed(SEED)
@@ -224,7 +267,7 @@ def _main(folder: str, script: str, full: bool) -> None:
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
-    exec(_main_block(pathlib.Path(script).read_text(), script), module.__dict__)
+    exec(_main_block(source, script), module.__dict__)
 
 
 def main() -> None:
@@ -243,10 +286,15 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown scripts {unknown}; known: {sorted(SCRIPTS)}")
     full = not args.small
-    eager = eager_losses(args.examples_dir, full)
-    print(f"eager CPU: {_row(eager)}")
+    references: dict[int, dict[int, float]] = {}  # seed -> eager CPU's losses
     with tempfile.TemporaryDirectory() as scratch:
         for name in args.scripts or SCRIPTS:
+            path = args.examples_dir / SCRIPTS[name]
+            seed = script_seed(path.read_text(), str(path))
+            if seed not in references:
+                references[seed] = eager_losses(args.examples_dir, full, seed)
+                print(f"eager CPU, seed {seed}: {_row(references[seed])}")
+            eager = references[seed]
             start = time.perf_counter()
             try:
                 run_ = run(args.examples_dir, name, pathlib.Path(scratch), full, args.timeout)

@@ -146,9 +146,17 @@ class _Outside(TorchFunctionMode):
 _RECORDING = threading.local()  # per thread, the bodies being recorded, innermost last
 
 
-def record(name: str, functions: list[Callable], avals: list[Aval], names: list[str]) -> tuple:
+def record(
+    name: str,
+    functions: list[Callable],
+    avals: list[Aval],
+    names: list[str],
+    inputs_writable: bool = False,
+) -> tuple:
     """Run each of ``functions`` on the same placeholders, of ``avals`` (named ``names`` in
     errors); each returns a list of xla tensors, and only the last may draw random numbers.
+    With ``inputs_writable``, the functions may write the placeholders in place: each write is a
+    new value inside the body, as any op's (the tensors given to the loop stay as they were).
     Returns the recording."""
     if not hasattr(_RECORDING, "stack"):
         _RECORDING.stack = []
@@ -169,7 +177,7 @@ def record(name: str, functions: list[Callable], avals: list[Aval], names: list[
         finally:
             stack.pop()
         captured = list(outside.captured.values())
-        _check_unwritten(name, inputs, names, captured)
+        _check_unwritten(name, [] if inputs_writable else inputs, names, captured)
         for k, (_, stand_in) in enumerate(captured, start=len(inputs)):
             places[id(stand_in._storage.ref[0])] = k
         key_out = key.ref is not key_in
@@ -199,7 +207,8 @@ def record(name: str, functions: list[Callable], avals: list[Aval], names: list[
 
 
 def _check_unwritten(name: str, inputs: list, names: list, captured: list) -> None:
-    """A body may not write its inputs in place (each iteration must see them as they were)."""
+    """A body may not write in place the tensors it reads from outside (the loop is one node:
+    it has no way to write them), nor, unless its loop allows it, its own ``inputs``."""
     for t, what in zip(inputs, names):
         if t._storage.version != 1:
             raise RuntimeError(
@@ -496,17 +505,22 @@ def scan_avals(init: list, xs: list) -> tuple:
 
 
 def record_scan(
-    name: str, body: Callable[[list, list], tuple[list, list]], init: list, xs: list, names: list
+    name: str,
+    body: Callable[[list, list], tuple[list, list]],
+    init: list,
+    xs: list,
+    names: list,
+    inputs_writable: bool = False,
 ) -> Recorded:
     """``body(carry, x) -> (carry, ys)`` recorded once on placeholders of ``scan_avals``;
-    ``names`` name the carry and xs in errors."""
+    ``names`` name the carry and xs in errors; ``inputs_writable``: as ``record``'s."""
     n = len(init)
 
     def flat(inputs: list) -> list:
         carry, ys = body(inputs[:n], inputs[n:])
         return carry + ys
 
-    return record(name, [flat], list(scan_avals(init, xs)), names)
+    return record(name, [flat], list(scan_avals(init, xs)), names, inputs_writable)
 
 
 def recording_inside() -> bool:

@@ -59,7 +59,9 @@ def scan(
     returns is stacked. The carry ``fn`` returns keeps ``init``'s structure, shapes and dtypes.
 
     Args:
-        fn: ``fn(carry, x) -> (new_carry, y)``; may read tensors it closes over, not write them.
+        fn: ``fn(carry, x) -> (new_carry, y)``; may write its arguments in place (PyTorch/XLA's
+            cumsum example does ``carry += x``), which leaves ``init`` and ``xs`` as they were;
+            may read tensors it closes over, not write them.
         init: The first carry.
         xs: The pytree to scan over.
         partition_fn: What each iteration keeps for the backward: ``None`` or
@@ -168,7 +170,7 @@ def _record(
         ys_structure.append(ys_tree)
         return leaves, ys
 
-    recorded = loop.record_scan("scan", body, init, xs, names)
+    recorded = loop.record_scan("scan", body, init, xs, names, inputs_writable=True)
     return recorded, ys_structure[0]
 
 

@@ -557,16 +557,39 @@ def test_a_data_dependent_trip_count_with_gradients_raises():
         fori_loop(0, bound, lambda v: v * 2, x)
 
 
-def test_a_body_may_neither_write_its_inputs_nor_read_values():
+def test_a_scan_body_may_write_its_arguments_in_place_and_they_stay_inside():
+    """PyTorch/XLA's cumsum example writes its carry (``carry += x``): each write is a value of
+    that iteration, init and xs stay as they were, and gradients are the loop's without the
+    writes."""
+
+    def body(c, x):
+        c *= x
+        x.add_(1)
+        return c, c * x
+
+    values = (torch.arange(6.0) + 1).reshape(3, 2)
+    init, xs_ = torch.ones(2, device=dev).requires_grad_(), values.to(dev).requires_grad_()
+    final, ys = scan(body, init, xs_)
+    (final.sum() + ys.sum()).backward()
+    want_init, want_xs = torch.ones(2, requires_grad=True), values.clone().requires_grad_()
+    carry, outs = want_init, []
+    for x in want_xs:
+        carry = carry * x
+        outs.append(carry * (x + 1))
+    (carry.sum() + torch.stack(outs).sum()).backward()
+    assert_close((final, ys), (carry.detach(), torch.stack(outs).detach()))
+    assert_close((init.grad, xs_.grad), (want_init.grad, want_xs.grad), kind="grad")
+    assert torch.equal(init.detach().cpu(), torch.ones(2))
+    assert torch.equal(xs_.detach().cpu(), values)
+
+
+def test_a_body_may_neither_write_what_it_reads_from_outside_nor_read_values():
     xs_ = torch.zeros(3, 2, device=dev)
     outside = torch.zeros(2, device=dev)
-
-    def writes(c, x):
-        c.add_(x)
-        return c, None
-
-    with pytest.raises(RuntimeError, match=r"an in-place operation on init \(f32\[2\]\)"):
-        scan(writes, torch.zeros(2, device=dev), xs_)
+    with pytest.raises(
+        RuntimeError, match=r"fori_loop: an in-place operation on input_value\[0\] \(f32\[2\]\)"
+    ):
+        fori_loop(0, 3, lambda v: v.add_(1), torch.zeros(2, device=dev))
     with pytest.raises(RuntimeError, match=r"on a f32\[2\] tensor from outside it"):
         scan(lambda c, x: (c + outside.add_(1), None), torch.zeros(2, device=dev), xs_)
     with pytest.raises(
