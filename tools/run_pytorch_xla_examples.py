@@ -51,6 +51,9 @@ SCRIPTS = {
     "eager_with_compile": "eager/train_decoder_only_eager_with_compile.py",
     "eager_spmd_data_parallel": "eager/train_decoder_only_eager_spmd_data_parallel.py",
     "fsdp_v2": "fsdp/train_decoder_only_fsdp_v2.py",
+    "eager_multi_process": "eager/train_decoder_only_eager_multi_process.py",
+    "flash_attention": "flash_attention/train_decoder_only_flash_attention.py",
+    "flash_attention_fsdp_v2": "flash_attention/train_decoder_only_flash_attention_fsdp_v2.py",
 }
 
 SEED = 0  # torch.manual_seed before the script: its model is initialised on CPU

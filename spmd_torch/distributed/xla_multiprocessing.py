@@ -132,7 +132,7 @@ def _run(fn: Callable, args: tuple, replicas: int) -> dict:
     threads = [
         threading.Thread(
             target=_replica_main,
-            args=(world, ordinal, fn, args, outcomes, autocast_dtype, named),
+            args=(world, ordinal, fn, args, outcomes, cpu_rng, autocast_dtype, named),
             name=f"spmd_torch-replica-{ordinal}",
             daemon=True,
         )
@@ -169,11 +169,14 @@ def _replica_main(
     fn: Callable,
     args: tuple,
     outcomes: dict,
+    cpu_rng: torch.Tensor,
     autocast_dtype,
     named: bool = False,
 ) -> None:
     torch.set_autocast_dtype("xla", autocast_dtype)
-    replica = modes.Replica(world, ordinal, torch.get_rng_state(), named_by_ordinal=named)
+    # The launcher's CPU RNG state, taken before any replica started: read here, on a thread
+    # started after replica 0, it could be replica 0's stream partway through its draws.
+    replica = modes.Replica(world, ordinal, cpu_rng.clone(), named_by_ordinal=named)
     own = engine.Engine(replica, cache=world.cache)
     # Backward passes on this thread, not autograd's device thread, which runs no engine of its
     # own (the switch is per thread).

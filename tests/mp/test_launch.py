@@ -52,6 +52,24 @@ def test_each_replica_knows_its_ordinal_and_sees_xla0():
     )
 
 
+def _draws_after_a_long_draw(index):
+    torch.randn(2_000_000)  # replica 0 draws while the later replicas' threads start
+    return torch.randn(3)
+
+
+def test_every_replica_starts_from_the_launchers_cpu_rng_state():
+    """As every process of PyTorch/XLA's launch starts from one seed: a replica's stream starts
+    from the state the launcher had, not from wherever replica 0's draws had taken it when the
+    replica's thread came up (PyTorch/XLA's eager multi-process example then trained 8 models
+    with different initial weights)."""
+    torch.manual_seed(5)
+    drawn = xmp.spawn(_draws_after_a_long_draw)
+    torch.manual_seed(5)
+    torch.randn(2_000_000)
+    want = torch.randn(3)
+    assert all(torch.equal(d, want) for d in drawn.values()), drawn
+
+
 def test_spawn_nprocs_any_count_and_one_returns_the_result():
     assert xmp.spawn(_ordinals, nprocs=1) == _ordinals_single()
     results = xmp.spawn(_ordinals, nprocs=3)
