@@ -54,6 +54,8 @@ SCRIPTS = {
     "eager_multi_process": "eager/train_decoder_only_eager_multi_process.py",
     "flash_attention": "flash_attention/train_decoder_only_flash_attention.py",
     "flash_attention_fsdp_v2": "flash_attention/train_decoder_only_flash_attention_fsdp_v2.py",
+    # the base script given the scan example's model class, as examples/scan's README runs it
+    "scan": "train_decoder_only_base.py scan.decoder_with_scan.DecoderWithScan",
 }
 
 SEED = 0  # torch.manual_seed before the script: its model is initialised on CPU
@@ -106,7 +108,8 @@ def run(
 ) -> Run:
     """Run example ``name`` (a key of SCRIPTS) renamed, in a subprocess on 8 CPU devices."""
     folder = renamed_copy(examples, scratch / name)
-    script = folder / SCRIPTS[name]
+    path, *script_args = SCRIPTS[name].split()
+    script = folder / path
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
@@ -116,7 +119,7 @@ def run(
     env.pop("XLA_USE_SPMD", None)
     command = [sys.executable, __file__, "--child", str(folder), str(script)]
     result = subprocess.run(
-        [*command, *(["--full"] if full else [])],
+        [*command, *(["--full"] if full else []), "--", *script_args],
         cwd=folder,
         env=env,
         capture_output=True,
@@ -249,7 +252,7 @@ def _small_options(source: str) -> list[str]:
     ]
 
 
-def _main(folder: str, script: str, full: bool) -> None:
+def _main(folder: str, script: str, full: bool, script_args: list[str]) -> None:
     """Subprocess entry: run ``script`` from the renamed ``folder`` as its ``__main__`` would.
 
     The script is imported as a module and then its ``__main__`` block runs in that module's
@@ -259,7 +262,7 @@ def _main(folder: str, script: str, full: bool) -> None:
     """
     sys.path.insert(0, folder)
     source = pathlib.Path(script).read_text()
-    sys.argv = [script, *([] if full else _small_options(source))]
+    sys.argv = [script, *script_args, *([] if full else _small_options(source))]
     if not full:
         _shrink_run_length()
     torch.manual_seed(SEED)
@@ -292,7 +295,7 @@ def main() -> None:
     references: dict[int, dict[int, float]] = {}  # seed -> eager CPU's losses
     with tempfile.TemporaryDirectory() as scratch:
         for name in args.scripts or SCRIPTS:
-            path = args.examples_dir / SCRIPTS[name]
+            path = args.examples_dir / SCRIPTS[name].split()[0]
             seed = script_seed(path.read_text(), str(path))
             if seed not in references:
                 references[seed] = eager_losses(args.examples_dir, full, seed)
@@ -318,6 +321,8 @@ def _row(losses: dict[int, float]) -> str:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--child"]:
-        _main(sys.argv[2], sys.argv[3], full="--full" in sys.argv[4:])
+        rest = sys.argv[4:]  # [--full] -- [the script's own arguments]
+        cut = rest.index("--") if "--" in rest else len(rest)
+        _main(sys.argv[2], sys.argv[3], "--full" in rest[:cut], rest[cut + 1 :])
     else:
         main()
