@@ -8,6 +8,8 @@ back computes it: that is the barrier's job (``execute.rng_words``).
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -63,3 +65,20 @@ def next_key() -> Ref:
     node = Node(RNG_SPLIT, (storage.ref,), (Arg(0),), {}, (_KEY_AVAL, _KEY_AVAL))
     storage.set((node, 0))
     return (node, 1)
+
+
+@contextlib.contextmanager
+def seeded(seed: int | Storage):
+    """Random ops inside draw from the key ``seed`` starts from (an int, or a storage holding
+    the key's two words), and the engine's own key is left as it was: equal seeds, equal
+    numbers."""
+    engine = current()
+    if not isinstance(seed, Storage):
+        seed = Storage((_key(key_words(int(seed))), 0))
+    seed.sharding = engine.mode.replicated
+    saved = engine.rng, engine.seed
+    engine.rng = seed
+    try:
+        yield
+    finally:
+        engine.rng, engine.seed = saved

@@ -888,6 +888,30 @@ def check_scan(fn):
     assert ys.cpu().tolist() == [[1.0, 2.0], [4.0, 6.0], [9.0, 12.0]]
 
 
+def check_assume_pure(fn):
+    traces = []
+
+    def block(x, w):
+        traces.append(1)
+        return torch.sin(x @ w)
+
+    pure = fn(block)
+    x = torch.tensor([[0.5, 1.0], [1.5, 2.0]])
+    for _ in range(2):
+        got = pure(x.to(_device()), x.to(_device()))
+    assert_close(got.cpu(), torch.sin(x @ x))
+    assert traces == [1]
+
+
+def check_pure_module(cls):
+    torch.manual_seed(0)
+    layer, x = torch.nn.Linear(3, 2), torch.randn(4, 3)
+    with torch.no_grad():
+        want = layer(x)
+        got = cls(layer).to(_device())(x.to(_device()))
+    assert_close(got.cpu(), want)
+
+
 def check_scan_layers(fn):
     torch.manual_seed(0)
     layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
@@ -1306,6 +1330,8 @@ CHECKS: dict[str, Callable] = {
     "xp.Trace": check_profiler_trace,
     "flash_attention": check_flash_attention,
     "scan": check_scan,
+    "assume_pure": check_assume_pure,
+    "PureModule": check_pure_module,
     "scan_layers": check_scan_layers,
     "fori_loop": check_fori_loop,
     "while_loop": check_while_loop,
