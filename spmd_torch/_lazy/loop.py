@@ -50,6 +50,7 @@ def _ops(name: str) -> tuple[EngineOp, EngineOp]:
 
 
 SCAN, SCAN_BACKWARD, WHILE = _ops("scan"), _ops("scan_backward"), _ops("while_loop")
+ACCUMULATE = _ops("gradient_accumulation")
 _KEY_AVAL = Aval((2,), torch.uint32)
 
 
@@ -206,18 +207,22 @@ def record(
     return Recorded(body, tensors, const_refs, scalars)
 
 
+class WrittenInBody(RuntimeError):
+    """A loop body wrote in place a tensor it may not write."""
+
+
 def _check_unwritten(name: str, inputs: list, names: list, captured: list) -> None:
     """A body may not write in place the tensors it reads from outside (the loop is one node:
     it has no way to write them), nor, unless its loop allows it, its own ``inputs``."""
     for t, what in zip(inputs, names):
         if t._storage.version != 1:
-            raise RuntimeError(
+            raise WrittenInBody(
                 f"{name}: an in-place operation on {what} ({aval_text(_aval(t))}) inside the "
                 "body; write to a clone of it"
             )
     for t, stand_in in captured:
         if stand_in._storage.version != 1:
-            raise RuntimeError(
+            raise WrittenInBody(
                 f"{name}: an in-place operation inside the body on a {aval_text(_aval(t))} tensor "
                 "from outside it; return the new value instead"
             )
@@ -448,6 +453,58 @@ class While(_Loop):
         return list(jax.lax.while_loop(cond, step, init))
 
 
+class Accumulate(_Loop):
+    """Gradient accumulation: ``jax.lax.scan`` of the body's value and gradient over ``length``
+    slices. The body returns (carry, a scalar loss); each iteration adds ``loss / length`` and
+    its gradient with respect to the ``diff`` inputs (tensors read from outside: a model's
+    parameters) to running sums, so one iteration's activations live at a time. Inputs (carry,
+    xs stacked, captured, key), outputs (carry, the summed loss, the summed gradients, key)."""
+
+    kind = ACCUMULATE
+
+    def __init__(self, body: Body, carry: int, xs: int, length: int, diff: tuple):
+        self.body, self.n_carry, self.n_xs, self.length, self.diff = body, carry, xs, length, diff
+        self.carried = carry + xs
+        outs = body.outputs[0]
+        grads = tuple(body.avals[k] for k in diff)
+        self.avals = outs[:carry] + (outs[carry],) + grads + outs[carry + 1 :]
+        self._same = (body, carry, xs, length, diff)
+
+    def lower(self, inputs: list) -> list:
+        values, consts, packed = self.split(inputs)
+        invariant, key = self.key_parts(values)
+        n_carry, key_out, body = self.n_carry, self.body.key_out, self.body
+        diff = [k - self.carried for k in self.diff]  # their places among the invariant inputs
+        loss_dtype = to_jax_dtype(self.avals[n_carry].dtype)
+
+        def step(state: tuple, xs: list) -> tuple:
+            carry, total, grads = state
+
+            def loss_of(params: list) -> tuple:
+                read = list(invariant)
+                for k, param in zip(diff, params):
+                    read[k] = param
+                outs = body.call(
+                    0,
+                    carry[:n_carry] + xs + read + (carry[n_carry:] if key_out else key),
+                    consts,
+                    packed[0],
+                )
+                return (outs[n_carry] / self.length).astype(loss_dtype), outs
+
+            (loss, outs), gradients = jax.value_and_grad(loss_of, has_aux=True)(
+                [invariant[k] for k in diff]
+            )
+            carry = [_strong(o) for o in outs[:n_carry] + outs[n_carry + 1 :]]
+            return (carry, total + loss, [a + g for a, g in zip(grads, gradients)]), None
+
+        zeros = [jnp.zeros(invariant[k].shape, invariant[k].dtype) for k in diff]
+        init = (values[:n_carry] + (key if key_out else []), jnp.zeros((), loss_dtype), zeros)
+        xs = values[n_carry : self.carried]
+        (carry, total, grads), _ = jax.lax.scan(step, init, xs, length=self.length)
+        return carry[:n_carry] + [total] + grads + carry[n_carry:]
+
+
 # --- calls ---------------------------------------------------------------------------------------
 
 
@@ -455,6 +512,9 @@ def _call(loop: _Loop, recorded: Recorded, tensors: list, extra: tuple = ()) -> 
     """One node of ``loop`` on ``tensors`` (then the key, constants, scalars), with ``extra``
     outputs after the loop's; returns (the loop's outputs, the extra ones) as new tensors. The
     device key advances when the body draws numbers. In eager mode it runs at once."""
+    enclosing = getattr(_RECORDING, "stack", None)
+    if enclosing:  # inside a body: a tensor from outside it is its placeholder there
+        tensors = [enclosing[-1].stand_in(t) for t in tensors]
     key = rng.state() if loop.body.uses_key else None
     src = [t._ref() for t in tensors] + ([key.ref] if key else [])
     src += recorded.consts + recorded.scalars
@@ -565,3 +625,12 @@ def while_loop(name: str, cond: Callable, body: Callable, carried: list, names: 
                     "or use scan (or fori_loop with Python int bounds)"
                 )
     return _call(While(recorded.body, len(carried)), recorded, tensors)[0]
+
+
+def accumulate(recorded: Recorded, init: list, xs: list, length: int, diff: tuple) -> tuple:
+    """The recorded body (``record_scan``, its ys one scalar loss) over ``xs`` as one node:
+    (the last carry, the mean loss, the summed gradients of ``loss / length`` with respect to
+    the body's inputs ``diff``). No autograd history: the gradients are the result."""
+    loop = Accumulate(recorded.body, len(init), len(xs), length, diff)
+    outputs = _call(loop, recorded, [*init, *xs, *recorded.captured])[0]
+    return outputs[: len(init)], outputs[len(init)], outputs[len(init) + 1 :]

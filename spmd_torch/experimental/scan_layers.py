@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spmd_torch._lazy import placement, stacks
+from spmd_torch._lazy import loop, placement, stacks
 
 from .scan import _scan, _text, _xla_tensor, without_dynamo
 
@@ -211,7 +211,8 @@ def _stacked(tensors: list, numbers: Callable) -> torch.Tensor:
     devices (the new axis unsplit). Tensors that cannot be re-homed (shared with other layers
     or aliased elsewhere) are stacked again at each call."""
     whole = stacks.stacked(tensors)
-    if whole is None:
+    # Never re-homed inside a loop body: the stack's value would be the body's, not the step's.
+    if whole is None and not loop.recording_inside():
         layouts = {placement.sharding_of(t) for t in tensors}
         whole = stacks.restack(tensors)
         if whole is not None and len(layouts) == 1:

@@ -903,6 +903,18 @@ def check_assume_pure(fn):
     assert traces == [1]
 
 
+def check_gradient_accumulation(fn):
+    torch.manual_seed(0)
+    model, data = torch.nn.Linear(3, 1), torch.randn(2, 4, 3)
+    want = list(torch.autograd.grad(model(data).square().mean(), model.parameters()))
+    ours = torch.nn.Linear(3, 1)
+    ours.load_state_dict(model.state_dict())
+    ours = ours.to(_device())
+    loss = fn(lambda x: ours(x).square().mean(), (data.to(_device()),), ours)
+    assert_close(loss.cpu(), model(data).square().mean().detach())
+    assert_close([p.grad.cpu() for p in ours.parameters()], want, kind="grad")
+
+
 def check_pure_module(cls):
     torch.manual_seed(0)
     layer, x = torch.nn.Linear(3, 2), torch.randn(4, 3)
@@ -1332,6 +1344,7 @@ CHECKS: dict[str, Callable] = {
     "scan": check_scan,
     "assume_pure": check_assume_pure,
     "PureModule": check_pure_module,
+    "gradient_accumulation": check_gradient_accumulation,
     "scan_layers": check_scan_layers,
     "fori_loop": check_fori_loop,
     "while_loop": check_while_loop,
