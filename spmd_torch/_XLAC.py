@@ -49,6 +49,7 @@ from spmd_torch._lazy.manual import ManualShardingError
 from spmd_torch._lazy.tensor import on_xla
 from spmd_torch.core import xla_model as xm
 from spmd_torch.core.xla_builder import _user_computation as _xla_user_computation
+from spmd_torch.core.xla_builder import call_jax
 from spmd_torch.debug.graph import get_tensors_hlo, get_tensors_text, pending_program, program_text
 from spmd_torch.debug.metrics import clear_counters as _clear_xla_counters
 from spmd_torch.debug.metrics import clear_metrics as _clear_xla_metrics
@@ -498,6 +499,65 @@ def _xla_wait_device_ops(devices: Sequence[str] = ()) -> None:
         >>> _xla_wait_device_ops([])
     """
     xm.wait_device_ops(list(devices))
+
+
+# --- ops -----------------------------------------------------------------------------------------
+
+
+def _xla_dot_general(
+    lhs: torch.Tensor,
+    rhs: torch.Tensor,
+    dimension_numbers: tuple,
+    precision_config: str | None = None,
+    preferred_element_type: torch.dtype | None = None,
+) -> torch.Tensor:
+    """XLA's DotGeneral of two xla tensors (``jax.lax.dot_general``): the result's axes are the
+    batch ones, then ``lhs``'s free ones, then ``rhs``'s.
+
+    Args:
+        lhs: The left operand.
+        rhs: The right operand.
+        dimension_numbers: ``((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))``,
+            each a list of dimensions (negative ones count from the end), or ``()`` for none.
+        precision_config: Not supported (as in PyTorch/XLA): the default precision applies.
+        preferred_element_type: The result's dtype (``torch.int32`` for int8 operands).
+
+    Example:
+        >>> y = _xla_dot_general(x, w, (([2], [1]), ([0], [0])))  # a batched matmul
+    """
+    on_xla(lhs, "_xla_dot_general's first argument", RuntimeError)
+    on_xla(rhs, "_xla_dot_general's second argument", RuntimeError)
+    if precision_config is not None:
+        raise RuntimeError(
+            "_xla_dot_general: precision_config is not supported, the default precision applies "
+            "(set it with torch_xla._XLAC._xla_set_mat_mul_precision)"
+        )
+    if not isinstance(dimension_numbers, tuple) or len(dimension_numbers) != 2:
+        raise RuntimeError(
+            f"_xla_dot_general: dimension_numbers must be a tuple of 2 elements "
+            f"((contracting dims), (batch dims)), not {dimension_numbers!r}"
+        )
+    dims = tuple(_dot_dims(part, lhs.dim(), rhs.dim()) for part in dimension_numbers)
+    dtype = None if preferred_element_type is None else to_jax_dtype(preferred_element_type)
+    return call_jax(_dot_general, (lhs, rhs), {"dims": dims, "dtype": dtype}, name="dot_general")
+
+
+def _dot_dims(part: tuple, lhs_rank: int, rhs_rank: int) -> tuple[tuple, tuple]:
+    """One of ``_xla_dot_general``'s dimension pairs, as non-negative tuples."""
+    if part == ():
+        return (), ()
+    if not isinstance(part, tuple) or len(part) != 2:
+        raise RuntimeError(
+            "_xla_dot_general: contracting and batch dims are given for both lhs and rhs (two "
+            f"lists) or for neither (()), not {part!r}"
+        )
+    return tuple(
+        tuple(int(d) % rank for d in dims) for dims, rank in zip(part, (lhs_rank, rhs_rank))
+    )
+
+
+def _dot_general(lhs, rhs, dims: tuple, dtype):
+    return jax.lax.dot_general(lhs, rhs, dims, preferred_element_type=dtype)
 
 
 # --- runtime and devices -------------------------------------------------------------------------

@@ -432,3 +432,23 @@ def test_init_computation_client_starts_the_named_platform_and_keeps_its_first_f
         with pytest.raises(RuntimeError, match=message) as raised:
             xlac._init_computation_client()
         assert "Unknown backend dummy_device" in str(raised.value)
+
+
+def test_dot_general_contracts_and_batches_as_xla():
+    torch.manual_seed(0)
+    x, w, v = torch.randn(4, 3, 5), torch.randn(4, 5, 2), torch.randn(6, 5)
+    batched = xlac._xla_dot_general(x.to(dev), w.to(dev), (([-1], [1]), ([0], [0])))
+    assert_close(batched, x @ w)
+    linear = xlac._xla_dot_general(x.to(dev), v.to(dev), (([2], [1]), ()))
+    assert_close(linear, x @ v.T)
+    a = torch.randint(-100, 100, (3, 4), dtype=torch.int8)
+    b = torch.randint(-100, 100, (4, 2), dtype=torch.int8)
+    wide = xlac._xla_dot_general(
+        a.to(dev), b.to(dev), (([1], [0]), ()), preferred_element_type=torch.int32
+    )
+    assert wide.dtype == torch.int32
+    assert torch.equal(wide.cpu(), a.int() @ b.int())  # int8 products overflow int8
+    with pytest.raises(RuntimeError, match="first argument needs a tensor on the xla device"):
+        xlac._xla_dot_general(x, w.to(dev), (([2], [1]), ()))
+    with pytest.raises(RuntimeError, match="for both lhs and rhs .* or for neither"):
+        xlac._xla_dot_general(x.to(dev), w.to(dev), (([2],), ()))
