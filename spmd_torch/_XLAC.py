@@ -31,7 +31,7 @@ import itertools
 import os
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.version
@@ -62,6 +62,7 @@ from spmd_torch.debug.metrics import metrics_report as _xla_metrics_report
 from spmd_torch.debug.metrics import short_metrics_report as _short_xla_metrics_report
 from spmd_torch.distributed.spmd import xla_sharding as xs
 from spmd_torch.distributed.spmd.xla_sharded_tensor import annotated_tiling
+from spmd_torch.experimental.callback import on_ready_callback
 from spmd_torch.experimental.distributed_checkpoint._preemption import (
     activate_preemption_sync_manager as _activate_preemption_sync_manager,
 )
@@ -90,12 +91,14 @@ __all__ = [
     "_get_xla_tensors_text",
     "_global_tensor_from_cpu_shards",
     "_init_computation_client",
+    "_on_ready_callback",
     "_short_xla_metrics_report",
     "_spmd_full_to_shard_shape",
     "_spmd_shard_to_full_shape",
     "_sync_point_reached",
     "_unsafe_buffer_pointer",
     "_xla_clear_sharding",
+    "_xla_dot_general",
     "_xla_counter_names",
     "_xla_counter_value",
     "_xla_get_all_devices",
@@ -558,6 +561,16 @@ def _dot_dims(part: tuple, lhs_rank: int, rhs_rank: int) -> tuple[tuple, tuple]:
 
 def _dot_general(lhs, rhs, dims: tuple, dtype):
     return jax.lax.dot_general(lhs, rhs, dims, preferred_element_type=dtype)
+
+
+def _on_ready_callback(tensor: torch.Tensor, callback: Callable[[], None]) -> None:
+    """Call ``callback()`` once the computed ``tensor``'s device buffer is ready, on a worker
+    thread (``spmd_torch.experimental.callback``).
+
+    Example:
+        >>> _on_ready_callback(loss, lambda: print("ready"))
+    """
+    on_ready_callback(tensor, lambda _: callback())
 
 
 # --- runtime and devices -------------------------------------------------------------------------

@@ -7,9 +7,10 @@ from collections.abc import Callable
 
 from spmd_torch import _regions
 
+from . import callback
 from .eager_mode import eager_mode, eager_mode_context, is_eager_mode
 
-__all__ = ["compile", "eager_mode", "eager_mode_context", "is_eager_mode"]
+__all__ = ["callback", "compile", "eager_mode", "eager_mode_context", "is_eager_mode"]
 
 
 def compile(func: Callable) -> Callable:

@@ -4,6 +4,7 @@ seed, the matmul precision, and the metric names PyTorch/XLA reads under other n
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import jaxlib.version
@@ -452,3 +453,27 @@ def test_dot_general_contracts_and_batches_as_xla():
         xlac._xla_dot_general(x, w.to(dev), (([2], [1]), ()))
     with pytest.raises(RuntimeError, match="for both lhs and rhs .* or for neither"):
         xlac._xla_dot_general(x.to(dev), w.to(dev), (([2],), ()))
+
+
+def test_on_ready_callbacks_run_once_the_buffer_is_ready_and_pending_tensors_are_refused():
+    from spmd_torch.experimental import callback
+
+    x = torch.randn(300, 300, device=dev)
+    y = x @ x
+    with pytest.raises(RuntimeError, match=r"shape \(300, 300\) is pending"):
+        callback.on_ready_callback(y, lambda t: None)
+    spmd_torch.sync()
+    seen = []
+    done = threading.Event()
+
+    def record(t):
+        seen.append(t)
+        done.set()
+
+    callback.on_ready_callback(y, record)
+    assert callback.on_ready_event(y).wait(30) and done.wait(30)
+    assert seen == [y]  # the tensor itself, its value computed
+    assert_close(y, x.cpu() @ x.cpu(), atol=1e-4, rtol=1e-4)
+    fired = threading.Event()
+    xlac._on_ready_callback(x, fired.set)  # an upload: ready as well
+    assert fired.wait(30)
