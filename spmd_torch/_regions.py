@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from spmd_torch._barrier import barrier
 from spmd_torch._lazy import engine
 from spmd_torch._lazy import execute as _execute
+from spmd_torch._lazy.compile import explain_graph_change
+from spmd_torch._lazy.graph import STRUCTURES, aval_text
 from spmd_torch.debug.graph import pending_program
 
 __all__ = ["compile", "step"]
@@ -39,6 +42,10 @@ class _Region:
     def __call__(self, f: Callable) -> Callable:
         if self.name is None:
             self.name = getattr(f, "__name__", None) or str(f)
+        try:  # counted per function, as PyTorch/XLA does: a loop may wrap it at every step
+            self.graphs = _GRAPHS_OF.setdefault(f, self.graphs)
+        except TypeError:  # not weakly referenceable: this wrapper's own count
+            pass
 
         @functools.wraps(f)
         def compiled(*args: Any, **kwargs: Any) -> Any:
@@ -64,20 +71,52 @@ class _Region:
             with one_graph:
                 yield
         finally:
-            new = None
+            change = None
             if self.max_different_graphs is not None:
                 program = pending_program()
+                own.cache.ops.update((id(node.op), node.op) for node in program.nodes)
                 graph = (program.identity, tuple(n.avals[i] for n, i in program.leaves))
-                new = graph not in self.graphs
-                self.graphs.add(graph)
+                if graph not in self.graphs:
+                    change = _change(graph, self.graphs, own.cache.ops)
+                    self.graphs.add(graph)
             barrier()
             own.eager = eager
-            if new and len(self.graphs) > self.max_different_graphs:
+            if change is not None and len(self.graphs) > self.max_different_graphs:
                 raise RuntimeError(
                     f"compile region {self.label!r} traced {len(self.graphs)} different "
-                    f"graphs, more than max_different_graphs={self.max_different_graphs}: "
-                    "its input shapes or the ops it traces change from call to call"
+                    f"graphs, more than max_different_graphs={self.max_different_graphs}; "
+                    f"against the most similar one before, {change}"
                 )
+
+
+def _change(graph: tuple, before: set, ops: dict) -> str:
+    """What differs between ``graph`` (identity, input avals) and the most similar of ``before``:
+    the first input whose shape or dtype changed, or the first op that did."""
+    if not before:
+        return "none before"
+    identity, avals = graph
+    nodes = len(STRUCTURES[identity][0])
+
+    def likeness(other: tuple) -> tuple:
+        return (
+            other[0] == identity,
+            len(STRUCTURES[other[0]][0]) == nodes,
+            sum(a == b for a, b in zip(other[1], avals)),
+        )
+
+    old_identity, old_avals = max(before, key=likeness)
+    if old_identity == identity:
+        changed = [
+            f"input {k}: {aval_text(a)} -> {aval_text(b)}"
+            for k, (a, b) in enumerate(zip(old_avals, avals))
+            if a != b
+        ]
+        return "its input shapes changed: " + "; ".join(changed[:3])
+    return explain_graph_change(STRUCTURES[old_identity], STRUCTURES[identity], ops)
+
+
+# A compiled function (weakly) -> the distinct graphs its calls traced, over all its wrappers.
+_GRAPHS_OF: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def compile(

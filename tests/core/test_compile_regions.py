@@ -141,6 +141,33 @@ def test_max_different_graphs_counts_graphs_not_shapes_only():
         op(torch.ones(5, device=dev), True)
 
 
+def test_max_different_graphs_counts_per_function_over_its_wrappers():
+    """PyTorch/XLA's dynamic-shape test wraps the function anew at each call: the count is the
+    function's, not the wrapper's."""
+
+    def triple(t):
+        return t * 3
+
+    spmd_torch.compile(triple, max_different_graphs=1)(torch.ones(3, device=dev))
+    with pytest.raises(
+        RuntimeError,
+        match=r"'triple' traced 2 different graphs.*its input shapes changed: input 0: f32\[3\] "
+        r"-> f32\[4\]",
+    ):
+        spmd_torch.compile(triple, max_different_graphs=1)(torch.ones(4, device=dev))
+
+
+def test_max_different_graphs_names_the_first_op_that_changed():
+    @spmd_torch.compile(max_different_graphs=1)
+    def scaled(t, divide):
+        t = t + t
+        return t / 3 if divide else t * 3
+
+    scaled(torch.ones(3, device=dev), False)
+    with pytest.raises(RuntimeError, match=r"node 1 \(op/args\): aten.mul.Tensor.* -> aten.div"):
+        scaled(torch.ones(3, device=dev), True)
+
+
 def test_max_different_graphs_must_be_positive():
     with pytest.raises(ValueError, match="max_different_graphs must be >= 1, got 0"):
         spmd_torch.compile(_f, max_different_graphs=0)
