@@ -147,7 +147,13 @@ class Template:
             key.set((node, len(self.avals) - 1))
         self.calls[engine] = (weakref.ref(node), engine.steps, in_step + 1, unrun + 1)
         if at_once or engine.eager:
-            execute.sync()
+            # A compiled graph, even in eager mode: PyTorch/XLA's ExecuteTime and CompileTime
+            # time it, not the eager op metrics.
+            eager, engine.eager = engine.eager, False
+            try:
+                execute.sync()
+            finally:
+                engine.eager = eager
         return pytree.tree_unflatten(outputs, self.tree)
 
     @staticmethod

@@ -40,6 +40,19 @@ def test_eager_ops_are_timed_under_their_own_names(eager):
     assert "CompileTime" not in met.metric_names() and "ExecuteTime" not in met.metric_names()
 
 
+def test_a_torch_compiled_graph_in_eager_mode_is_timed_as_a_graph(eager):
+    """As PyTorch/XLA: the compiled function's one program under ExecuteTime and CompileTime, not
+    the eager ops' names."""
+    x = torch.ones(5, 5, device=dev) * 5
+    met.clear_all()
+    compiled = torch.compile(lambda t: torch.cos(torch.sin(t)), backend="spmd_torch")
+    out = compiled(x)
+    assert_close(out.cpu(), torch.cos(torch.sin(torch.full((5, 5), 5.0))))
+    assert met.metric_data("ExecuteTime")[0] == 1
+    assert met.metric_data("CompileTime")[0] == 1
+    assert met.metric_data("EagerOpExecuteTime") is None  # nothing else ran since the clear
+
+
 def test_each_op_is_computed_when_issued(eager):
     x = torch.randn(4, 6)
     xd = x.to(dev)
