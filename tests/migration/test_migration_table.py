@@ -915,6 +915,17 @@ def check_gradient_accumulation(fn):
     assert_close([p.grad.cpu() for p in ours.parameters()], want, kind="grad")
 
 
+def check_scan_gru(cls):
+    torch.manual_seed(0)
+    reference, x = torch.nn.GRU(3, 4), torch.randn(5, 2, 3)
+    ours = cls(3, 4)
+    ours.load_state_dict(reference.state_dict())
+    with torch.no_grad():
+        want, _ = reference(x)
+        got, _ = ours.to(_device())(x.to(_device()))
+    assert_close(got.cpu(), want)
+
+
 def check_pure_module(cls):
     torch.manual_seed(0)
     layer, x = torch.nn.Linear(3, 2), torch.randn(4, 3)
@@ -1344,6 +1355,7 @@ CHECKS: dict[str, Callable] = {
     "scan": check_scan,
     "assume_pure": check_assume_pure,
     "PureModule": check_pure_module,
+    "scan_gru": check_scan_gru,
     "gradient_accumulation": check_gradient_accumulation,
     "scan_layers": check_scan_layers,
     "fori_loop": check_fori_loop,
