@@ -74,9 +74,10 @@ class _Region:
             change = None
             if self.max_different_graphs is not None:
                 program = pending_program()
-                own.cache.ops.update((id(node.op), node.op) for node in program.nodes)
                 graph = (program.identity, tuple(n.avals[i] for n, i in program.leaves))
-                if graph not in self.graphs:
+                if graph not in self.graphs:  # its ops named for the explanation (the graphs
+                    # before it were compiled, which names theirs)
+                    own.cache.ops.update((id(node.op), node.op) for node in program.nodes)
                     change = _change(graph, self.graphs, own.cache.ops)
                     self.graphs.add(graph)
             barrier()

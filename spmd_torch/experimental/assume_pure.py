@@ -92,13 +92,14 @@ class _Recordings:
 
     def call(self, args: tuple, kwargs: dict) -> Any:
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        positions = tuple(k for k, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
+        is_tensor = [isinstance(leaf, torch.Tensor) for leaf in leaves]
+        positions = tuple(k for k, tensor in enumerate(is_tensor) if tensor)
         if not positions:
             return self.fn(*args, **kwargs)  # nothing to record on
         tensors = [
             _xla_tensor(f"assume_pure: argument {k} (flattened)", leaves[k]) for k in positions
         ]
-        statics = tuple(None if k in positions else leaf for k, leaf in enumerate(leaves))
+        statics = tuple(None if tensor else leaf for leaf, tensor in zip(leaves, is_tensor))
         try:
             hash(statics)
         except TypeError:
@@ -124,7 +125,7 @@ def _hashable(value: Any) -> bool:
 
 def _seed(seed: Any) -> int | Any:
     """An ``rng_seed`` as ``rng.seeded`` takes it: an int, or the storage of the key's words."""
-    if isinstance(seed, torch.Tensor):
+    if isinstance(seed, torch.Tensor):  # rng.key_words' layout, on the device: (0, seed)
         word = _xla_tensor("assume_pure: rng_seed", seed).reshape(1).to(torch.uint32)
         words = torch.cat([torch.zeros(1, dtype=torch.uint32, device=seed.device), word])
         return words._storage
