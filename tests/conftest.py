@@ -1,17 +1,51 @@
-"""Test-wide setup: 8 virtual CPU devices before JAX initialises, a per-test hang guard, and a
-guard that fails a test leaking engine state (SPMD mode, pending tensors) into the next."""
+"""Test-wide setup: 8 virtual CPU devices and XLA's quick codegen before JAX initialises, a
+per-test hang guard, and a guard that fails a test leaking engine state (SPMD mode, pending
+tensors) into the next."""
 
 import faulthandler
 import gc
+import glob
+import importlib.util
+import mmap
 import os
 
+# LLVM's optimizations off and XLA's older CPU fusion emitters: this process's programs compile
+# 2-3x faster (test_scan, test_lowering_nn and test_attention: 84.6 against 36.7 s), and
+# compiling is most of this suite's time. The HLO is the one users' programs get, so every check
+# against a reference within a tolerance holds as under XLA's defaults; the roundings are not (no
+# fused multiply-adds), so a test of results bit-exact with ATen's is marked ``users_codegen``
+# and compiles as users' programs do. Child processes (examples, pods, libraries) always do.
+QUICK_CODEGEN = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+USERS_CODEGEN = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
+
+
+def _known_to_xla(names) -> list[str]:
+    """The XLA flags among ``names`` the installed jaxlib has (an unknown flag aborts XLA, and
+    a later release may drop one): the ones its library names."""
+    package = os.path.dirname(importlib.util.find_spec("jaxlib").origin)
+    libraries = glob.glob(os.path.join(package, "*.so"))
+    if not libraries:
+        return []
+    with (
+        open(max(libraries, key=os.path.getsize), "rb") as handle,  # XLA's
+        mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as library,
+    ):
+        return [name for name in names if library.find(name.encode()) >= 0]
+
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
+USERS_FLAGS = os.environ.get("XLA_FLAGS", "")
+if "--xla_force_host_platform_device_count" not in USERS_FLAGS:
+    USERS_FLAGS = f"{USERS_FLAGS} --xla_force_host_platform_device_count=8".strip()
+QUICK = [] if os.environ["JAX_PLATFORMS"] != "cpu" else _known_to_xla(QUICK_CODEGEN)
+QUICK = [name for name in QUICK if name not in USERS_FLAGS]  # a run's own choice stays
+os.environ["XLA_FLAGS"] = " ".join([USERS_FLAGS, *(f"--{n}={QUICK_CODEGEN[n]}" for n in QUICK)])
 
 import jax  # noqa: E402
+
+jax.devices()  # XLA reads its flags as its backend starts: children get the users' ones
+os.environ["XLA_FLAGS"] = USERS_FLAGS
+
 import pytest  # noqa: E402
 from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
 
@@ -21,6 +55,39 @@ from spmd_torch._lazy import engine  # noqa: E402
 
 _HANG_SECONDS = 300
 _SPMD_FROM_ENV = "XLA_USE_SPMD" in os.environ  # xr.use_spmd() sets it too, as PyTorch/XLA does
+
+
+# --- XLA's quick codegen ---------------------------------------------------------------------------
+
+_compile = jax.stages.Lowered.compile
+_users_codegen_on = [False]
+
+
+def _compile_as_users(self, compiler_options=None, **kwargs):
+    """A ``users_codegen`` test's program compiles with XLA's defaults over the quick flags."""
+    if _users_codegen_on[0]:
+        defaults = {name: USERS_CODEGEN[name] for name in QUICK}
+        compiler_options = {**defaults, **(compiler_options or {})}
+    return _compile(self, compiler_options, **kwargs)
+
+
+jax.stages.Lowered.compile = _compile_as_users
+
+
+@pytest.fixture(autouse=True)
+def _users_codegen(request):
+    """A ``users_codegen`` test compiles with XLA's defaults, into a compile cache of its own (the
+    shared one holds the same programs compiled quickly). Its JAX programs compile through
+    ``Lowered.compile``, as the engine's do."""
+    if request.node.get_closest_marker("users_codegen") is None:
+        yield
+        return
+    own = engine.current()
+    shared, own.cache, _users_codegen_on[0] = own.cache, engine.CompileCache(), True
+    try:
+        yield
+    finally:
+        own.cache, _users_codegen_on[0] = shared, False
 
 
 @pytest.fixture(autouse=True)

@@ -186,6 +186,7 @@ def test_restore_creates_a_fresh_optimizers_state_with_the_parameters_layout(sav
     assert opt.state[model.fc1.weight]["step"].device.type == "cpu"  # AdamW keeps step on CPU
 
 
+@pytest.mark.users_codegen
 @pytest.mark.parametrize("other_mesh", [False, True], ids=["same-mesh", "other-mesh"])
 def test_resumed_training_continues_with_the_uninterrupted_losses(tmp_path, spmd_mode, other_mesh):
     xm.set_rng_state(123)

@@ -49,6 +49,7 @@ def test_a_list_of_one_value_is_lifted_as_one_scalar():
     assert_close(tensors, [torch.full((2,), 2.0)] * 3)
 
 
+@pytest.mark.users_codegen
 @pytest.mark.parametrize("weight", [0.0, 0.1, 0.49, 0.5, 0.9, 1.0, -0.3, 1.7])
 def test_lerp_with_one_weight_is_aten_bit_for_bit(weight):
     """A single weight picks ATen's formula side once per op (``end + (w - 1) * d`` for the far

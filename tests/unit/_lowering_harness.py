@@ -106,7 +106,9 @@ def lowered(op, *args: object, jit: bool = True, **kwargs: object) -> object:
     """The lowering of ``op`` under jax.jit, as the engine runs it (see as_program); keyword-only
     schema arguments go by keyword. ``jit=False`` calls it eagerly, for data-dependent shapes."""
     program, inputs = as_program(LOWERINGS[op].fn, args, kwargs)
-    return to_torch((jax.jit(program) if jit else program)(*inputs))
+    if jit:  # compiled through Lowered.compile, as the engine's programs are (tests/conftest.py)
+        program = jax.jit(program).lower(*inputs).compile()
+    return to_torch(program(*inputs))
 
 
 def named(name: str) -> Callable[[torch.dtype], dict]:

@@ -282,6 +282,7 @@ def test_floor_division_is_exact_and_keeps_the_sign_of_zero():
     assert torch.equal(got.signbit(), expected.signbit())
 
 
+@pytest.mark.users_codegen
 @pytest.mark.parametrize(
     "op, args, kwargs",
     cases(
