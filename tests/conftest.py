@@ -10,7 +10,7 @@ import mmap
 import os
 
 # LLVM's optimizations off and XLA's older CPU fusion emitters: this process's programs compile
-# 2-3x faster (test_scan, test_lowering_nn and test_attention: 84.6 against 36.7 s), and
+# 2-3x faster (test_scan, test_lowering_nn and test_attention: 84.6 against 35.4 s), and
 # compiling is most of this suite's time. The HLO is the one users' programs get, so every check
 # against a reference within a tolerance holds as under XLA's defaults; the roundings are not (no
 # fused multiply-adds), so a test of results bit-exact with ATen's is marked ``users_codegen``
