@@ -308,13 +308,22 @@ def assert_matches_eager(fn, *args, grad: bool = False, tol: str | None = None, 
     return matches_eager(fn, *args, grad=grad, tol=tol, **kwargs)()
 
 
-def matches_eager(fn, *args, grad: bool = False, tol: str | None = None, **kwargs):
+def matches_eager(
+    fn, *args, grad: bool = False, tol: str | None = None, eager_bits: bool = False, **kwargs
+):
     """assert_matches_eager in two halves: this runs both sides (the xla side traced, gradients
     included) and returns the comparison, which returns the xla result. Several of them, one
-    ``spmd_torch.sync()``, then their comparisons: every case's values come from one program."""
+    ``spmd_torch.sync()``, then their comparisons: every case's values come from one program.
+
+    ``eager_bits`` (forward only) takes eager CPU's own result as the reference, bit for bit:
+    for an op whose ATen kernel rounds intermediates to bf16/fp16 itself, which the float64
+    reference rounded once would hold to a precision PyTorch does not give."""
     cpu_args, cpu_kwargs = _inputs((args, kwargs), grad)
     device_args, device_kwargs = to_device((cpu_args, cpu_kwargs))
     expected, (leaves, wide_leaves, wide_result) = _run_reference(fn, cpu_args, cpu_kwargs)
+    if eager_bits:
+        assert not grad and tol == "exact", "eager_bits compares a forward's bits: tol='exact'"
+        expected = fn(*cpu_args, **cpu_kwargs)
     actual = fn(*device_args, **device_kwargs)
     checks = [(actual, expected, lambda dtype: tolerance(dtype, "fwd", tol), "result")]
     if grad:
