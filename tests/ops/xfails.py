@@ -38,9 +38,6 @@ _TENSOR_SPLIT = (
     "the sample's tensor of split indices moves to the device with the input, and tensor_split "
     "requires it on the CPU (PyTorch's own check)"
 )
-_EMPTY_MASK_GRAD = (
-    "backward of masked_select (a CPU fallback) over an empty selection fails in jnp.take"
-)
 _EXPM = (
     "jax.scipy.linalg.expm's Pade/scaling differs from PyTorch's degree-18 Taylor method beyond "
     "float32 tolerance on the samples' large-norm matrices; expm has no bfloat16"
@@ -102,7 +99,6 @@ XFAILS: dict[tuple[str, str, str], str] = {
     ("chalf", "fwd", "bfloat16"): _CHALF,
     ("chalf", "fwd", "float32"): _CHALF,
     ("chalf", "grad", "float32"): _CHALF,
-    ("combinations", "grad", "float32"): _EMPTY_MASK_GRAD,
     ("geometric", "fwd", "bfloat16"): _SAMPLER,
     ("geometric", "fwd", "float32"): _SAMPLER,
     ("jiterator_2inputs_2outputs", "fwd", "bfloat16"): _CUDA_ONLY,
@@ -176,6 +172,7 @@ CPU_FALLBACKS: dict[tuple[str, str], tuple[str, ...]] = {
     ("index_put", "grad"): ("aten::index",),
     ("argwhere", "fwd"): ("aten::nonzero",),
     ("combinations", "fwd"): ("aten::masked_select",),
+    ("combinations", "grad"): ("aten::masked_select",),
     ("masked_select", "fwd"): ("aten::masked_select",),
     ("masked_select", "grad"): ("aten::masked_select",),
     ("nonzero", "fwd"): ("aten::nonzero",),

@@ -250,6 +250,7 @@ INDEX_CASES = [
     _case(aten.index_fill.int_Scalar, x0, -1, _i(0), 7.0, id="index_fill-0d"),
     _case(aten.masked_scatter.default, x34, x34 > 0, _t(12), id="masked_scatter"),
     _case(aten.masked_scatter.default, x34, x34[0] > 0, _t(15), id="masked_scatter-broadcast"),
+    _case(aten.masked_scatter.default, x34, x34 > 99, _t(0), id="masked_scatter-empty-source"),
 ]
 
 

@@ -81,6 +81,8 @@ def _masked_put(x: jnp.ndarray, k: int, mask: jnp.ndarray, values: jnp.ndarray, 
     flat = x.reshape(*x.shape[:k], -1, *rest)
     m = mask.reshape(-1)
     v = values.reshape((1,) * (flat.ndim - values.ndim) + values.shape)
+    if v.shape[k] == 0:  # no values: the mask has no true position (a masked_select of none)
+        return x
     picked = jnp.take(v, jnp.cumsum(m) - 1, axis=k, mode="clip")
     m = m.reshape(-1, *(1,) * len(rest))
     out = flat + jnp.where(m, picked, 0) if accumulate else jnp.where(m, picked, flat)
