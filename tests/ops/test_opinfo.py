@@ -85,6 +85,14 @@ def _cases():
                 yield pytest.param(opinfo, dtype, kind, id="-".join(key), marks=marks)
 
 
+def _drops_out(name: str, sample) -> bool:
+    """Whether the sample applies dropout, whose mask comes from the device's random stream here
+    and from CPU's generator in eager: then only shapes and dtypes compare."""
+    if name == "nn.functional.multi_head_attention_forward":  # dropout_p: after query, the 10th
+        return sample.args[9] > 0 and sample.kwargs.get("training", True)
+    return sample.kwargs.get("dropout_p", 0) > 0
+
+
 def _eager_bits(name: str, kind: str, dtype: torch.dtype) -> bool:
     return name in BF16_AS_EAGER and kind == "fwd" and dtype is torch.bfloat16
 
@@ -129,7 +137,7 @@ def _check_samples(opinfo, dtype, kind):
     comparisons = []
     for sample in _samples(opinfo, dtype, requires_grad=kind == "grad"):
         args = (sample.input, *sample.args)
-        if name in _RANDOM or sample.kwargs.get("dropout_p", 0) > 0:
+        if name in _RANDOM or _drops_out(name, sample):
             expected = opinfo.op(*args, **sample.kwargs)
             device_args, device_kwargs = to_device((args, sample.kwargs))
             _compare_shape_dtype(opinfo.op(*device_args, **device_kwargs), expected)

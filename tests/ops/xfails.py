@@ -59,7 +59,6 @@ _SAMPLER = (
 _LOGCUMSUMEXP_GRAD = (
     "logcumsumexp's backward formula over -inf/large inputs differs (not yet diagnosed)"
 )
-_MHA = "multi_head_attention_forward differs at baseline too (not yet diagnosed)"
 _BF16_ROUNDING = (
     "the bf16 result is more than one ulp from the float64 reference rounded once, and one "
     "sample's differs from eager CPU's own bits too (not yet diagnosed)"
@@ -139,9 +138,6 @@ XFAILS: dict[tuple[str, str, str], str] = {
     ("nn.functional.fractional_max_pool3d", "fwd", "float32"): _RANDOM_SAMPLES,
     ("nn.functional.fractional_max_pool3d", "grad", "float32"): _RANDOM_SAMPLES,
     ("nn.functional.linear_cross_entropy.chunked_none", "fwd", "bfloat16"): _BF16_ROUNDING,
-    ("nn.functional.multi_head_attention_forward", "fwd", "bfloat16"): _MHA,
-    ("nn.functional.multi_head_attention_forward", "fwd", "float32"): _MHA,
-    ("nn.functional.multi_head_attention_forward", "grad", "float32"): _MHA,
     ("pca_lowrank", "fwd", "float32"): _RANDOM_SAMPLES,
     ("resize_", "fwd", "bfloat16"): _RESIZE,
     ("resize_", "fwd", "float32"): _RESIZE,
