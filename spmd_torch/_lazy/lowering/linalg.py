@@ -329,9 +329,17 @@ def _parity(pivots):
     return 1 - 2 * (swaps % 2)
 
 
+def _lu_as_aten_keeps(a):
+    """a's LU factors (LU, pivots, info) as ATen's det and slogdet keep them for their backward:
+    of a's transpose for a real a, whose backward then solves with ``adjoint=False``. ATen
+    factors a contiguous real matrix transposed (det(a^T) = det(a)), and an xla tensor always
+    reports being contiguous."""
+    return _lu(a if jnp.iscomplexobj(a) else jnp.swapaxes(a, -1, -2))
+
+
 @lowers(aten._linalg_det.default)
 def _linalg_det(a):
-    lu, pivots, _ = _lu(a)
+    lu, pivots, _ = _lu_as_aten_keeps(a)
     diagonal = jnp.diagonal(lu, axis1=-2, axis2=-1)
     return _parity(pivots).astype(a.dtype) * jnp.prod(diagonal, -1), lu, pivots
 
@@ -339,7 +347,7 @@ def _linalg_det(a):
 @lowers(aten._linalg_slogdet.default)
 def _linalg_slogdet(a):
     """(sign, log|det|, LU, pivots); a singular matrix gives sign 0 and -inf."""
-    lu, pivots, _ = _lu(a)
+    lu, pivots, _ = _lu_as_aten_keeps(a)
     diagonal = jnp.diagonal(lu, axis1=-2, axis2=-1)
     magnitude = jnp.abs(diagonal)
     unit = jnp.where(magnitude == 0, 0, diagonal / jnp.where(magnitude == 0, 1, magnitude))
