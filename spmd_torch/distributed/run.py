@@ -111,7 +111,7 @@ def _watch(hosts: list[subprocess.Popen], finished: dict) -> int:
         statuses = [process.poll() for process in hosts]
         failed = [(h, s) for h, s in enumerate(statuses) if s not in (None, 0)]
         if failed:
-            host, status = failed[0]
+            host, status = _cause(failed)
             if status == PORT_BUSY_EXIT and host == 0:
                 return status
             notes = [f"host {h} is stopped" for h, p in enumerate(hosts) if _stopped(p)]
@@ -124,6 +124,14 @@ def _watch(hosts: list[subprocess.Popen], finished: dict) -> int:
         if all(status == 0 for status in statuses):
             return 0
         time.sleep(_POLL_S)
+
+
+def _cause(failed: list[tuple[int, int]]) -> tuple[int, int]:
+    """The failure that caused the others, among (host, status) pairs seen at one look: a host
+    that losing a peer brings down (JAX's runtime aborts, SIGABRT, when a collective or its
+    coordination service loses one, within milliseconds) comes after a host that failed
+    otherwise."""
+    return min(failed, key=lambda pair: (pair[1] == -signal.SIGABRT, pair[0]))
 
 
 def _stopped(process: subprocess.Popen) -> bool:

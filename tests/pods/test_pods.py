@@ -239,6 +239,31 @@ def test_the_launcher_names_the_failing_host():
         assert said[mode] in err, (mode, err[-3000:])
 
 
+class _Exited:
+    """A host process that has already ended with ``status``."""
+
+    def __init__(self, status: int):
+        self.status, self.pid = status, -1
+
+    def poll(self) -> int:
+        return self.status
+
+
+@pytest.mark.parametrize("order", ["abort-first", "abort-second"])
+def test_a_host_aborted_by_its_peers_death_is_not_named_as_the_cause(capfd, order):
+    """Both hosts seen dead at one look: the one JAX's runtime aborted (SIGABRT, as it does within
+    milliseconds when a collective or the coordination service loses a peer) is the consequence,
+    the one killed is the cause, whatever their order."""
+    statuses = [-signal.SIGABRT, -signal.SIGKILL]
+    if order == "abort-second":
+        statuses.reverse()
+    killed = statuses.index(-signal.SIGKILL)
+    assert run._watch([_Exited(s) for s in statuses], {}) == 128 + signal.SIGKILL
+    assert f"host {killed} exited with signal SIGKILL" in capfd.readouterr().err
+    run._watch([_Exited(-signal.SIGABRT), _Exited(-signal.SIGABRT)], {})  # all aborted: the first
+    assert "host 0 exited with signal SIGABRT" in capfd.readouterr().err
+
+
 def test_a_busy_coordinator_port_is_named_and_the_launcher_starts_elsewhere(monkeypatch, capfd):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
