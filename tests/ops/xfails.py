@@ -46,10 +46,6 @@ _EIGH_SIGNS = (
     "eigenvectors are defined up to sign; XLA's eigh picks other signs than LAPACK's syevd "
     "(eigenvalues match)"
 )
-_PINV_HERMITIAN = (
-    "hermitian=True reads one triangle through eigh in PyTorch; ours takes the SVD of the whole "
-    "(non-symmetric) sample matrix"
-)
 _RANDOM_SAMPLES = "the op draws random numbers internally: the device stream differs from CPU's"
 _SAMPLER = (
     "a sampler drawing from the device's PRNG stream, not CPU's generator: the values differ; "
@@ -113,8 +109,6 @@ XFAILS: dict[tuple[str, str, str], str] = {
     ("jiterator_unary", "fwd", "bfloat16"): _CUDA_ONLY,
     ("jiterator_unary", "fwd", "float32"): _CUDA_ONLY,
     ("linalg.eigh", "fwd", "float32"): _EIGH_SIGNS,
-    ("linalg.pinv.hermitian", "fwd", "float32"): _PINV_HERMITIAN,
-    ("linalg.pinv.hermitian", "grad", "float32"): _PINV_HERMITIAN,
     ("log_normal", "fwd", "bfloat16"): _SAMPLER,
     ("log_normal", "fwd", "float32"): _SAMPLER,
     ("logcumsumexp", "grad", "float32"): _LOGCUMSUMEXP_GRAD,

@@ -175,6 +175,22 @@ def test_linalg_svd_matches_eager(shape, full_matrices):
     assert_same(_svd_parts(A, full_matrices), expected, tight)
 
 
+@pytest.mark.parametrize("batch", [(), (2,)], ids=["one", "batched"])
+def test_hermitian_pinv_reads_the_lower_triangle_as_eager(batch):
+    """With ``hermitian=True`` ATen takes the eigenvalues of the lower triangle (an indefinite
+    one here: negative eigenvalues too), whatever the upper one holds; a zero eigenvalue stays
+    out."""
+    lower = torch.tril(_t(*batch, 4, 4))
+    symmetric = lower + lower.mT - torch.diag_embed(lower.diagonal(dim1=-2, dim2=-1))
+    eigenvalues, vectors = torch.linalg.eigh(symmetric)
+    eigenvalues[..., 1] = 0  # rank-deficient
+    a = vectors @ torch.diag_embed(eigenvalues) @ vectors.mT
+    a = torch.tril(a) + torch.triu(_t(*batch, 4, 4), diagonal=1)  # upper: unrelated values
+    expected = torch.linalg.pinv(a, hermitian=True)
+    got = lowered(aten.linalg_pinv.atol_rtol_tensor, a, hermitian=True)
+    assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
 def test_linalg_svd_without_uv_returns_empty_factors():
     A = _t(2, 4, 3)
     U, S, Vh = aten._linalg_svd.default(A, compute_uv=False)

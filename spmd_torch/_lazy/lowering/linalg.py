@@ -452,9 +452,16 @@ def _linalg_matrix_exp(a):
 @lowers(aten.linalg_pinv.atol_rtol_tensor)
 def _linalg_pinv(a, *, atol=None, rtol=None, hermitian=False):
     """Singular values at most max(atol, rtol * largest) count as zero; rtol defaults to
-    eps * max(m, n), or to 0 when only a positive atol is given (ATen's rule)."""
-    u, s, vh = jnp.linalg.svd(a, full_matrices=False)
-    largest = s[..., :1]
+    eps * max(m, n), or to 0 when only a positive atol is given (ATen's rule). ``hermitian``
+    reads the lower triangle only, through its eigenvalues (their magnitudes are the singular
+    values), as ATen does."""
+    if hermitian:
+        s, u = jnp.linalg.eigh(a, UPLO="L", symmetrize_input=False)
+        vh = _mH(u) * jnp.sign(s)[..., :, None]  # a = u diag(|s|) (sign(s) u^H)
+        s = jnp.abs(s)
+    else:
+        u, s, vh = jnp.linalg.svd(a, full_matrices=False)
+    largest = jnp.max(s, axis=-1, keepdims=True, initial=0)  # magnitudes: 0 for no values
     if rtol is None:
         eps = jnp.finfo(s.dtype).eps * max(a.shape[-2:])
         rtol = eps if atol is None else jnp.where(atol > 0, 0.0, eps)
