@@ -46,8 +46,8 @@ def test_outputs_and_gradients_equal_nn_gru(kwargs, shape, with_hx):
     (got.sum() + got_h.square().sum()).backward()
     assert_close((got, got_h), (want.detach(), want_h.detach()))
     assert_close(
-        [xd.grad, *(hd.grad for _ in [0] if with_hx), *(p.grad for p in ours.parameters())],
-        [x.grad, *(hx.grad for _ in [0] if with_hx), *(p.grad for p in reference.parameters())],
+        [xd.grad, *([hd.grad] if with_hx else []), *(p.grad for p in ours.parameters())],
+        [x.grad, *([hx.grad] if with_hx else []), *(p.grad for p in reference.parameters())],
         kind="grad",
     )
 
