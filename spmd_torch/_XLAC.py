@@ -11,9 +11,9 @@ Calls whose meaning is PyTorch/XLA's own machinery are absent rather than faked:
 internals (``_get_graph_hash``, buffer donation flags, ``_get_tensors_xla_device_data_node``,
 ``_run_cached_graph``, ``_replace_xla_tensor``), dynamic shapes (``_xla_mark_dynamic``),
 ``xla::OpSharding`` values (``OpSharding``, ``_xla_mark_sharding``: the calls that take a sharding
-take the ``NamedSharding`` that ``mesh.get_op_sharding`` gives), custom calls and lowering
-hooks (``_xla_tpu_custom_call``, ``lowering``: its ``LoweringContext`` builds an HLO module proto
-from PyTorch/XLA's IR, which does not exist here). The preemption sync manager's calls are the
+take the ``NamedSharding`` that ``mesh.get_op_sharding`` gives) and TPU custom calls
+(``_xla_tpu_custom_call``). ``lowering.LoweringContext`` builds the HLO module of our own graph
+(``debug/lowering_context.py``). The preemption sync manager's calls are the
 distributed checkpoint package's (JAX's preemption service across processes).
 ``_get_xla_tensor_debug_info`` describes this runtime's own state of a tensor (its pending op or
 its device buffer) in PyTorch/XLA's layout.
@@ -50,6 +50,7 @@ from spmd_torch._lazy.tensor import on_xla
 from spmd_torch.core import xla_model as xm
 from spmd_torch.core.xla_builder import _user_computation as _xla_user_computation
 from spmd_torch.core.xla_builder import call_jax
+from spmd_torch.debug import lowering_context as lowering  # noqa: F401  (``_XLAC.lowering``)
 from spmd_torch.debug.graph import get_tensors_hlo, get_tensors_text, pending_program, program_text
 from spmd_torch.debug.metrics import clear_counters as _clear_xla_counters
 from spmd_torch.debug.metrics import clear_metrics as _clear_xla_metrics
@@ -74,6 +75,7 @@ from spmd_torch.experimental.distributed_checkpoint._preemption import (
 )
 
 __all__ = [
+    "lowering",
     "_activate_preemption_sync_manager",
     "_clear_xla_counters",
     "_deactivate_preemption_sync_manager",

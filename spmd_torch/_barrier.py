@@ -1,8 +1,8 @@
 """The barrier that ends a training step, one for every door: ``spmd_torch.sync()``,
 ``xm.mark_step()``, the data loaders, ``StepTrace``, compile regions, checkpoints.
 
-It counts the step (``MarkStep``), appends the graph to ``XLA_SAVE_TENSORS_FILE`` when set, runs
-everything pending as one program (the engine's ``execute.sync``), appends the metrics report to ``XLA_METRICS_FILE`` when set, and runs the step
+It counts the step (``MarkStep``), appends the graph to ``XLA_SAVE_TENSORS_FILE`` when set (and
+the outputs' shardings once they run), runs everything pending as one program (the engine's ``execute.sync``), appends the metrics report to ``XLA_METRICS_FILE`` when set, and runs the step
 closures queued by ``xm.add_step_closure``. A read of values (``.item()``) or eager mode's
 per-op run computes what it needs without ending a step.
 """
@@ -33,10 +33,13 @@ def barrier(wait: bool = False) -> None:
     for watcher in BEFORE_RUN:
         watcher()
     own = engine.current()
+    outputs = []
     if config.SAVE_TENSORS_FILE.value:  # one file per process or replica, as PyTorch/XLA's
         path = f"{config.SAVE_TENSORS_FILE.value}.{own.mode.ordinal}"
-        graph.save_pending(path, str(config.SAVE_TENSORS_FMT.value).lower())
+        outputs = graph.save_pending(path, str(config.SAVE_TENSORS_FMT.value).lower())
     execute.sync(wait=wait)
+    if outputs:
+        graph.save_output_shardings(path, outputs)
     own.steps += 1
     if own.mode.local_ordinal == 0 and config.METRICS_FILE.value:  # one report per host
         metrics_saver.save_metrics()

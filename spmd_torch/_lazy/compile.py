@@ -483,11 +483,21 @@ def _only_scalar_slots_differ(old: tuple, new: tuple) -> bool:
     )
 
 
-def lowered(program: Program, arrays: list) -> jax.stages.Lowered:
-    """The program lowered for ``arrays``' shapes and layouts, nothing compiled or run."""
+def lowered(program: Program, arrays: list, every_input: bool = False) -> jax.stages.Lowered:
+    """The program lowered for ``arrays``' shapes and layouts, nothing compiled or run. With
+    ``every_input`` its HLO parameters are the leaves in order, then the lifted scalars' vector
+    when there are any, each kept whether read or not (JAX drops unread ones otherwise)."""
     function = build_function(program, (False,) * len(arrays))
-    scalars = _scalars_aval(len(program.scalar_values()))
-    return jax.jit(function).lower([], abstract(arrays), scalars)
+    count = len(program.scalar_values())
+    if not every_input:
+        return jax.jit(function).lower([], abstract(arrays), _scalars_aval(count))
+    if count:
+        entry = jax.jit(lambda inputs, scalars: function([], inputs, scalars), keep_unused=True)
+        return entry.lower(abstract(arrays), _scalars_aval(count))
+    empty = np.zeros(0)
+    return jax.jit(lambda inputs: function([], inputs, empty), keep_unused=True).lower(
+        abstract(arrays)
+    )
 
 
 def abstract(arrays: list) -> list[jax.ShapeDtypeStruct]:

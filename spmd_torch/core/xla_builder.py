@@ -14,8 +14,8 @@ xla tensors the same way.
 What differs from PyTorch/XLA: shapes are static (``DynamicReshape``, ``SetDimensionSize`` raise
 NotImplementedError); ``Sort`` takes the ascending ``Lt(p0, p1)`` comparator, ``Scatter`` a
 combiner that adds, multiplies, takes the max or min, or replaces; ``SelectAndScatter`` has no
-JAX counterpart; ``get_computation_hlo`` gives StableHLO text; results carry no autograd
-history, as in PyTorch/XLA.
+JAX counterpart; a computation read from an HLO module proto (``computation_from_module_proto``)
+is printed, not run; results carry no autograd history, as in PyTorch/XLA.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ from spmd_torch._lazy.lowering import LOWERINGS, EngineOp, lowers
 from spmd_torch._lazy.lowering.dtypes import to_jax_dtype, to_torch_dtype
 from spmd_torch._lazy.lowering.xla_ops import JAX_DTYPES, OPS, jax_dtype
 from spmd_torch._lazy.tensor import LazyTensor, on_xla, wrap
-from spmd_torch.debug.graph import hlo_text
+from spmd_torch.debug import hlo_proto
+from spmd_torch.debug.graph import hlo_text, module_text
 
 __all__ = [
     "Builder",
@@ -1147,12 +1148,46 @@ def create_computation(name: str, fn: Callable, shapes: Sequence[Shape], **kwarg
     return root.build(name)
 
 
-def get_computation_hlo(computation: Computation) -> str:
+class ModuleComputation:
+    """A computation read from a serialized ``HloModuleProto`` (``LoweringContext.hlo()``'s):
+    printed by :func:`get_computation_hlo`, never run. Programs here are built from the lazy
+    graph and JAX functions, not from HLO; build what should run with :func:`create_computation`
+    or :func:`call_jax`."""
+
+    def __init__(self, name: str, proto: bytes):
+        module = hlo_proto.parse(proto)
+        module.name = name
+        self.name = name
+        self.proto = module.SerializeToString(deterministic=True)
+
+    def apply(self, *args: Any) -> Any:
+        raise NotImplementedError(
+            f"computation {self.name!r} was read from an HLO module proto: it can be printed "
+            "(get_computation_hlo), not run; build it with create_computation or call_jax"
+        )
+
+
+def computation_from_module_proto(name: str, proto: bytes) -> ModuleComputation:
+    """The HLO module ``proto`` (serialized ``HloModuleProto``) as a computation named ``name``.
+
+    Example:
+        >>> ctx = torch_xla._XLAC.lowering.LoweringContext()
+        >>> ctx.build([y])
+        >>> print(get_computation_hlo(computation_from_module_proto('step', ctx.hlo())))
+    """
+    return ModuleComputation(name, proto)
+
+
+def get_computation_hlo(computation: Computation | ModuleComputation) -> str:
     """The computation as HLO text, in PyTorch/XLA's print style.
 
     Example:
         >>> print(get_computation_hlo(comp))
     """
+    if isinstance(computation, ModuleComputation):
+        from jax._src.lib import xla_client  # jaxlib's HLO module type: no public API
+
+        return module_text(xla_client.XlaComputation(computation.proto))
     avals = [_to_aval(s) for s in computation.param_shapes]
     return hlo_text(jax.jit(computation.apply).lower(*avals))
 

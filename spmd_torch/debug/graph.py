@@ -7,17 +7,22 @@ what the barrier writes when ``XLA_SAVE_TENSORS_FILE`` is set.
 
 from __future__ import annotations
 
+import math
+import re
 import traceback
 
 import jax
+import numpy as np
 import torch
+from jax.sharding import SingleDeviceSharding
 
 from spmd_torch import config as _config
 from spmd_torch._lazy import compile as _compile
 from spmd_torch._lazy import engine as _engine
 from spmd_torch._lazy import placement as _placement
-from spmd_torch._lazy.graph import Program, linearize, to_text
+from spmd_torch._lazy.graph import Program, aval_text, linearize, to_text
 from spmd_torch._lazy.tensor import live_pending, on_xla
+from spmd_torch.distributed.spmd._tiling import tiling_of
 
 
 def pending_text(tensors: list[torch.Tensor] | None = None) -> str:
@@ -66,24 +71,54 @@ def program_text(program: Program, form: str) -> str:
 
 
 def hlo_text(lowered: jax.stages.Lowered) -> str:
-    """``lowered`` as HLO text in PyTorch/XLA's print style: values named after their opcode
-    (``%all-reduce.3``; converted without JAX's source locations, which would name them), operands
-    with their shapes, shardings as ``sharding={...}``, no metadata. With ``XLA_HLO_DEBUG`` each
-    op's metadata is printed, the user's ``source_file`` and ``source_line`` in it."""
-    debug = bool(_config.HLO_DEBUG.value)
-    try:  # jaxlib's private modules: the StableHLO -> HLO conversion and HLO print options
-        from jax._src.lib import _jax
-        from jaxlib import _hlo as hlo
-
-        text = lowered.as_text(debug_info=debug)
-        module = _jax.mlir.mlir_module_to_xla_computation(text, use_tuple_args=False)
+    """``lowered`` as HLO text in PyTorch/XLA's print style (:func:`module_text`)."""
+    try:
+        return module_text(xla_computation(lowered))
     except (ImportError, AttributeError):  # another jaxlib's layout: JAX's own HLO text
-        return lowered.as_text(dialect="hlo", debug_info=debug)
+        return lowered.as_text(dialect="hlo", debug_info=bool(_config.HLO_DEBUG.value))
+
+
+def module_text(computation) -> str:
+    """jaxlib's ``XlaComputation`` as HLO text in PyTorch/XLA's print style: values named after
+    their opcode (``%all-reduce.3``), operands with their shapes, shardings as ``sharding={...}``,
+    no metadata. With ``XLA_HLO_DEBUG`` each op's metadata is printed, the user's ``source_file``
+    and ``source_line`` in it."""
+    from jaxlib import _hlo as hlo  # jaxlib's private module of HLO print options
+
     options = hlo.HloPrintOptions()
     options.print_percent = True
     options.print_operand_shape = True
-    options.print_metadata = debug
-    return module.get_hlo_module().to_string(options)
+    options.print_metadata = bool(_config.HLO_DEBUG.value)
+    return _IOTA_DEVICES.sub(_listed_devices, computation.get_hlo_module().to_string(options))
+
+
+# A tile assignment in XLA's iota form: ``devices=[2,4]<=[4,2]T(1,0)`` is arange(8) reshaped to
+# [4,2] and transposed by (1,0), in the [2,4] grid.
+_IOTA_DEVICES = re.compile(r"devices=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+
+
+def _listed_devices(match: re.Match) -> str:
+    """A sharding's devices written out in full, as PyTorch/XLA prints them (and
+    ``_get_xla_sharding_spec`` gives them): ``devices=[2,4]0,2,4,6,1,3,5,7``."""
+    grid, reshape, transpose = match.groups()
+    ids = np.arange(math.prod(int(n) for n in reshape.split(",")))
+    ids = ids.reshape([int(n) for n in reshape.split(",")])
+    if transpose:
+        ids = ids.transpose([int(n) for n in transpose.split(",")])
+    return f"devices=[{grid}]{','.join(map(str, ids.ravel()))}"
+
+
+def xla_computation(lowered: jax.stages.Lowered):
+    """``lowered`` as jaxlib's ``XlaComputation``: the HLO module XLA is handed, its values named
+    after their opcode (JAX's source locations, which would name them, are left out unless
+    ``XLA_HLO_DEBUG`` asks for metadata)."""
+    try:  # jaxlib's private StableHLO -> HLO conversion
+        from jax._src.lib import _jax
+
+        text = lowered.as_text(debug_info=bool(_config.HLO_DEBUG.value))
+        return _jax.mlir.mlir_module_to_xla_computation(text, use_tuple_args=False)
+    except (ImportError, AttributeError):  # another jaxlib's layout
+        return lowered.compiler_ir("hlo")
 
 
 def _lowered(tensors: list[torch.Tensor] | None, form: str) -> str:
@@ -143,38 +178,51 @@ def pending_program(tensors: list[torch.Tensor] | None = None) -> Program:
     return linearize(list({(id(n), i): (n, i) for n, i in refs}.values()))
 
 
-def save_pending(path: str, fmt: str = "text") -> None:
+def save_pending(path: str, fmt: str = "text") -> list:
     """Append the graph the barrier is about to run to ``path``, as PyTorch/XLA's
     ``XLA_SAVE_TENSORS_FILE`` does: the Python frames that issued the barrier, then the graph
-    between ``## BEGIN_GRAPH`` and ``## END_GRAPH`` (``fmt`` 'text': our op lines; 'hlo':
-    StableHLO), and for 'hlo' each output's sharding between ``#OUTPUT_SHARDING_BEGIN`` and
-    ``#OUTPUT_SHARDING_END``. Nothing is written when nothing is pending.
+    between ``## BEGIN_GRAPH`` and ``## END_GRAPH`` (``fmt`` 'text': our op lines; 'hlo': HLO
+    text). Nothing is written when nothing is pending. Returns, for 'hlo', the outputs whose
+    shardings :func:`save_output_shardings` appends once the program has laid them out.
 
     Raises:
         ValueError: ``fmt`` is neither 'text' nor 'hlo'.
 
     Example:
-        >>> graph.save_pending('/tmp/graphs.0', 'hlo')
+        >>> outputs = graph.save_pending('/tmp/graphs.0', 'hlo')
     """
     if fmt not in ("text", "hlo"):
         raise ValueError(f"XLA_SAVE_TENSORS_FMT={fmt!r}: spmd_torch writes 'text' or 'hlo'")
     key = _engine.current().rng
     outputs = [s for s in live_pending() if s is not key and not s.ref[0].is_leaf(s.ref[1])]
     if not outputs:
-        return
+        return []
     frames = [f for f in traceback.extract_stack()[:-1] if "/spmd_torch/" not in f.filename]
     lines = ["[ScheduleSyncTensorsGraph]", "TensorsGraphInfo:"]
     lines += [f"  {f.name} ({f.filename}:{f.lineno})" for f in reversed(frames)]
     body = pending_hlo() if fmt == "hlo" else pending_text()
     lines += ["", "## BEGIN_GRAPH", body.rstrip("\n"), "## END_GRAPH", ""]
-    if fmt == "hlo":
-        avals = [s.ref[0].avals[s.ref[1]] for s in outputs]
-        shardings = [_placement.output_sharding(s, a) for s, a in zip(outputs, avals)]
-        lines += ["#OUTPUT_SHARDING_BEGIN"]
-        lines += [
-            f"{s.spec} on mesh {dict(s.mesh.shape)}" if s else "partitioner decides"
-            for s in shardings
-        ]
-        lines += ["#OUTPUT_SHARDING_END", ""]
     with open(path, "a") as f:
         f.write("\n".join(lines) + "\n")
+    return outputs if fmt == "hlo" else []
+
+
+def save_output_shardings(path: str, outputs: list) -> None:
+    """Append PyTorch/XLA's ``#OUTPUT_SHARDING`` section for ``outputs`` (storages the program
+    just computed): each one's shape and the sharding its program gave it, as
+    ``HloSharding::ToString`` prints it (``f32[8,4] {devices=[8,1]0,1,2,3,4,5,6,7}``;
+    ``{unknown}`` for a value on one device)."""
+    lines = []
+    for storage in outputs:
+        node, index = storage.ref
+        array = node.arrays[index] if node.is_leaf(index) else None
+        sharding = getattr(array, "sharding", None)
+        rank = len(node.avals[index].shape)
+        known = sharding is not None and not isinstance(sharding, SingleDeviceSharding)
+        text = tiling_of(sharding, rank).text() if known else "{unknown}"
+        lines.append(f"{aval_text(node.avals[index])} {text}")
+    if lines:
+        with open(path, "a") as f:
+            f.write(
+                "\n#OUTPUT_SHARDING_BEGIN\n\n" + "\n".join(lines) + "\n\n#OUTPUT_SHARDING_END\n\n"
+            )

@@ -36,7 +36,8 @@ def test_post_optimization_hlo_is_partitioned_and_runs_nothing(spmd_mode, monkey
     t3 = t1 @ t2
     monkeypatch.delenv("XLA_DUMP_POST_OPTIMIZATIONS", raising=False)
     unpartitioned = xlac._get_xla_tensors_hlo([t3])
-    assert "sharding={devices=[1,8]<=[8]}" in unpartitioned and "all-reduce" not in unpartitioned
+    assert "sharding={devices=[1,8]0,1,2,3,4,5,6,7}" in unpartitioned
+    assert "all-reduce" not in unpartitioned
     assert "f32[1,1]{1,0} dot(f32[1,128]{1,0} %" in unpartitioned
     monkeypatch.setenv("XLA_DUMP_POST_OPTIMIZATIONS", "1")
     hlo = xlac._get_xla_tensors_hlo([t3])
@@ -45,3 +46,16 @@ def test_post_optimization_hlo_is_partitioned_and_runs_nothing(spmd_mode, monkey
     assert "all-reduce(" in hlo  # the partial products summed across the devices
     assert graph.pending_count() == 1  # nothing ran: t3 is still pending
     torch.testing.assert_close(t3.cpu(), t1.cpu() @ t2.cpu())
+
+
+@pytest.mark.parametrize("spec", [(None, "y"), ("y", "x"), ("x", None)])
+def test_hlo_text_writes_a_shardings_devices_out_as_its_spec_does(spmd_mode, spec):
+    # XLA prints tile assignments in iota form (``<=[2,4]T(1,0)``); PyTorch/XLA's text and
+    # _get_xla_sharding_spec list the devices. The two are computed apart: from XLA's text here,
+    # from the jax sharding there.
+    t = torch.randn(8, 16).to(dev) * 2
+    xs.mark_sharding(t, xs.Mesh(np.arange(8), (2, 4), ("x", "y")), spec)
+    hlo = xlac._get_xla_tensors_hlo([t])
+    assert "<=[" not in hlo
+    spmd_torch.sync()
+    assert f"sharding={xlac._get_xla_sharding_spec(t)}" in hlo

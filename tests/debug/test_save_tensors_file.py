@@ -35,19 +35,32 @@ def test_text_dump_names_the_ops_and_where_the_barrier_came_from(save_to):
 
 
 def test_hlo_dump_lists_the_output_shardings(save_to):
+    # As PyTorch/XLA writes them: each output's shape and the sharding its program gave it.
+    # ``y`` was marked; ``z``, computed from it elementwise, the partitioner laid out alike.
     path = save_to("HLO")
     xr.use_spmd()
     try:
         y = torch.ones(8, 4, device=spmd_torch.device()) + 1
         xs.mark_sharding(y, xs.get_1d_mesh("data"), ("data", None))
+        z = y * 2  # noqa: F841  (kept alive: pending)
         spmd_torch.sync()
     finally:
         xr.reset()
-    lines = path.read_text().splitlines()
-    assert 'custom_call_target="Sharding", sharding={devices=[8,1]<=[8]}' in "\n".join(lines)
-    at = lines.index("#OUTPUT_SHARDING_BEGIN")
-    expected = "P('data',) on mesh {'data': 8}"
-    assert lines[at + 1 :] == [expected, "#OUTPUT_SHARDING_END", ""]
+    text = path.read_text()
+    split = "sharding={devices=[8,1]0,1,2,3,4,5,6,7}"
+    assert f'custom_call_target="Sharding", {split}' in text
+    section = text[text.index("#OUTPUT_SHARDING_BEGIN") :]
+    expected = f"f32[8,4] {split[9:]}"
+    assert (
+        section == f"#OUTPUT_SHARDING_BEGIN\n\n{expected}\n{expected}\n\n#OUTPUT_SHARDING_END\n\n"
+    )
+
+
+def test_an_output_on_one_device_has_an_unknown_sharding(save_to):
+    path = save_to("hlo")
+    y = torch.ones(3, device=spmd_torch.device()) * 2  # noqa: F841
+    spmd_torch.sync()
+    assert "#OUTPUT_SHARDING_BEGIN\n\nf32[3] {unknown}\n\n#OUTPUT_SHARDING_END" in path.read_text()
 
 
 def test_an_unknown_format_is_refused(save_to):

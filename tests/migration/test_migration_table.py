@@ -33,6 +33,7 @@ import spmd_torch.distributed.spmd as xs
 import spmd_torch.runtime as xr
 import spmd_torch.test.test_utils as test_utils
 import spmd_torch.utils.serialization as xser
+from spmd_torch.core.xla_builder import get_computation_hlo
 from tests.helpers import assert_close
 
 TABLE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "migration.md"
@@ -984,6 +985,23 @@ def check_xlac_tensors_hlo(fn):
     spmd_torch.sync()
 
 
+def check_xlac_lowering_context(cls):
+    ctx = cls("Sum")
+    x = _xla([1.0, 2.0])
+    ctx.build([x + x])
+    assert 'name: "Sum"' in ctx.hlo_text() and 'opcode: "add"' in ctx.hlo_text()
+    assert ctx.parameter_id_tensor_mapping()[ctx.tensor_parameter_id(x)].tolist() == [1.0, 2.0]
+
+
+def check_builder_module_proto(fn):
+    ctx = spmd_torch._XLAC.lowering.LoweringContext()
+    ctx.build([_xla([1.0, 2.0]).sin()])
+    computation = fn("sine", ctx.hlo())
+    assert "f32[2]{0} sine(f32[2]{0} %" in get_computation_hlo(computation)
+    with pytest.raises(NotImplementedError, match="printed"):
+        computation.apply()
+
+
 def check_xlac_from_cpu_shards(fn):
     xr.use_spmd()
     sharding = xs.Mesh(np.arange(8), (4, 2)).get_op_sharding((0, None))
@@ -1363,6 +1381,8 @@ CHECKS: dict[str, Callable] = {
     "xlac.metrics_report": check_xlac_metrics_report,
     "xlac.tensors_text": check_xlac_tensors_text,
     "xlac.tensors_hlo": check_xlac_tensors_hlo,
+    "xlac.lowering_context": check_xlac_lowering_context,
+    "builder.module_proto": check_builder_module_proto,
     "xlac.from_cpu_shards": check_xlac_from_cpu_shards,
     "xlac.manual_region": check_xlac_manual_region,
     "xp.start_server": check_profiler_start_server,
