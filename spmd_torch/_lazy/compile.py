@@ -483,21 +483,32 @@ def _only_scalar_slots_differ(old: tuple, new: tuple) -> bool:
     )
 
 
-def lowered(program: Program, arrays: list, every_input: bool = False) -> jax.stages.Lowered:
-    """The program lowered for ``arrays``' shapes and layouts, nothing compiled or run. With
-    ``every_input`` its HLO parameters are the leaves in order, then the lifted scalars' vector
-    when there are any, each kept whether read or not (JAX drops unread ones otherwise)."""
-    function = build_function(program, (False,) * len(arrays))
-    count = len(program.scalar_values())
+def lowered(
+    program: Program, arrays: list, every_input: bool = False, replicas: Mesh | None = None
+) -> jax.stages.Lowered:
+    """The program lowered for ``arrays``' shapes and layouts, nothing compiled or run; with
+    ``replicas``, as the one program every replica of that mesh runs (``arrays``: one replica's
+    (1, ...) blocks, standing for each's). With ``every_input`` its HLO parameters are the leaves in order, then
+    the lifted scalars' vector when there are any, each kept whether read or not (JAX drops
+    unread ones otherwise)."""
+    donated = (False,) * len(arrays)
+    if replicas is None:
+        function, inputs = build_function(program, donated), abstract(arrays)
+    else:
+        function = build_replica_function(program, donated, replicas)
+        layout = stacked(replicas)
+        inputs = [
+            jax.ShapeDtypeStruct((replicas.size, *a.shape[1:]), a.dtype, sharding=layout)
+            for a in arrays
+        ]
+    scalars = _scalars_aval(len(program.scalar_values()), replicas)
     if not every_input:
-        return jax.jit(function).lower([], abstract(arrays), _scalars_aval(count))
-    if count:
-        entry = jax.jit(lambda inputs, scalars: function([], inputs, scalars), keep_unused=True)
-        return entry.lower(abstract(arrays), _scalars_aval(count))
-    empty = np.zeros(0)
-    return jax.jit(lambda inputs: function([], inputs, empty), keep_unused=True).lower(
-        abstract(arrays)
-    )
+        return jax.jit(function).lower([], inputs, scalars)
+    if scalars.shape[-1]:
+        entry = jax.jit(lambda kept, packed: function([], kept, packed), keep_unused=True)
+        return entry.lower(inputs, scalars)
+    empty = np.zeros(scalars.shape)
+    return jax.jit(lambda kept: function([], kept, empty), keep_unused=True).lower(inputs)
 
 
 def abstract(arrays: list) -> list[jax.ShapeDtypeStruct]:

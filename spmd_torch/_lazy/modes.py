@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from spmd_torch import config
 
+from . import compile as compiler
 from . import counters, engine, placement, transfer
 from .graph import Program, linearize
 from .lowering.collectives import ALONE_AXIS, REPLICA_AXIS
@@ -121,6 +122,10 @@ class PerDevice:
 
     def execute(self, run: Run) -> list:
         return execute(run)
+
+    def lowered(self, program: Program, arrays: list, every_input: bool = False):
+        """``program`` lowered as this mode runs it, nothing compiled (the debug views')."""
+        return compiler.lowered(program, arrays, every_input)
 
     def run(self, program: Program, donate: bool, out_shardings: tuple | None = None) -> list:
         """Compute a linearised graph (``run.Run.of`` says what ``donate`` gives up)."""
@@ -275,6 +280,11 @@ class Replica(PerDevice):
 
     def execute(self, run: Run) -> list:
         return self.world.wait(self, run)
+
+    def lowered(self, program: Program, arrays: list, every_input: bool = False):
+        """The one program every replica runs (its collectives span them), this replica's
+        inputs standing for each's."""
+        return compiler.lowered(program, arrays, every_input, self.world.mesh)
 
     def read(self, refs: list, layouts: dict | None, sync: Callable) -> None:
         """A barrier first: its collectives need every replica, and the others' programs then

@@ -17,7 +17,6 @@ import torch
 from jax.sharding import SingleDeviceSharding
 
 from spmd_torch import config as _config
-from spmd_torch._lazy import compile as _compile
 from spmd_torch._lazy import engine as _engine
 from spmd_torch._lazy import placement as _placement
 from spmd_torch._lazy.graph import Program, aval_text, linearize, to_text
@@ -64,7 +63,7 @@ def program_text(program: Program, form: str) -> str:
     (the HLO module XLA is handed) or ``'optimized'`` (the HLO XLA runs after its passes, SPMD
     partitioning and collectives included)."""
     arrays = [_placement.resolve(node, i) for node, i in program.leaves]
-    lowered = _compile.lowered(program, arrays)
+    lowered = _engine.current().mode.lowered(program, arrays)
     if form == "optimized":
         return lowered.compile().as_text()
     return hlo_text(lowered) if form == "hlo" else lowered.as_text()

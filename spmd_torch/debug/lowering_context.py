@@ -6,6 +6,8 @@ serialized ``HloModuleProto``) or its text and JSON forms, and ``parameter_id_te
 the values the module's parameters take. The module is the one the next sync would hand XLA for
 these tensors (our lowering, with the inputs' shardings), so its parameters are the graph's device
 data in first-use order, then the vector the lifted Python scalars travel in, when there are any.
+In a replica of ``launch`` it is the one program every replica runs, each parameter the replicas'
+values stacked; the mappings give this replica's.
 
 Example:
     >>> ctx = torch_xla._XLAC.lowering.LoweringContext("MyGraph")
@@ -22,8 +24,8 @@ from collections.abc import Sequence
 
 import torch
 
-from spmd_torch._lazy import compile as _compile
 from spmd_torch._lazy import placement as _placement
+from spmd_torch._lazy.engine import current
 from spmd_torch._lazy.tensor import on_xla, wrap
 from spmd_torch.debug import graph, hlo_proto
 
@@ -44,7 +46,7 @@ class LoweringContext:
         ]
         program = graph.pending_program(checked)
         arrays = [_placement.resolve(node, i) for node, i in program.leaves]
-        lowered = _compile.lowered(program, arrays, every_input=True)
+        lowered = current().mode.lowered(program, arrays, every_input=True)
         self._module = hlo_proto.parse(
             graph.xla_computation(lowered).as_serialized_hlo_module_proto()
         )

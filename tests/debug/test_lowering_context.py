@@ -14,8 +14,10 @@ from jax._src.lib import xla_client
 import spmd_torch
 import spmd_torch._XLAC as xlac
 import spmd_torch.core.xla_builder as xb
+import spmd_torch.core.xla_model as xm
 import spmd_torch.distributed.spmd as xs
 import spmd_torch.runtime as xr
+from spmd_torch._internal import pjrt
 from spmd_torch.debug import graph, hlo_proto, metrics
 
 dev = spmd_torch.device()
@@ -119,3 +121,26 @@ def test_fields_outside_the_schema_print_by_number():
     first = module.computations[0].instructions[0]
     first.MergeFromString(extra)
     assert "1000: 7" in hlo_proto.to_text(module)
+
+
+def _replica_module():
+    x_cpu = torch.arange(6.0) * (xr.global_ordinal() + 1)
+    x = x_cpu.to(xm.xla_device())
+    total = xm.all_reduce(xm.REDUCE_SUM, x * 2)
+    ctx = _built([total])
+    text, mapping = ctx.hlo_text(), ctx.parameter_id_tensor_mapping()
+    hlo = graph.get_tensors_hlo([total])
+    spmd_torch.sync()
+    mine = mapping[ctx.tensor_parameter_id(x)].tolist()
+    return text, hlo, mine, x_cpu.tolist(), total.tolist(), xr.world_size()
+
+
+def test_in_replicas_the_module_is_the_program_they_run_as_one():
+    # A replica's collective spans the others: its module is the one program every replica
+    # runs (it could not be lowered alone: JAX's unbound axis), its inputs this replica's.
+    results = pjrt.run_multiprocess(_replica_module)
+    assert len(results) > 1
+    for text, hlo, mine, expected, total, world in results.values():
+        assert 'opcode: "all-reduce"' in text and "all-reduce(" in hlo
+        assert mine == expected
+        assert total == [2.0 * k * world * (world + 1) / 2 for k in range(6)]

@@ -51,6 +51,21 @@ def test_face_replica_n_owns_xla_n_and_computes_there(face, monkeypatch):
         assert total == 0.0 + 1 + 2 + 3  # the collective spans the four threads
 
 
+def _factory_then_collective():
+    ones = torch.ones(3, device=xm.xla_device()) * (xr.global_ordinal() + 1)  # made on xla:N
+    total = xm.all_reduce(xm.REDUCE_SUM, ones)
+    spmd_torch.sync()
+    return total.tolist()
+
+
+def test_face_replicas_factories_on_their_own_xla_n_trace_one_program(face, monkeypatch):
+    # A factory records the device it is given; replicas on xla:0..3 must still trace one
+    # program, which their collective runs as one (they parted: CollectiveMismatchError).
+    monkeypatch.setenv("CPU_NUM_DEVICES", "4")
+    results = pjrt.run_multiprocess(_factory_then_collective)
+    assert results == {n: [1.0 + 2 + 3 + 4] * 3 for n in range(4)}
+
+
 def test_face_cpu_num_devices_is_read_at_each_call(face, monkeypatch):
     monkeypatch.delenv("CPU_NUM_DEVICES", raising=False)
     assert pjrt.run_multiprocess(xm.xla_device) == {0: torch.device("xla:0")}
