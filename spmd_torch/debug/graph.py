@@ -21,7 +21,6 @@ from spmd_torch._lazy import engine as _engine
 from spmd_torch._lazy import placement as _placement
 from spmd_torch._lazy.graph import Program, aval_text, linearize, to_text
 from spmd_torch._lazy.tensor import live_pending, on_xla
-from spmd_torch.distributed.spmd._tiling import tiling_of
 
 
 def pending_text(tensors: list[torch.Tensor] | None = None) -> str:
@@ -89,6 +88,15 @@ def module_text(computation) -> str:
     options.print_operand_shape = True
     options.print_metadata = bool(_config.HLO_DEBUG.value)
     return _IOTA_DEVICES.sub(_listed_devices, computation.get_hlo_module().to_string(options))
+
+
+def _sharding_text(sharding, rank: int) -> str:
+    """XLA's ``HloSharding::ToString`` of ``sharding`` for a rank-``rank`` value, its devices
+    listed; ``{unknown}`` for none or one device."""
+    if sharding is None or isinstance(sharding, SingleDeviceSharding):
+        return "{unknown}"
+    text = str(sharding._to_xla_hlo_sharding(rank))  # JAX's conversion has no public API
+    return _IOTA_DEVICES.sub(_listed_devices, text)
 
 
 # A tile assignment in XLA's iota form: ``devices=[2,4]<=[4,2]T(1,0)`` is arange(8) reshaped to
@@ -215,10 +223,7 @@ def save_output_shardings(path: str, outputs: list) -> None:
     for storage in outputs:
         node, index = storage.ref
         array = node.arrays[index] if node.is_leaf(index) else None
-        sharding = getattr(array, "sharding", None)
-        rank = len(node.avals[index].shape)
-        known = sharding is not None and not isinstance(sharding, SingleDeviceSharding)
-        text = tiling_of(sharding, rank).text() if known else "{unknown}"
+        text = _sharding_text(getattr(array, "sharding", None), len(node.avals[index].shape))
         lines.append(f"{aval_text(node.avals[index])} {text}")
     if lines:
         with open(path, "a") as f:

@@ -76,9 +76,8 @@ class LoweringContext:
         self._built()
         mapping = {k: wrap(leaf, leaf[0].avals[leaf[1]]) for k, leaf in enumerate(self._leaves)}
         if self._scalars is not None:
-            from spmd_torch import device  # the package imports this module
-
-            mapping[len(mapping)] = torch.from_numpy(self._scalars).to(device())
+            device = current().mode.use_device(None)
+            mapping[len(mapping)] = torch.from_numpy(self._scalars).to(device)
         return mapping
 
     def tensor_parameter_id(self, tensor: torch.Tensor) -> int:

@@ -39,7 +39,7 @@ def test_sharding_constraint_is_a_node_that_reaches_the_program_and_the_key():
     hlo = graph.pending_hlo([y])
     assert re.search(
         r'custom-call\(f32\[8,4\]\{1,0\} %\S+\), custom_call_target="Sharding", '
-        r"sharding=\{devices=\[8,1\]<=\[8\]\}",
+        r"sharding=\{devices=\[8,1\]0,1,2,3,4,5,6,7\}",
         hlo,
     )
     spmd_torch.sync()
