@@ -2,8 +2,9 @@
 ``xm.mark_step()``, the data loaders, ``StepTrace``, compile regions, checkpoints.
 
 It counts the step (``MarkStep``), appends the graph to ``XLA_SAVE_TENSORS_FILE`` when set (and
-the outputs' shardings once they run), runs everything pending as one program (the engine's ``execute.sync``), appends the metrics report to ``XLA_METRICS_FILE`` when set, and runs the step
-closures queued by ``xm.add_step_closure``. A read of values (``.item()``) or eager mode's
+the outputs' shardings once they run), runs everything pending as one program (the engine's
+``execute.sync``), appends the metrics report to ``XLA_METRICS_FILE`` when set, and runs the
+step closures queued by ``xm.add_step_closure``. A read of values (``.item()``) or eager mode's
 per-op run computes what it needs without ending a step.
 """
 

@@ -488,9 +488,9 @@ def lowered(
 ) -> jax.stages.Lowered:
     """The program lowered for ``arrays``' shapes and layouts, nothing compiled or run; with
     ``replicas``, as the one program every replica of that mesh runs (``arrays``: one replica's
-    (1, ...) blocks, standing for each's). With ``every_input`` its HLO parameters are the leaves in order, then
-    the lifted scalars' vector when there are any, each kept whether read or not (JAX drops
-    unread ones otherwise)."""
+    (1, ...) blocks, standing for each's). With ``every_input`` its HLO parameters are the
+    leaves in order, then the lifted scalars' vector when there are any, each kept whether read
+    or not (JAX drops unread ones otherwise)."""
     donated = (False,) * len(arrays)
     if replicas is None:
         function, inputs = build_function(program, donated), abstract(arrays)
