@@ -19,7 +19,8 @@ from jax.sharding import SingleDeviceSharding
 from spmd_torch import config as _config
 from spmd_torch._lazy import engine as _engine
 from spmd_torch._lazy import placement as _placement
-from spmd_torch._lazy.graph import Program, aval_text, linearize, to_text
+from spmd_torch._lazy.graph import Aval, Program, aval_text, linearize, to_text
+from spmd_torch._lazy.lowering.dtypes import to_jax_dtype, to_torch_dtype
 from spmd_torch._lazy.tensor import live_pending, on_xla
 
 
@@ -216,15 +217,17 @@ def save_pending(path: str, fmt: str = "text") -> list:
 
 def save_output_shardings(path: str, outputs: list) -> None:
     """Append PyTorch/XLA's ``#OUTPUT_SHARDING`` section for ``outputs`` (storages the program
-    just computed): each one's shape and the sharding its program gave it, as
-    ``HloSharding::ToString`` prints it (``f32[8,4] {devices=[8,1]0,1,2,3,4,5,6,7}``;
-    ``{unknown}`` for a value on one device)."""
+    just computed): each one's shape as the device holds it (``XLA_USE_BF16`` applied) and the
+    sharding its program gave it, as ``HloSharding::ToString`` prints it (``f32[8,4]
+    {devices=[8,1]0,1,2,3,4,5,6,7}``; ``{unknown}`` for a value on one device)."""
     lines = []
     for storage in outputs:
         node, index = storage.ref
         array = node.arrays[index] if node.is_leaf(index) else None
-        text = _sharding_text(getattr(array, "sharding", None), len(node.avals[index].shape))
-        lines.append(f"{aval_text(node.avals[index])} {text}")
+        shape, dtype = node.avals[index]
+        text = _sharding_text(getattr(array, "sharding", None), len(shape))
+        held = Aval(shape, to_torch_dtype(to_jax_dtype(dtype)))
+        lines.append(f"{aval_text(held)} {text}")
     if lines:
         with open(path, "a") as f:
             f.write(

@@ -63,6 +63,16 @@ def test_an_output_on_one_device_has_an_unknown_sharding(save_to):
     assert "#OUTPUT_SHARDING_BEGIN\n\nf32[3] {unknown}\n\n#OUTPUT_SHARDING_END" in path.read_text()
 
 
+def test_an_outputs_shape_is_the_one_the_device_holds(save_to):
+    # As PyTorch/XLA writes its XLA shape: under XLA_USE_BF16 a float32 tensor is held in bf16
+    path = save_to("hlo")
+    with config.override(XLA_USE_BF16=True):
+        y = torch.ones(3, device=spmd_torch.device()) * 2
+        spmd_torch.sync()
+    assert y.dtype == torch.float32
+    assert "#OUTPUT_SHARDING_BEGIN\n\nbf16[3] {unknown}\n" in path.read_text()
+
+
 def test_an_unknown_format_is_refused(save_to):
     save_to("dot")
     torch.ones(2, device=spmd_torch.device()).add_(1)
