@@ -222,9 +222,9 @@ def _walk(x: Any, src: list, key: list, lift_floats: bool, lift_ints: bool = Fal
     if isinstance(x, torch.Tensor):
         return _walk(_upload_scalar_tensor(x), src, key, lift_floats)
     if cls is torch.device and x.type == DEVICE.type:
-        # Which xla:N an op runs on is the node's ``device``; the program is the same on each,
-        # so replicas on xla:0..N-1 (CPU's, under the torch_xla face) trace one program.
-        x = DEVICE
+        # The device as the graph knows it: a replica's is 0 whatever its name (CPU's replicas
+        # on xla:0..N-1 under the torch_xla face), so replicas trace one program.
+        x = XLA_DEVICES[current().mode.index_of(x.index)]
     key.append(x)
     key.append(cls)  # 1, 1.0 and True are equal keys but give different result dtypes
     return x
