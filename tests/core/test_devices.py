@@ -14,6 +14,7 @@ import spmd_torch.distributed.parallel_loader as pl
 import spmd_torch.runtime as xr
 from spmd_torch._lazy.execute import global_array
 from spmd_torch._lazy.record import DeviceMismatchError
+from spmd_torch.debug import graph
 from tests.helpers import assert_compiles
 
 
@@ -44,6 +45,12 @@ def test_a_factory_lands_on_the_device_it_names():
     assert t.device == torch.device("xla:6") and r.device == torch.device("xla:2")
     assert _on(t) == {jax.local_devices()[6]} and _on(r) == {jax.local_devices()[2]}
     assert t.cpu().tolist() == [[3.5] * 3] * 2 and r.cpu().tolist() == [0, 3, 6, 9]
+
+
+def test_the_graph_text_names_the_device_a_factory_was_given():
+    t = torch.zeros(2, device="xla:5") + 1
+    assert "device=device(type=xla, index=5)" in graph.pending_text([t])
+    assert _on(t) == {jax.local_devices()[5]}
 
 
 def test_one_barrier_runs_one_program_per_device():
