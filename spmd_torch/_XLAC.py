@@ -41,7 +41,7 @@ from jax._src import xla_bridge  # backends_are_initialized: JAX has no public q
 from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd_torch import config, runtime
-from spmd_torch._lazy import counters, execute, placement, transfer
+from spmd_torch._lazy import counters, execute, placement, run, transfer
 from spmd_torch._lazy.graph import Aval, aval_text
 from spmd_torch._lazy.layout import padded_shape
 from spmd_torch._lazy.lowering.dtypes import to_jax_dtype, to_torch_dtype
@@ -89,6 +89,7 @@ __all__ = [
     "_get_xla_tensor_debug_info",
     "_get_xla_tensor_dimension_size",
     "_get_xla_tensor_shape_type",
+    "_set_allow_execution",
     "_get_xla_tensors_hlo",
     "_get_xla_tensors_text",
     "_global_tensor_from_cpu_shards",
@@ -647,6 +648,20 @@ def _ensure_xla_coordinator_initialized(
             f"world_size={world_size}): this process is {job[0]} of a job of {job[1]} "
             "processes, joined at import (set the job up through the launcher, docs/pods.md)"
         )
+
+
+def _set_allow_execution(allow: bool) -> None:
+    """Allow or forbid running programs, process-wide: while forbidden, a program about to run
+    (a sync, a read of a pending value) raises RuntimeError ("Unexpected execution happens inside
+    the compiled function"), naming the user's line, and runs nothing. PyTorch/XLA's guard for
+    code that must only trace.
+
+    Example:
+        >>> _set_allow_execution(False)
+        >>> torch.ones(2, device='xla')[0].item()  # raises RuntimeError; nothing ran
+        >>> _set_allow_execution(True)
+    """
+    run.EXECUTION_ALLOWED[0] = bool(allow)
 
 
 def _xla_get_default_device() -> str:

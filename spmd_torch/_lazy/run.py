@@ -62,9 +62,21 @@ class Run:
         return [str(node.op) for node in self.program.nodes if node.op in COLLECTIVES]
 
 
+# PyTorch/XLA's ``_XLAC._set_allow_execution``: False makes any program about to run raise, so a
+# region that must only trace (its Dynamo bridge's, a user's check) finds the run that escaped.
+EXECUTION_ALLOWED = [True]
+
+
 def execute(run: Run) -> list:
     """Run through the compile cache (compiling on a miss); the outputs, dispatched."""
     refuse_in_bad_fork("running a program")
+    if not EXECUTION_ALLOWED[0]:
+        raise RuntimeError(
+            "Unexpected execution happens inside the compiled function, exiting: a program of "
+            f"{len(run.program.nodes)} ops was about to run at {compiler.user_frame()} while "
+            "torch_xla._XLAC._set_allow_execution(False) forbids running any (nothing ran; "
+            "the values stay pending)"
+        )
     executable, hit = compiler.lookup_or_compile(run)
     if config.DEBUG_LEVEL.value:
         compiler.analyze(run, executable, hit)

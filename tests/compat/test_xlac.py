@@ -477,3 +477,18 @@ def test_on_ready_callbacks_run_once_the_buffer_is_ready_and_pending_tensors_are
     fired = threading.Event()
     xlac._on_ready_callback(x, fired.set)  # an upload: ready as well
     assert fired.wait(30)
+
+
+def test_forbidden_execution_raises_naming_the_line_and_runs_nothing():
+    computed = torch.ones(2, device=dev) * 2
+    spmd_torch.sync()
+    pending = torch.ones(2, device=dev) * 3
+    xlac._set_allow_execution(False)
+    try:
+        assert computed.cpu().tolist() == [2.0, 2.0]  # a computed value is read, nothing runs
+        with pytest.raises(RuntimeError, match=r"compiled function, exiting: .* test_xlac\.py:\d+"):
+            pending.cpu()
+        assert graph.pending_count() == 1  # the value was not lost
+    finally:
+        xlac._set_allow_execution(True)
+    assert pending.cpu().tolist() == [3.0, 3.0]

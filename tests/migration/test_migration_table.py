@@ -993,6 +993,17 @@ def check_xlac_lowering_context(cls):
     assert ctx.parameter_id_tensor_mapping()[ctx.tensor_parameter_id(x)].tolist() == [1.0, 2.0]
 
 
+def check_xlac_allow_execution(fn):
+    pending = _xla([1.0, 2.0]) * 2
+    fn(False)
+    try:
+        with pytest.raises(RuntimeError, match="Unexpected execution"):
+            pending.cpu()
+    finally:
+        fn(True)
+    assert pending.cpu().tolist() == [2.0, 4.0]
+
+
 def check_builder_module_proto(fn):
     ctx = spmd_torch._XLAC.lowering.LoweringContext()
     ctx.build([_xla([1.0, 2.0]).sin()])
@@ -1382,6 +1393,7 @@ CHECKS: dict[str, Callable] = {
     "xlac.tensors_text": check_xlac_tensors_text,
     "xlac.tensors_hlo": check_xlac_tensors_hlo,
     "xlac.lowering_context": check_xlac_lowering_context,
+    "xlac.allow_execution": check_xlac_allow_execution,
     "builder.module_proto": check_builder_module_proto,
     "xlac.from_cpu_shards": check_xlac_from_cpu_shards,
     "xlac.manual_region": check_xlac_manual_region,
