@@ -42,16 +42,22 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd_torch import config, runtime
 from spmd_torch._lazy import counters, execute, placement, run, transfer
-from spmd_torch._lazy.graph import Aval, aval_text
+from spmd_torch._lazy.graph import Aval
 from spmd_torch._lazy.layout import padded_shape
-from spmd_torch._lazy.lowering.dtypes import to_jax_dtype, to_torch_dtype
+from spmd_torch._lazy.lowering.dtypes import to_jax_dtype
 from spmd_torch._lazy.manual import ManualShardingError
 from spmd_torch._lazy.tensor import on_xla
 from spmd_torch.core import xla_model as xm
 from spmd_torch.core.xla_builder import _user_computation as _xla_user_computation
 from spmd_torch.core.xla_builder import call_jax
 from spmd_torch.debug import lowering_context as lowering  # noqa: F401  (``_XLAC.lowering``)
-from spmd_torch.debug.graph import get_tensors_hlo, get_tensors_text, pending_program, program_text
+from spmd_torch.debug.graph import (
+    get_tensors_hlo,
+    get_tensors_text,
+    held_text,
+    pending_program,
+    program_text,
+)
 from spmd_torch.debug.metrics import clear_counters as _clear_xla_counters
 from spmd_torch.debug.metrics import clear_metrics as _clear_xla_metrics
 from spmd_torch.debug.metrics import counter_names as _xla_counter_names
@@ -368,7 +374,7 @@ def _get_xla_tensors_text(tensors: Sequence[torch.Tensor]) -> str:
 
 def _device_shape(t: torch.Tensor) -> str:
     """The tensor's shape as the device holds it (``XLA_USE_BF16`` applied): ``f32[4,2]``."""
-    return aval_text(Aval(tuple(t.shape), to_torch_dtype(to_jax_dtype(t.dtype))))
+    return held_text(Aval(tuple(t.shape), t.dtype))
 
 
 def _get_xla_tensor_shape_type(t: torch.Tensor) -> str:

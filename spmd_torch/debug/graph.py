@@ -91,6 +91,12 @@ def module_text(computation) -> str:
     return _IOTA_DEVICES.sub(_listed_devices, computation.get_hlo_module().to_string(options))
 
 
+def held_text(aval: Aval) -> str:
+    """``aval`` as XLA spells it, in the dtype the device holds it (``XLA_USE_BF16``: ``bf16``
+    for float32)."""
+    return aval_text(Aval(aval.shape, to_torch_dtype(to_jax_dtype(aval.dtype))))
+
+
 def _sharding_text(sharding, rank: int) -> str:
     """XLA's ``HloSharding::ToString`` of ``sharding`` for a rank-``rank`` value, its devices
     listed; ``{unknown}`` for none or one device."""
@@ -224,10 +230,9 @@ def save_output_shardings(path: str, outputs: list) -> None:
     for storage in outputs:
         node, index = storage.ref
         array = node.arrays[index] if node.is_leaf(index) else None
-        shape, dtype = node.avals[index]
-        text = _sharding_text(getattr(array, "sharding", None), len(shape))
-        held = Aval(shape, to_torch_dtype(to_jax_dtype(dtype)))
-        lines.append(f"{aval_text(held)} {text}")
+        aval = node.avals[index]
+        text = _sharding_text(getattr(array, "sharding", None), len(aval.shape))
+        lines.append(f"{held_text(aval)} {text}")
     if lines:
         with open(path, "a") as f:
             f.write(
