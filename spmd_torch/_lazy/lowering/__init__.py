@@ -18,6 +18,7 @@ from . import (  # noqa: F401  (each module fills LOWERINGS at import)
     nn,
     random,
     reductions,
+    rnn,
     sharding,
     special,
 )
