@@ -96,14 +96,19 @@ def test_uploads_held_on_the_host_count_as_virtual_device_use():
     assert met.counter_value("VirtualDeviceUsage") - before == 3
 
 
-def test_a_sharding_is_built_once_per_mesh_and_spec():
-    """CreateOpSharding counts the shardings built: a second mark with the same mesh and spec
-    reuses the first one's, another spec builds one more."""
-    mesh = xs.Mesh(list(reversed(range(8))), (8, 1), ("a", "b"))  # a mesh no other test builds
+def test_a_sharding_is_built_once_per_mesh_object_and_spec():
+    """CreateOpSharding counts the shardings built, as PyTorch/XLA's cache of each ``Mesh``
+    object's: a second mark with the same mesh and spec reuses the first one's, another spec
+    builds one more, and so does an equal mesh built anew."""
+    mesh = xs.Mesh(list(range(8)), (8, 1), ("a", "b"))
     before = met.counter_value("CreateOpSharding") or 0
     for spec in (("a", "b"), ("a", "b"), ("a", None)):
         xs.mark_sharding(torch.zeros(8, 2).to(dev), mesh, spec)
     assert met.counter_value("CreateOpSharding") - before == 2
+    again = xs.Mesh(list(range(8)), (8, 1), ("a", "b"))
+    xs.mark_sharding(torch.zeros(8, 2).to(dev), again, ("a", "b"))
+    assert met.counter_value("CreateOpSharding") - before == 3
+    assert again.get_named_sharding(("a", "b")) == mesh.get_named_sharding(("a", "b"))
 
 
 def test_unmarked_data_is_uploaded_replicated_by_its_first_program():

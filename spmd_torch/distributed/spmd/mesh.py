@@ -56,7 +56,7 @@ class Mesh:
         OrderedDict([('x', 4), ('y', 2)])
     """
 
-    __slots__ = ("device_ids", "mesh_shape", "axis_names", "_key", "_hash")
+    __slots__ = ("device_ids", "mesh_shape", "axis_names", "_key", "_hash", "_shardings")
 
     device_ids: np.ndarray
     mesh_shape: tuple[int, ...]
@@ -85,6 +85,7 @@ class Mesh:
         object.__setattr__(self, "axis_names", names)
         object.__setattr__(self, "_key", (tuple(ids.tolist()), shape, names))
         object.__setattr__(self, "_hash", hash(self._key))  # meshes key every sharding lookup
+        object.__setattr__(self, "_shardings", {})  # translated spec -> NamedSharding
 
     def __setattr__(self, name: str, value) -> None:
         raise AttributeError(f"{type(self).__name__} is immutable: cannot set {name!r}")
@@ -387,12 +388,17 @@ def _translate(mesh: Mesh, spec: tuple) -> tuple:
 
 
 def named_sharding(mesh: Mesh, partition_spec: PartitionSpecLike) -> NamedSharding:
-    """The ``NamedSharding`` of ``partition_spec`` over ``mesh``, built once per (mesh, spec)."""
-    return _named_sharding(mesh, translate_spec(mesh, partition_spec))
+    """The ``NamedSharding`` of ``partition_spec`` over ``mesh``, built once per ``Mesh`` object
+    and spec, as PyTorch/XLA caches its ``OpSharding`` (an equal mesh built anew builds its own,
+    equal, sharding; the cache goes with the mesh)."""
+    indices = translate_spec(mesh, partition_spec)
+    sharding = mesh._shardings.get(indices)
+    if sharding is None:
+        sharding = mesh._shardings[indices] = _new_named_sharding(mesh, indices)
+    return sharding
 
 
-@functools.lru_cache(maxsize=4096)
-def _named_sharding(mesh: Mesh, indices: tuple) -> NamedSharding:
+def _new_named_sharding(mesh: Mesh, indices: tuple) -> NamedSharding:
     counters.bump("CreateOpSharding")  # PyTorch/XLA's count of shardings built (cache misses)
     jax_mesh = _jax_mesh(mesh)
     names = jax_mesh.axis_names
