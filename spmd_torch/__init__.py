@@ -91,13 +91,14 @@ def sync(wait: bool = False, reset_scope: bool = True) -> None:
 
     Args:
         wait: Block until the dispatched program has finished.
-        reset_scope: Accepted for compatibility (PyTorch/XLA's IR scope reset; nothing to reset).
+        reset_scope: Number the profiler's ``Trace`` regions afresh; under the ``torch_xla``
+            face a region still open is then an error, as in PyTorch/XLA.
 
     Example:
         >>> loss = model(x).sum(); loss.backward(); opt.step()
         >>> spmd_torch.sync()
     """
-    _barrier.barrier(wait=wait)
+    _barrier.barrier(wait=wait, reset_scope=reset_scope)
 
 
 def launch(

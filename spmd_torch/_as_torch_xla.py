@@ -22,12 +22,15 @@ been an installable package for years, so no installed one is looked for.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.abc
 import importlib.metadata
 import importlib.util
 import sys
 import types
+
+import torch
 
 import spmd_torch
 from spmd_torch import config
@@ -114,10 +117,43 @@ def become_torch_xla(module: types.ModuleType, installed: bool | None = None) ->
     spmd_torch's; the installed distribution's ``torch_xla/__init__.py`` calls this, and so does
     the package ``run_as_torch_xla`` puts on its child processes' path (``installed=False``)."""
     _find_aliases(module, installed)
+    _patch_torch()
     module.__version__ = VERSION
     module.__path__ = []  # a package: torch_xla.X is found by the aliases
     module.__getattr__ = _top_level_name
     module.__dir__ = lambda: sorted(set(dir(spmd_torch)) | {"__version__"})
+
+
+def _patch_torch() -> None:
+    """What ``import torch_xla`` changes in torch, done here only under its name: ``nn.GRU`` is
+    the scanned GRU (one step per layer in the program, whatever the sequence's length), and
+    ``nn.utils.clip_grad_norm_`` of xla parameters none of which has a gradient gives a zero on
+    the xla device (torch's gives a CPU zero). Each keeps torch's own as ``._orig``."""
+    from spmd_torch.experimental.gru import GRU
+
+    if getattr(torch.nn.GRU, "_orig", None) is None:
+        GRU._orig = torch.nn.GRU
+        torch.nn.GRU = GRU
+    clip = torch.nn.utils.clip_grad_norm_
+    if getattr(clip, "_orig", None) is None:
+        torch.nn.utils.clip_grad_norm_ = _clip_grad_norm_on_device(clip)
+
+
+def _clip_grad_norm_on_device(original):
+    @functools.wraps(original)
+    def clip_grad_norm_(
+        parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None
+    ):
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        parameters = list(parameters)
+        if parameters and all(p.grad is None for p in parameters):
+            if parameters[0].device.type == "xla":
+                return torch.zeros((), device=parameters[0].device)
+        return original(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+
+    clip_grad_norm_._orig = original
+    return clip_grad_norm_
 
 
 def become_older_name(module: types.ModuleType, installed: bool | None = None) -> None:

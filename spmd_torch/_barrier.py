@@ -27,13 +27,15 @@ from spmd_torch.debug import graph, metrics, metrics_saver
 BEFORE_RUN: list[Callable[[], None]] = []
 
 
-def barrier(wait: bool = False) -> None:
+def barrier(wait: bool = False, reset_scope: bool = True) -> None:
     """End the step: compile (once) and dispatch every pending computation, then the step's
     side effects, in every mode alike."""
+    own = engine.current()
+    if reset_scope:
+        _reset_regions(own)
     counters.bump("MarkStep")
     for watcher in BEFORE_RUN:
         watcher()
-    own = engine.current()
     outputs = []
     if config.SAVE_TENSORS_FILE.value:  # one file per process or replica, as PyTorch/XLA's
         path = f"{config.SAVE_TENSORS_FILE.value}.{own.mode.ordinal}"
@@ -47,6 +49,16 @@ def barrier(wait: bool = False) -> None:
     if own.mode.local_ordinal == 0 and config.DEBUG_TOOL.value:
         _analyze_metrics(at_exit=False)
     run_step_closures()
+
+
+def _reset_regions(own: engine.Engine) -> None:
+    """PyTorch/XLA's scope reset: profiler regions are numbered afresh after each barrier. Under
+    the ``torch_xla`` face a ``Trace`` region still open at the barrier is an error, as there
+    (``reset_scope=False`` keeps it open); spmd_torch's own barrier may run inside one."""
+    if not own.regions:
+        own.next_region = 1
+    elif config.FACE.on:
+        raise RuntimeError(f"Expecting scope to be empty but it is {own.regions[0][0]}")
 
 
 _ANALYZED = [""]  # the symptoms of the analysis last written, its numbers left out

@@ -44,7 +44,7 @@ SWITCHES = ("mode", "scope", "one_graph", "eager", "marked_step", "global_mesh",
 class Engine:
     __slots__ = tuple(
         "home mode cache pending rng seed manual_used in_flight step_closures scope one_graph eager "
-        "eager_depth marked_step global_mesh steps __weakref__".split()
+        "eager_depth marked_step global_mesh steps regions next_region __weakref__".split()
     )
 
     def __init__(self, mode=None, cache: CompileCache | None = None):
@@ -64,6 +64,10 @@ class Engine:
         self.in_flight: list = []  # per program not known done, weak refs to its outputs
         self.step_closures: list = []  # xm.add_step_closure's (callable, run_async)
         self.scope: str | None = None  # open profiler Trace names, "/"-joined: nodes carry them
+        # The open Trace regions as PyTorch/XLA numbers them (name.N, N counting the siblings
+        # since the last barrier), each with the number its next sibling gets.
+        self.regions: list[tuple[str, int]] = []
+        self.next_region = 1
         self.one_graph: str | None = None  # the compile(full_graph=True) region: nothing runs
         self.eager: bool = config.EAGER.value  # each op runs as it is issued
         self.eager_depth = 0  # ops issued by an op (decompositions) run with it

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from typing import Any
 
 import torch
@@ -220,7 +221,7 @@ def _walk(x: Any, src: list, key: list, lift_floats: bool, lift_ints: bool = Fal
                 walked.append(_walk(v, src, key, lift_floats, lift_ints))
         return tuple(walked)
     if isinstance(x, torch.Tensor):
-        return _walk(_upload_scalar_tensor(x), src, key, lift_floats)
+        return _walk(_upload_cpu_tensor(x), src, key, lift_floats)
     if cls is torch.device and x.type == DEVICE.type:
         # The device as the graph knows it: a replica's is 0 whatever its name (CPU's replicas
         # on xla:0..N-1 under the torch_xla face), so replicas trace one program.
@@ -239,14 +240,22 @@ def _lifted_as_one(values, lift_ints: bool) -> bool:
     return kind is int and lift_ints and all(type(v) is int and v in _LIFTED_INTS for v in values)
 
 
-def _upload_scalar_tensor(t: torch.Tensor) -> LazyTensor:
-    """A 0-dim CPU tensor may join a device op, as in PyTorch; any other CPU tensor may not."""
-    if t.dim() != 0 or t.device.type != "cpu":
+def _upload_cpu_tensor(t: torch.Tensor) -> LazyTensor:
+    """A 0-dim CPU tensor may join a device op, as in PyTorch; any other CPU tensor only under
+    the ``torch_xla`` face, where PyTorch/XLA uploads it silently (here with a warning: it is a
+    host-to-device copy at every step)."""
+    if t.device.type != "cpu" or (t.dim() != 0 and not config.FACE.on):
         raise DeviceMismatchError(
             "Expected all tensors to be on the same device, but found at least two devices, "
             f"{DEVICE} and {t.device}! (a {tuple(t.shape)} {t.dtype} tensor on {t.device})"
         )
-    return wrap_data(to_device_array(t), Aval((), t.dtype), device=None)
+    if t.dim() != 0:
+        warnings.warn(
+            f"a {tuple(t.shape)} {t.dtype} CPU tensor joined an op on {DEVICE}: it is uploaded "
+            "each time, as PyTorch/XLA does; move it to the device once instead",
+            stacklevel=user_stacklevel(),
+        )
+    return wrap_data(to_device_array(t), Aval(tuple(t.shape), t.dtype), device=None)
 
 
 def _infer(func, args: tuple, kwargs: dict) -> tuple:

@@ -290,14 +290,14 @@ def mark_step(wait: bool = False, reset_scope: bool = True) -> None:
 
     Args:
         wait: Block until the dispatched program has finished.
-        reset_scope: Ignored: a profiler ``Trace`` region ends with its ``with`` block, not at a
-            barrier.
+        reset_scope: Number the profiler's ``Trace`` regions afresh; under the ``torch_xla``
+            face a region still open is then an error, as in PyTorch/XLA.
 
     Example:
         >>> loss = model(x).sum(); loss.backward(); opt.step()
         >>> xm.mark_step()
     """
-    _barrier.barrier(wait=wait)
+    _barrier.barrier(wait=wait, reset_scope=reset_scope)
 
 
 # --- step closures -------------------------------------------------------------------------------

@@ -432,17 +432,26 @@ class Trace(jax.profiler.TraceAnnotation):
             raise TypeError(f"Trace: name must be a non-empty str, got {name!r}")
         self.name = name
         self._outer_scope: str | None = None
+        self._is_open = False
         super().__init__(name, **kwargs)
 
     def __enter__(self) -> Trace:
         own = _engine.current()
         self._outer_scope = outer = own.scope
         own.scope = self.name if outer is None else f"{outer}/{self.name}"
+        own.regions.append((f"{self.name}.{own.next_region}", own.next_region + 1))
+        own.next_region, self._is_open = 1, True
         return super().__enter__()
 
     def __exit__(self, *exc_info: Any) -> None:
-        _engine.current().scope = self._outer_scope
+        self._close(_engine.current())
         super().__exit__(*exc_info)
+
+    def _close(self, own: _engine.Engine) -> None:
+        if self._is_open:  # a StepTrace closes itself before its barrier
+            self._is_open = False
+            own.scope = self._outer_scope
+            own.next_region = own.regions.pop()[1]
 
 
 class StepTrace(Trace):
@@ -470,7 +479,7 @@ class StepTrace(Trace):
         return super().__enter__()
 
     def __exit__(self, *exc_info: Any) -> None:
-        _engine.current().scope = self._outer_scope  # the barrier records nothing of the step's
+        self._close(_engine.current())  # the barrier records nothing of the step's
         try:
             xm.mark_step()
         finally:

@@ -5,8 +5,9 @@ the sequence. ``GRU`` keeps ``nn.GRU``'s parameters, state dict and results, and
 as one ``scan`` over time (its step recorded once): the program holds one step per layer
 whatever the length, and autograd goes through each scan as one op each way.
 
-PyTorch/XLA also replaces ``torch.nn.GRU`` by this class when it is imported; spmd_torch patches
-nothing in torch (docs/migration.md), so import it from here where a scanned GRU is wanted.
+PyTorch/XLA replaces ``torch.nn.GRU`` by this class when it is imported, and so does ``import
+torch_xla`` here (torch's own stays as ``nn.GRU._orig``); ``import spmd_torch`` patches nothing in
+torch, so import it from here where a scanned GRU is wanted.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from .scan import scan
 
 __all__ = ["GRU"]
 
+_TORCH_GRU = getattr(nn.GRU, "_orig", nn.GRU)  # torch's, also once ``import torch_xla`` patched it
 
-class GRU(nn.GRU):
+
+class GRU(_TORCH_GRU):
     """``nn.GRU`` with each layer's time loop as one scan (unidirectional, no projection).
 
     Takes ``nn.GRU``'s arguments; ``bidirectional=True`` gives a plain ``nn.GRU`` (with a
@@ -36,7 +39,7 @@ class GRU(nn.GRU):
     def __new__(cls, *args, **kwargs):
         if kwargs.get("bidirectional", False) or (len(args) > 6 and args[6]):
             logging.warning("the scan-based GRU is unidirectional: a plain nn.GRU is made instead")
-            return nn.GRU(*args, **kwargs)
+            return _TORCH_GRU(*args, **kwargs)
         return super().__new__(cls)
 
     def __init__(self, *args, **kwargs):
@@ -44,7 +47,7 @@ class GRU(nn.GRU):
             raise ValueError("GRU: nn.GRU takes no proj_size (it is LSTM's)")
         super().__init__(*args, **kwargs)
 
-    def forward(self, input: torch.Tensor, hx: torch.Tensor | None = None):
+    def forward(self, input, hx=None):  # nn.GRU's very signature: the two are interchangeable
         if isinstance(input, nn.utils.rnn.PackedSequence):
             raise ValueError("GRU: a PackedSequence is not supported; pass a padded tensor")
         if input.device.type != "xla":
