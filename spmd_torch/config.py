@@ -221,6 +221,13 @@ AUTO_CAPTURE = _flag(
     "called from user code and each optimizer.step run through torch.compile's spmd_torch "
     "backend, falling back to lazy tracing where Dynamo breaks or fails (core/auto_capture.py).",
 )
+COMPILATION_CACHE_SIZE = _flag(
+    "XLA_COMPILATION_CACHE_SIZE",
+    2048,
+    "Compiled programs kept per compile cache, as in PyTorch/XLA; past it the least recently run "
+    "is dropped (each holds its machine code: a process that compiles without bound would run "
+    "out of memory mappings).",
+)
 AUTO_CAPTURE_RECOMPILES = _flag(
     "SPMD_TORCH_AUTO_CAPTURE_RECOMPILES",
     4,

@@ -358,6 +358,7 @@ def lookup_or_compile(run) -> tuple[Executable, bool]:
         key = cache_key(run)
         executable = cache.executables.get(key)
     if executable is not None:
+        cache.executables.move_to_end(key)  # the most recently run last: evicted last
         counters.bump("CachedCompile")
         if cache.unsettled:
             settle_heap(cache)
@@ -392,6 +393,9 @@ def lookup_or_compile(run) -> tuple[Executable, bool]:
     lockstep = cpu and _COLLECTIVE.search(compiled.as_text()) is not None
     executable = Executable(compiled, digest, len(devices), lockstep, cache.scalars_on_device)
     cache.executables[key] = executable
+    while len(cache.executables) > max(config.COMPILATION_CACHE_SIZE.value, 1):
+        cache.executables.popitem(last=False)
+        counters.bump("CompilationCacheEviction")
     cache.history.append(key)
     del cache.history[:-16]
     return executable, False

@@ -8,6 +8,7 @@ a while (``SWITCHES``). ``current()`` is the one way to reach it: each replica's
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import warnings
@@ -25,7 +26,8 @@ class CompileCache:
     __slots__ = ("executables", "history", "ops", "unsettled", "scalars_on_device")
 
     def __init__(self):
-        self.executables: dict = {}
+        # Least recently run first: XLA_COMPILATION_CACHE_SIZE bounds it (compile.py evicts).
+        self.executables: collections.OrderedDict = collections.OrderedDict()
         self.scalars_on_device: dict = {}  # its programs' packed scalars (compile.Executable)
         self.unsettled = False  # compiled since the heap was last frozen (compile.settle_heap)
         self.history: list = []  # recent keys, newest last

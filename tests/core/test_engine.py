@@ -14,6 +14,7 @@ import torch
 import spmd_torch
 import spmd_torch.core.xla_model as xm
 import spmd_torch.debug.graph
+import spmd_torch.debug.metrics as met
 import spmd_torch.runtime as xr
 from spmd_torch import config
 from spmd_torch._lazy import compile as compile_module
@@ -173,6 +174,34 @@ def test_same_step_traced_again_hits_the_cache():
         for _ in range(3):
             w.add_(torch.ones(4, 4, device=dev) @ w * 0.01)
             spmd_torch.sync()
+
+
+def test_the_compile_cache_keeps_the_most_recently_run_programs():
+    """XLA_COMPILATION_CACHE_SIZE bounds the cache, as in PyTorch/XLA: past it the program run
+    least recently is dropped (and compiles again when it comes back), the others stay."""
+    x = torch.arange(4.0).to(dev)
+    spmd_torch.sync()
+
+    def step(k: int) -> torch.Tensor:  # three programs, told apart by their ops
+        y = [x + 1, x * 2, x.exp()][k]
+        spmd_torch.sync()
+        return y
+
+    with config.override(XLA_COMPILATION_CACHE_SIZE=2):
+        engine.current().cache.clear()
+        before = met.counter_value("CompilationCacheEviction") or 0
+        with assert_compiles(2):
+            step(0), step(1)
+        with assert_compiles(0):
+            step(0)  # now the most recently run: program 1 is the least
+        with assert_compiles(1):
+            step(2)
+        assert (met.counter_value("CompilationCacheEviction") or 0) - before == 1
+        with assert_compiles(0):
+            step(0), step(2)
+        with assert_compiles(1):
+            assert_close(step(1).cpu(), torch.arange(4.0) * 2, tol="exact")
+        assert len(engine.current().cache.executables) == 2
 
 
 def test_rng_gives_new_numbers_each_step_without_recompiling():
