@@ -362,6 +362,34 @@ def test_a_step_the_user_compiled_is_left_alone():
         spmd_torch.auto_capture(False)
 
 
+class Scanned(nn.Module):
+    """Four alike layers run by ``scan_layers`` (its first call stacks their weights); on the
+    CPU, the eager reference, by the loop it replaces."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        from spmd_torch.experimental.scan_layers import scan_layers
+
+        if x.device.type == "xla":
+            return self.head(scan_layers(self.layers, x))
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_an_optimizer_of_scanned_layers_is_left_lazy_and_the_loop_matches():
+    """The stacked layers' optimizer step stays lazy, which updates a stack at a time (captured,
+    it would update each layer's slice apart), and says so; the losses equal lazy's and
+    eager's."""
+    states, _, report = _three_ways(Scanned, "mlp")
+    assert states["left alone"] == ["AdamW.step"]
+    assert "Reason: its parameters are scan_layers' stacked layers" in report
+
+
 @pytest.mark.filterwarnings("ignore:Using `torch.compile\\(module\\)` when there are global hooks")
 def test_a_module_the_user_compiled_is_left_alone():
     """``torch.compile(model)`` in a lazy loop: the compiled module is left to the user (said in
