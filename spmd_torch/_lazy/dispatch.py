@@ -420,6 +420,12 @@ def _copy_(func, args: tuple, kwargs: dict) -> LazyTensor:
     elif isinstance(src, LazyTensor):
         value = emit_value(aten.copy.default, dst, src)
     else:
+        if isinstance(src, torch.nn.parameter.UninitializedTensorMixin):
+            raise RuntimeError(
+                f"{type(src).__name__} (a lazy module's, before its first forward) cannot move to "
+                f"the {DEVICE.type} device: run the module once on a CPU input, which gives its "
+                "parameters their shapes, then move it"
+            )
         host = host_copy(src.detach().to(dst.dtype).expand(dst.shape).contiguous())
         sharding = dst._storage.sharding if dst._view is None else None  # keep a marked layout
         device = dst._ref()[0].device

@@ -506,6 +506,18 @@ def test_module_to_refuses_a_parameter_a_live_cpu_graph_holds_and_a_copy_moves()
         model.to(dev)
 
 
+def test_a_lazy_module_moves_once_its_first_forward_gave_it_shapes():
+    """Before it, the move is refused by name (the parameter would lose its laziness: torch's
+    lazy modules keep it only through ``param.data =``, which a CPU tensor cannot take from an
+    xla one); after it, the module computes as on the CPU."""
+    lazy = torch.nn.LazyLinear(3)
+    with pytest.raises(RuntimeError, match="UninitializedParameter .* run the module once on a"):
+        copy.deepcopy(lazy).to(dev)
+    x = torch.randn(2, 5)
+    expected = lazy(x)
+    assert_close(lazy.to(dev)(x.to(dev)).cpu(), expected.detach())
+
+
 def test_leak_guard_names_spmd_mode_and_pending_tensors():
     assert engine_leaks() == []
     xr.use_spmd()
