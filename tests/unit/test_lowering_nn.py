@@ -248,6 +248,8 @@ def _softmax_cases():
         ("dim1", _logits, 1),
         ("dim-last", _logits, -1),
         ("bf16", _logits_bf16, 0),
+        ("0-dim", _t(), 0),  # one element: softmax 1, log-softmax 0 (nn.Softmax's scalar sample)
+        ("0-dim-last", _t(), -1),
     ]:
         for forward, backward in [
             (aten._softmax, aten._softmax_backward_data),
@@ -269,6 +271,7 @@ def _softmax_cases():
     + [
         case(aten._safe_softmax.default, _masked_logits, 1, id="safe_softmax-masked-row-is-zero"),
         case(aten._safe_softmax.default, _logits, -1, torch.float64, id="safe_softmax-dtype"),
+        case(aten._safe_softmax.default, _t(), 0, id="safe_softmax-0-dim"),
     ],
 )
 def test_softmax_matches_eager(op, args, kwargs, tol):

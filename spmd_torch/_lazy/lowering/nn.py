@@ -415,12 +415,18 @@ def _col2im(self, output_size, kernel_size, dilation, padding, stride):
 # --- softmax -------------------------------------------------------------------------------------
 
 
+def _over(x, dim):
+    """The axes a softmax of ``x`` along ``dim`` reduces: none for a 0-dim ``x`` (PyTorch takes
+    its dim 0 or -1 as the one element's: softmax 1, log-softmax 0)."""
+    return () if x.ndim == 0 else dim
+
+
 def _softmax_in_opmath(fn):
     """``fn`` over ``dim`` in float32 for bf16/fp16 inputs; ``half_to_float`` keeps the float32
     result instead of rounding it back."""
 
     def lowering(self, dim, half_to_float):
-        out = fn(_upcast(self), axis=dim)
+        out = fn(_upcast(self), axis=_over(self, dim))
         return out if half_to_float else out.astype(self.dtype)
 
     return lowering
@@ -438,8 +444,8 @@ register_table(
 def _safe_softmax(self, dim, dtype=None):
     """Softmax whose fully masked (all -inf) rows are 0, not NaN: what SDPA's math path calls."""
     x = self if dtype is None else self.astype(to_jax_dtype(dtype))
-    out = jax.nn.softmax(_upcast(x), axis=dim)
-    masked = jnp.all(x == -jnp.inf, axis=dim, keepdims=True)
+    out = jax.nn.softmax(_upcast(x), axis=_over(x, dim))
+    masked = jnp.all(x == -jnp.inf, axis=_over(x, dim), keepdims=True)
     return jnp.where(masked, 0, out).astype(x.dtype)
 
 
@@ -447,14 +453,14 @@ def _safe_softmax(self, dim, dtype=None):
 def _softmax_backward_data(grad_output, output, dim, input_dtype):
     """From the saved output y: y * (g - sum(g * y)); the result takes the forward input's dtype."""
     g, y = _upcast(grad_output), _upcast(output)
-    return (y * (g - (g * y).sum(dim, keepdims=True))).astype(to_jax_dtype(input_dtype))
+    return (y * (g - (g * y).sum(_over(y, dim), keepdims=True))).astype(to_jax_dtype(input_dtype))
 
 
 @lowers(aten._log_softmax_backward_data.default)
 def _log_softmax_backward_data(grad_output, output, dim, input_dtype):
     """From the saved output y: g - exp(y) * sum(g); the result takes the forward input's dtype."""
     g, y = _upcast(grad_output), _upcast(output)
-    return (g - jnp.exp(y) * g.sum(dim, keepdims=True)).astype(to_jax_dtype(input_dtype))
+    return (g - jnp.exp(y) * g.sum(_over(y, dim), keepdims=True)).astype(to_jax_dtype(input_dtype))
 
 
 # --- normalization -------------------------------------------------------------------------------
