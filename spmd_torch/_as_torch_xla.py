@@ -34,6 +34,7 @@ import torch
 
 import spmd_torch
 from spmd_torch import config
+from spmd_torch._lazy.tensor import DEVICE
 
 NAME = "torch_xla"
 VERSION = f"2.9.0+spmdtorch.{spmd_torch.__version__}"  # PyTorch/XLA's release, with a local label
@@ -148,7 +149,7 @@ def _clip_grad_norm_on_device(original):
             parameters = [parameters]
         parameters = list(parameters)
         if parameters and all(p.grad is None for p in parameters):
-            if parameters[0].device.type == "xla":
+            if parameters[0].device.type == DEVICE.type:
                 return torch.zeros((), device=parameters[0].device)
         return original(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
 

@@ -28,21 +28,20 @@ import subprocess
 import sys
 import warnings
 
+import torch
+from torch.testing._internal.common_modules import module_db
+from torch.utils._pytree import tree_flatten, tree_map
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RANDOM = ("Dropout",)  # module names whose outputs the device's generator decides
 BATCH = 12  # modules per child process
 
 
 def _close(a, b, atol: float, rtol: float) -> bool:
-    import torch
-
     return torch.allclose(a.detach(), b.detach().cpu(), atol=atol, rtol=rtol, equal_nan=True)
 
 
 def _floating(tree) -> list:
-    import torch
-    from torch.utils._pytree import tree_flatten
-
     leaves, _ = tree_flatten(tree)
     return [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
@@ -53,9 +52,6 @@ class EagerFails(Exception):
 
 def _check(info, device) -> str:
     """'ok', or what differed first (sample, description, forward or which gradient)."""
-    import torch
-    from torch.utils._pytree import tree_map
-
     import spmd_torch
 
     copies: dict = {}  # a tensor a sample passes twice (KLDivLoss's input as its target) stays one
@@ -122,8 +118,6 @@ def _check(info, device) -> str:
 def _child(names: list[str]) -> None:
     """Check ``names`` in this process; one JSON line per module."""
     warnings.filterwarnings("ignore")
-    from torch.testing._internal.common_modules import module_db
-
     import spmd_torch
 
     device = spmd_torch.device()
@@ -149,8 +143,6 @@ def main() -> int:
     if args.child:
         _child(args.modules)
         return 0
-    from torch.testing._internal.common_modules import module_db
-
     names = list(dict.fromkeys(info.name for info in module_db))
     names = [n for n in names if not args.modules or n in args.modules]
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_COMPILATION_CACHE_SIZE="128")
