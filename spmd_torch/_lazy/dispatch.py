@@ -19,7 +19,9 @@ from typing import Any
 import torch
 from torch._decomp import decomposition_table
 
-from . import attention, collective, counters, placement, rng, stacks, views
+from spmd_torch import config
+
+from . import attention, collective, counters, placement, rng, stacks, transfer, views
 from .engine import FORKED_AFTER_JAX, current, refuse_in_bad_fork
 from .execute import sync, to_cpu
 from .graph import Aval, Node, Value
@@ -433,7 +435,10 @@ def _copy_(func, args: tuple, kwargs: dict) -> LazyTensor:
         if dst._view is None:
             placement.remember(dst._storage, array)
             dst._storage.from_host = sharding is None  # lands replicated: a layout, not a spec
-        value = Value((Node.data(array, Aval(tuple(dst.shape), dst.dtype), device), 0))
+        node = Node.data(array, Aval(tuple(dst.shape), dst.dtype), device)
+        if type(array) is transfer.HostData and config.FACE.on:
+            transfer.UPLOAD_WHEN_READ.add(node)
+        value = Value((node, 0))
     dst._write(value.ref)
     return dst
 

@@ -23,7 +23,7 @@ from .graph import SCALAR, Arg, Aval, Node, Ref, Value
 from .lowering.checks import AFTER_META, BEFORE_META, IndexCheckError
 from .lowering.dtypes import to_jax_dtype
 from .tensor import DEVICE, SEVERAL_DEVICES, XLA_DEVICES, LazyTensor, wrap_data
-from .transfer import to_device_array
+from .transfer import UPLOAD_WHEN_READ, to_device_array, upload_read
 
 _traceback = xla_client.Traceback.get_traceback
 
@@ -87,6 +87,8 @@ def emit(
             k: _walk(v, src, signature, lift_floats, lift_ints) for k, v in kwargs.items()
         }
         signature.append(tuple(kwargs))
+    if UPLOAD_WHEN_READ.data:  # the torch_xla face's SPMD uploads (transfer.py)
+        upload_read(src)
     signature = tuple(signature)
     meta = _META_CACHE.get(signature)
     if meta is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import jax
@@ -103,6 +104,22 @@ class ReplicaShard:
 
     def is_ready(self) -> bool:
         return self.stacked.is_ready()
+
+
+# Nodes of host-held SPMD data that the first op reading them uploads (replicated), as PyTorch/XLA's
+# virtual device does: filled under the ``torch_xla`` face only. spmd_torch's own data waits for
+# the program or a ``mark_sharding`` (which then uploads only each device's shard).
+UPLOAD_WHEN_READ: weakref.WeakSet = weakref.WeakSet()
+
+
+def upload_read(sources: list) -> None:
+    """Upload the host-held data among an op's ``sources`` that waits for its first read."""
+    for node, index in sources:
+        if node in UPLOAD_WHEN_READ:
+            UPLOAD_WHEN_READ.discard(node)
+            data = node.arrays[index]
+            if type(data) is HostData:
+                node.arrays[index] = upload(data.host, data.sharding)
 
 
 class HostData:

@@ -1,6 +1,7 @@
 """Under the ``torch_xla`` face, the few behaviours that follow PyTorch/XLA's rather than
 spmd_torch's own (docs/migration.md): a CPU tensor joining a device op is uploaded, a profiler
-region open at a barrier is an error, and ``import torch_xla`` patches ``nn.GRU`` and
+region open at a barrier is an error, an SPMD upload lands once an op reads it, and
+``import torch_xla`` patches ``nn.GRU`` and
 ``clip_grad_norm_`` as PyTorch/XLA's import does. Outside the face each stays as spmd_torch has it.
 """
 
@@ -10,13 +11,18 @@ import subprocess
 import sys
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
 
 import spmd_torch
 import spmd_torch.core.xla_model as xm
+import spmd_torch.debug.metrics as met
 import spmd_torch.debug.profiler as xp
+import spmd_torch.distributed.spmd as xs
+import spmd_torch.runtime as xr
 from spmd_torch import config
+from spmd_torch._XLAC import _get_xla_tensor_debug_info as debug_info
 from tests.helpers import ROOT, assert_close
 
 dev = spmd_torch.device()
@@ -36,6 +42,46 @@ def test_under_the_face_a_cpu_tensor_in_a_device_op_is_uploaded_with_a_warning(f
     assert out.device == dev
     assert_close(out.cpu(), x * y, tol="exact")
     assert_close((y - x.to(dev)).cpu(), y - x, tol="exact")  # the CPU tensor first, too
+
+
+@pytest.fixture
+def spmd_mode():
+    xr.use_spmd()
+
+
+def _uploads() -> int:
+    return met.counter_value("TransferToDevice") or 0
+
+
+def test_under_the_face_an_spmd_upload_lands_when_an_op_reads_it(face, spmd_mode):
+    """As PyTorch/XLA's virtual device: held on the host until a traced op reads it, then
+    uploaded whole (replicated) before any program runs; a later ``mark_sharding`` reshards it."""
+    host = torch.randn(8, 8)
+    t = host.to(dev)
+    assert "Tensor on host: with size [8, 8]" in debug_info(t)
+    before = _uploads()
+    doubled = t + t
+    assert _uploads() == before + 1  # traced only: no program ran
+    info = debug_info(t)
+    assert "Tensor on host: None" in info and "IR: xla::device_data" in info
+    assert "NumShards: 8" in info and "OpSharding: {replicated}" in info
+    xs.mark_sharding(t, xs.Mesh(np.arange(8), (8, 1)), (0, 1))
+    assert_close(doubled.cpu(), 2 * host, tol="exact")
+    assert_close((t * 3).cpu(), 3 * host, tol="exact")
+
+
+def test_outside_the_face_an_spmd_upload_waits_for_its_layout(spmd_mode):
+    """Traced ops leave it on the host, so a ``mark_sharding`` after them uploads each device's
+    shard only: one upload, straight into the layout."""
+    host = torch.randn(8, 8)
+    t = host.to(dev)
+    doubled = t + t
+    assert "Tensor on host: with size [8, 8]" in debug_info(t)
+    before = _uploads()
+    xs.mark_sharding(t, xs.Mesh(np.arange(8), (8, 1)), (0, 1))
+    assert _uploads() == before + 1
+    assert "OpSharding: {devices=[8,1]0,1,2,3,4,5,6,7}" in debug_info(t)
+    assert_close(doubled.cpu(), 2 * host, tol="exact")
 
 
 def test_a_barrier_inside_a_trace_region_runs_outside_the_face():
