@@ -15,8 +15,9 @@ With ``--ckpt DIR`` the run starts from the newest checkpoint in DIR, if any, on
 host count it is given, and saves its last step there (``CheckpointManager``: every host writes its
 own shards). A checksum of every parameter and optimizer-state bit is saved with the checkpoint
 and compared after a restore: the script exits non-zero unless the restore is bit-exact, the loss
-falls, and the training loop compiles at most twice (the first step, then the step once AdamW has
-its state). ``--check-eager N`` (small sizes only: it copies the weights to the host) also trains
+falls, and the training loop compiles at most three programs: the layers' stacks (a few ops,
+once per run), the first step, then the step once AdamW has its state (a resumed run's state comes
+with the checkpoint: two). ``--check-eager N`` (small sizes only: it copies the weights to the host) also trains
 a CPU copy for N steps in float32 and compares the losses.
 
 Run, on one host with 8 virtual CPU devices, then resumed as 2 hosts of 4 on another mesh shape:
@@ -419,8 +420,8 @@ def main() -> int:
 
     if len(losses) > 1 and not losses[-1] < losses[0]:
         failures.append(f"the loss did not fall: {losses[0]:.4f} -> {losses[-1]:.4f}")
-    if compiles > 2:
-        failures.append(f"{compiles} compilations in the training loop, expected at most 2")
+    if compiles > 3:
+        failures.append(f"{compiles} compilations in the training loop, expected at most 3")
     for failure in failures:
         print(f"FAILED: {failure}", file=sys.stderr)
     return 1 if failures else 0

@@ -89,12 +89,24 @@ def _owners(engine) -> dict:
         node, index = storage.ref
         if node.is_leaf(index):
             if node.op != DATA:  # computed by an earlier partial run: drop its history
-                array = node.arrays[index]
-                storage.set((Node.data(array, node.avals[index], node.device), 0))
-                placement.remember(storage, array)
+                _hold_as_data(storage, node.arrays[index])
             continue
         owners.setdefault((id(node), index), (storage.ref, []))[1].append(storage)
     return owners
+
+
+def _hold_as_data(storage, array: jax.Array) -> None:
+    """Make a computed value its storage's data, as the barrier leaves a program's outputs."""
+    node, index = storage.ref
+    storage.set((Node.data(array, node.avals[index], node.device), 0))
+    placement.remember(storage, array)
+
+
+def compute_now(tensors: list[LazyTensor]) -> None:
+    """Compute ``tensors`` (none of them a view) as one program now and hold each value as
+    data: the step's program then reads them as inputs, as every later step's does."""
+    for t, array in zip(tensors, materialize(tensors)):
+        _hold_as_data(t._storage, array)
 
 
 def materialize(tensors: list[LazyTensor]) -> list[jax.Array]:

@@ -5,7 +5,8 @@ whatever the depth: each parameter and buffer is stacked across the layers along
 axis, and the first layer, called with ``torch.func.functional_call`` on one slice of each stack,
 is the body of a ``scan`` over them. The first call makes the layers' tensors the members of
 their stack (stacks.py), so that later steps read it as it is and the optimizer updates one array
-per kind of weight, whatever the depth. The parameters stay the layers' own: autograd takes each
+per kind of weight, whatever the depth; stacks of data are computed then, by a program of their
+own, so that the first call's program is every later call's. The parameters stay the layers' own: autograd takes each
 gradient back through its stack to the layer's parameter, so optimizers, ``state_dict`` and
 checkpoints see the usual per-layer names. A parameter marked with ``mark_sharding`` lays its
 stack out the same way, the stacked axis unsplit. With ``is_layer_pure=True`` the first layer's
@@ -22,7 +23,9 @@ from typing import Any
 import torch
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spmd_torch._lazy import loop, placement, stacks
+from spmd_torch._lazy import execute, loop, placement, stacks
+from spmd_torch._lazy.engine import current
+from spmd_torch._lazy.tensor import LazyTensor
 
 from .scan import _scan, _text, _xla_tensor, without_dynamo
 
@@ -73,7 +76,12 @@ def _scan_layers(layers: list, input_data: Any, partition_fn: Callable | None, p
     states = [state for _, state in structures]
     _check_same_structure([modules for modules, _ in structures], states)
     numbers = functools.cache(lambda: _layer_numbers(len(layers), _device_of(states)))
-    stacked = {name: _stacked([state[name] for state in states], numbers) for name in states[0]}
+    new_stacks: list = []
+    stacked = {
+        name: _stacked([state[name] for state in states], numbers, new_stacks) for name in states[0]
+    }
+    if new_stacks and current().one_graph is None:
+        execute.compute_now(new_stacks)
     one_layer = _one_layer_function(first, partition_fn, pure)
     modes = tuple(m.training for m in first.modules()) if pure else ()  # in the recording's key
     return _scan(one_layer, input_data, stacked, partition_fn, pure, modes)[0]
@@ -202,19 +210,26 @@ class _Stack(torch.autograd.Function):
         )
 
 
-def _stacked(tensors: list, numbers: Callable) -> torch.Tensor:
+def _stacked(tensors: list, numbers: Callable, new_stacks: list) -> torch.Tensor:
     """The layers' tensors as one, stacked along a new leading axis.
 
     Their first call makes them the members of one stack (stacks.restack): each step then reads
     the stack as it is, and its optimizer updates one array per kind of weight, not one per
     layer. The stack is laid out as they were when they all had one sharding over several
-    devices (the new axis unsplit). Tensors that cannot be re-homed (shared with other layers
-    or aliased elsewhere) are stacked again at each call."""
+    devices (the new axis unsplit). A stack of tensors holding data (initialised, restored) is
+    appended to ``new_stacks``, to be computed before the step: the first step's program is then
+    every later step's, not one more to compile. Tensors that cannot be re-homed (shared with
+    other layers or aliased elsewhere) are stacked again at each call."""
     whole = stacks.stacked(tensors)
     # Never re-homed inside a loop body: the stack's value would be the body's, not the step's.
     if whole is None and not loop.recording_inside():
         layouts = {placement.sharding_of(t) for t in tensors}
+        data = all(
+            type(t) is LazyTensor and t._storage.ref[0].is_leaf(t._storage.ref[1]) for t in tensors
+        )
         whole = stacks.restack(tensors)
+        if whole is not None and data:
+            new_stacks.append(whole)
         if whole is not None and len(layouts) == 1:
             (layout,) = layouts
             if type(layout) is NamedSharding and not layout.is_fully_replicated:
