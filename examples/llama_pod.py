@@ -16,8 +16,9 @@ host count it is given, and saves its last step there (``CheckpointManager``: ev
 own shards). A checksum of every parameter and optimizer-state bit is saved with the checkpoint
 and compared after a restore: the script exits non-zero unless the restore is bit-exact, the loss
 falls, and the training loop compiles at most three programs: the layers' stacks (a few ops,
-once per run), the first step, then the step once AdamW has its state (a resumed run's state comes
-with the checkpoint: two). ``--check-eager N`` (small sizes only: it copies the weights to the host) also trains
+once per run), the first step, then the step once AdamW has its state. A resumed run's state comes
+with the checkpoint, one tensor per layer: its first step stacks it beside the layers' weights (a
+small program), then compiles the step every later step runs. ``--check-eager N`` (small sizes only: it copies the weights to the host) also trains
 a CPU copy for N steps in float32 and compares the losses.
 
 Run, on one host with 8 virtual CPU devices, then resumed as 2 hosts of 4 on another mesh shape:

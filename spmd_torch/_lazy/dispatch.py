@@ -23,7 +23,7 @@ from spmd_torch import config
 
 from . import attention, collective, counters, placement, rng, stacks, transfer, views
 from .engine import FORKED_AFTER_JAX, current, refuse_in_bad_fork
-from .execute import sync, to_cpu
+from .execute import compute_now, sync, to_cpu
 from .graph import Aval, Node, Value
 from .lowering import LOWERINGS, amp, ctc, factories, optim
 from .lowering.foreach import element_overload, element_packet
@@ -514,9 +514,17 @@ def _over_stacks(record: Callable, func, args: tuple, kwargs: dict) -> Any:
     collapsed = stacks.collapse(args)
     if collapsed is None:
         return record(func, args, kwargs)
-    args, plan = collapsed
+    args, plan, made = collapsed
+    _compute_new_stacks(made)
     results = record(func, args, kwargs)
     return None if results is None else stacks.expand(results, plan)
+
+
+def _compute_new_stacks(made: list) -> None:
+    """Stacks of data made during a step computed now, by a small program of their own: the
+    step's program is then the one every later step runs (they read the stacks as data)."""
+    if made and current().one_graph is None:
+        compute_now(made)
 
 
 def _norms_over_stacks(record: Callable, func, args: tuple, kwargs: dict) -> list:
@@ -525,7 +533,8 @@ def _norms_over_stacks(record: Callable, func, args: tuple, kwargs: dict) -> lis
     collapsed = stacks.collapse(args)
     if collapsed is None:
         return record(func, args, kwargs)
-    (tensors, *rest), plan = collapsed
+    (tensors, *rest), plan, made = collapsed
+    _compute_new_stacks(made)
     ord = rest[0] if rest else kwargs.get("ord", 2)
     dtype = rest[1] if len(rest) > 1 else kwargs.get("dtype")
     singles = [t for t, where in zip(tensors, plan) if type(where) is int]

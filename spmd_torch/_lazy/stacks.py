@@ -12,7 +12,10 @@ per stack whatever the depth.
 Stacks are made where the members are known to come together: ``scan_layers`` stacks each
 parameter of its layers (``restack``), the gradients its scan returns are members of one
 gradient, and ``zeros_like`` (and the other constant ``*_like`` ops) of members 0, 1, ... of a
-stack, in order, as torch.optim makes its moments, are members of one new stack (``like``). A
+stack, in order, as torch.optim makes its moments, are members of one new stack (``like``), and
+so are plain tensors a foreach op gives beside a stack's members (an optimizer's state loaded
+from a checkpoint, one tensor per layer, beside the stacked gradients; or alone, right after
+such a call, at the positions it grouped). A
 tensor made alone from one member (``zeros_like(layers[3].weight)``) is a tensor of its own; one
 made from member 0 is member 0 of a new stack, and holds the stack's memory.
 """
@@ -86,21 +89,36 @@ def restack(tensors: list) -> LazyTensor | None:
     stack = wrap(value.ref, value.aval)._storage
     for t, new in zip(tensors, members(stack)):
         t._alias_of(new)
+    _RESTACKED[0] = True
     return whole(stack)
+
+
+_RESTACKED = [False]  # whether any stack was ever made: until then foreach ops look for none
+
+
+def holds_data(tensors: list) -> bool:
+    """Whether each of ``tensors`` is a plain xla tensor whose value is data, not pending."""
+    return all(
+        type(t) is LazyTensor and t._storage.ref[0].is_leaf(t._storage.ref[1]) for t in tensors
+    )
 
 
 # --- foreach ops over whole stacks ---------------------------------------------------------------
 
 
-def collapse(args: tuple) -> tuple[tuple, list] | None:
-    """A pointwise foreach op's arguments with every complete stack of its first list written as
-    the stack itself, in each of its lists alike; with the plan ``expand`` needs: per entry of the
-    shortened lists, the original positions it stands for (a stack's, in member order) or one
-    position. None when no stack is complete in every list.
+def collapse(args: tuple) -> tuple[tuple, list, list] | None:
+    """A pointwise foreach op's arguments with every complete stack of one of its lists written
+    as the stack itself, in each of its lists alike; with the plan ``expand`` needs: per entry of
+    the shortened lists, the original positions it stands for (a stack's, in member order) or one
+    position; and the stacks made here of tensors holding data (below). None when no stack is
+    complete in every list.
 
     A stack counts when its L members sit at the same positions of every tensor list (member k
     of one list beside member k of the others, all of one shape), the Python scalar lists hold
-    one value at those positions, and every other argument is one value for all elements."""
+    one value at those positions, and every other argument is one value for all elements. Plain
+    tensors at a stack's positions are made the members of a new stack (``restack``), as an
+    optimizer's state restored from a checkpoint beside stacked parameters is, so that the
+    optimizer updates it whole from then on."""
     lists = [i for i, a in enumerate(args) if isinstance(a, (list, tuple))]
     if not lists or not args[lists[0]]:
         return None
@@ -108,12 +126,22 @@ def collapse(args: tuple) -> tuple[tuple, list] | None:
     for i, a in enumerate(args):
         if i not in lists and isinstance(a, torch.Tensor) and a.dim() != 0:
             return None  # a tensor of per-element scalars
-    groups = _complete_stacks(first)
+    source, groups, made = first, _complete_stacks(first), []
+    if not groups and _RESTACKED[0]:
+        source, groups = _found_elsewhere(args, lists, made)
     for i in lists:
-        if args[i] is not first:
-            groups = [g for g in groups if _aligned(args[i], g)]
+        if args[i] is not source:
+            groups = [
+                g
+                for g in groups
+                if _aligned(args[i], g) or _restacked(args[i], g[1], g[0].aval.shape[1:], made)
+            ]
     if not groups:
         return None
+    _LAST_GROUPS[:] = [
+        len(first),
+        [(positions, stack.aval.shape[1:]) for stack, positions in groups],
+    ]
     first_of = {positions[0]: positions for _, positions in groups}
     grouped = {p for _, positions in groups for p in positions}
     plan = [
@@ -124,7 +152,42 @@ def collapse(args: tuple) -> tuple[tuple, list] | None:
     new_args = list(args)
     for i in lists:
         new_args[i] = [_entry(args[i], where) for where in plan]
-    return tuple(new_args), plan
+    return tuple(new_args), plan, made
+
+
+def _found_elsewhere(args: tuple, lists: list, made: list) -> tuple[list, list]:
+    """(a list, its complete stacks) when the first list holds none: another list holding some
+    (the gradients beside an optimizer's state restored from a checkpoint), else the first list
+    restacked at the positions the last collapsed call grouped (``_foreach_mul_(exp_avg_sqs,
+    beta2)``: Adam's second moments come alone before they come beside the gradients)."""
+    for i in lists[1:]:
+        found = _complete_stacks(args[i])
+        if found:
+            return args[i], found
+    first = args[lists[0]]
+    length, groups = _LAST_GROUPS
+    if length != len(first):
+        return first, []
+    for positions, shape in groups:
+        _restacked(first, positions, shape, made)
+    return first, _complete_stacks(first)
+
+
+_LAST_GROUPS: list = [0, []]  # the last collapsed call's: [list length, [(positions, shape)]]
+
+
+def _restacked(values, positions: list, shape: tuple, made: list) -> bool:
+    """Whether the tensors of ``values`` at ``positions`` became the members of a new stack, in
+    order (each a plain tensor of ``shape`` that nothing else aliases); a new stack of data is
+    appended to ``made``."""
+    tensors = [values[p] for p in positions]
+    if not all(type(t) is LazyTensor and t._view is None and t.shape == shape for t in tensors):
+        return False
+    data = holds_data(tensors)
+    new = restack(tensors)
+    if new is not None and data:
+        made.append(new)
+    return new is not None
 
 
 def _complete_stacks(values) -> list[tuple[Storage, list]]:

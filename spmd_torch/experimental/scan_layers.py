@@ -25,7 +25,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd_torch._lazy import execute, loop, placement, stacks
 from spmd_torch._lazy.engine import current
-from spmd_torch._lazy.tensor import LazyTensor
 
 from .scan import _scan, _text, _xla_tensor, without_dynamo
 
@@ -224,9 +223,7 @@ def _stacked(tensors: list, numbers: Callable, new_stacks: list) -> torch.Tensor
     # Never re-homed inside a loop body: the stack's value would be the body's, not the step's.
     if whole is None and not loop.recording_inside():
         layouts = {placement.sharding_of(t) for t in tensors}
-        data = all(
-            type(t) is LazyTensor and t._storage.ref[0].is_leaf(t._storage.ref[1]) for t in tensors
-        )
+        data = stacks.holds_data(tensors)
         whole = stacks.restack(tensors)
         if whole is not None and data:
             new_stacks.append(whole)

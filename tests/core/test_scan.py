@@ -21,6 +21,7 @@ import spmd_torch
 import spmd_torch.distributed.spmd as xs
 import spmd_torch.distributed.xla_multiprocessing as xmp
 import spmd_torch.runtime as xr
+from spmd_torch._lazy import stacks
 from spmd_torch.debug import graph
 from spmd_torch.experimental.fori_loop import fori_loop, while_loop
 from spmd_torch.experimental.scan import scan
@@ -216,6 +217,45 @@ def test_scan_layers_first_call_runs_the_program_of_every_later_call():
     with torch.no_grad():
         want = [_unrolled(layers_cpu, x) for x in xs_cpu]
     assert_close([first.cpu(), second.cpu()], want)
+
+
+def test_optimizer_state_loaded_beside_scanned_layers_joins_their_stacks():
+    """An optimizer's state loaded from a state dict (a checkpoint's) holds a tensor per layer:
+    the first step makes each kind of it a stack beside the layers' (computed apart, as the
+    layers' stacks are), so that step's program is the one every later step runs, and the
+    optimizer updates the state whole."""
+    layers_cpu = _stack("mlp", 4)
+    opt_cpu = torch.optim.AdamW(layers_cpu.parameters(), lr=0.01)
+    x = torch.randn(2, 4, D)
+
+    def step(layers, opt, run):
+        opt.zero_grad()
+        _loss(run(layers, x if run is _unrolled else x.to(dev))).backward()
+        opt.step()
+
+    step(layers_cpu, opt_cpu, _unrolled)  # the state to load
+    layers = copy.deepcopy(layers_cpu).to(dev)
+    opt = torch.optim.AdamW(layers.parameters(), lr=0.01)
+    opt.load_state_dict(copy.deepcopy(opt_cpu.state_dict()))
+    spmd_torch.sync()
+    with assert_compiles(
+        2
+    ):  # the stacks (the layers' and the moments' alike: one program), the step
+        step(layers, opt, scan_layers)
+        spmd_torch.sync()
+    with assert_compiles(0):
+        step(layers, opt, scan_layers)
+        spmd_torch.sync()
+    for _ in range(2):
+        step(layers_cpu, opt_cpu, _unrolled)
+    weight = layers[2].up.weight
+    assert stacks.member(opt.state[weight]["exp_avg"])[1] == 2  # layer 2's slice of a stack
+    assert stacks.member(opt.state[weight]["exp_avg_sq"])[1] == 2
+    assert_close([p.cpu() for p in layers.parameters()], list(layers_cpu.parameters()))
+    assert_close(
+        [opt.state[p]["exp_avg_sq"].cpu() for p in layers.parameters()],
+        [opt_cpu.state[p]["exp_avg_sq"] for p in layers_cpu.parameters()],
+    )
 
 
 def test_scan_layers_in_launch_replicas():
