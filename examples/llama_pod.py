@@ -292,15 +292,20 @@ def train_step(model, optimizer, tokens, targets, bf16: bool) -> torch.Tensor:
 def checksum(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Every bit of the parameters and of the optimizer state (float32), as one integer: the
     bits times their flat positions, summed in wrapping int64 arithmetic, so it is the same
-    whatever the mesh (integer sums have no rounding) and changes when any bit moves or flips."""
+    whatever the mesh (integer sums have no rounding) and changes when any bit moves or flips.
+    Tensors of one shape are added up first and weighed once (the same integer: a sum of
+    products with one weight each is the product of the sum), a program a third the size."""
     device = xm.xla_device()
-    total = torch.zeros((), dtype=torch.int64, device=device)
+    by_shape: dict[torch.Size, torch.Tensor] = {}
     for param in model.parameters():
         state = optimizer.state.get(param, {})
         for tensor in (param, *(state[key] for key in sorted(state))):
             bits = tensor.detach().to(device).view(torch.int32).to(torch.int64)
-            total += (bits * flat_positions(tensor.shape, device)).sum()
-    return total.item()
+            if tensor.shape in by_shape:
+                bits = bits + by_shape[tensor.shape]
+            by_shape[tensor.shape] = bits
+    weighed = [(bits * flat_positions(shape, device)).sum() for shape, bits in by_shape.items()]
+    return int(torch.stack(weighed).sum().item())
 
 
 def flat_positions(shape: torch.Size, device) -> torch.Tensor:
