@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import sys
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -39,7 +40,12 @@ _SELECT = aten.select.int
 def member(t) -> tuple[Storage, int] | None:
     """(the stack, the index) of a tensor viewing a storage through ``select(0, index)`` only."""
     view = t._view if type(t) is LazyTensor else None
-    if view is None or len(view) != 1 or view[0].func is not _SELECT or view[0].args[0] != 0:
+    if view is None:
+        return None
+    k = _MEMBER_INDEX.get(id(view))
+    if k is not None:
+        return t._storage, k
+    if len(view) != 1 or view[0].func is not _SELECT or view[0].args[0] != 0:
         return None
     return t._storage, view[0].args[1]
 
@@ -48,7 +54,21 @@ def members(stack: Storage) -> list[LazyTensor]:
     """New tensors viewing each slice of ``stack``."""
     shape, dtype = stack.aval
     aval = Aval(shape[1:], dtype)
-    return [LazyTensor(stack, aval, (View(_SELECT, (0, k)),)) for k in range(shape[0])]
+    return [LazyTensor(stack, aval, _member_view(k)) for k in range(shape[0])]
+
+
+# Member k's view chain, (select(0, k),): one object for every stack's member k, so that telling
+# a member and its index is one dictionary lookup (foreach ops check every tensor of their lists).
+_MEMBER_VIEWS: list[tuple] = []
+_MEMBER_INDEX: dict[int, int] = {}  # id(a member's view chain) -> its index
+
+
+def _member_view(k: int) -> tuple:
+    while len(_MEMBER_VIEWS) <= k:
+        view = (View(_SELECT, (0, len(_MEMBER_VIEWS))),)
+        _MEMBER_INDEX[id(view)] = len(_MEMBER_VIEWS)
+        _MEMBER_VIEWS.append(view)
+    return _MEMBER_VIEWS[k]
 
 
 def slices(t) -> list[LazyTensor] | None:
@@ -64,15 +84,21 @@ def whole(stack: Storage) -> LazyTensor:
     return LazyTensor(stack, stack.aval)
 
 
-def stacked(tensors: list) -> LazyTensor | None:
-    """The whole stack when ``tensors`` are its members 0, 1, ... in order, else None."""
+def stack_of(tensors: list) -> Storage | None:
+    """The stack whose members 0, 1, ... in order ``tensors`` are, else None."""
     first = member(tensors[0]) if tensors else None
     if first is None or first[0].aval.shape[0] != len(tensors):
         return None
     for k, t in enumerate(tensors):
         if member(t) != (first[0], k):
             return None
-    return whole(first[0])
+    return first[0]
+
+
+def stacked(tensors: list) -> LazyTensor | None:
+    """The whole stack when ``tensors`` are its members 0, 1, ... in order, else None."""
+    stack = stack_of(tensors)
+    return None if stack is None else whole(stack)
 
 
 def restack(tensors: list) -> LazyTensor | None:
@@ -150,8 +176,9 @@ def collapse(args: tuple) -> tuple[tuple, list, list] | None:
         if position in first_of or position not in grouped
     ]
     new_args = list(args)
-    for i in lists:
-        new_args[i] = [_entry(args[i], where) for where in plan]
+    new_args[lists[0]] = [_entry(first, where, whole) for where in plan]
+    for i in lists[1:]:  # read only: their stacks as graph values, no tensors made
+        new_args[i] = [_entry(args[i], where, _value) for where in plan]
     return tuple(new_args), plan, made
 
 
@@ -194,13 +221,18 @@ def _complete_stacks(values) -> list[tuple[Storage, list]]:
     """(stack, the positions of its members 0..L-1) for each stack all of whose members are in
     ``values`` (``member`` inlined: this runs for every tensor of an optimizer's lists)."""
     at: dict = {}  # stack -> positions by index
+    index = _MEMBER_INDEX.get
     for position, t in enumerate(values):
         view = t._view if type(t) is LazyTensor else None
-        if view is None or len(view) != 1 or view[0].func is not _SELECT:
+        if view is None:
             continue
-        axis, k = view[0].args
-        if axis != 0 or k < 0:
-            continue
+        k = index(id(view))
+        if k is None:
+            if len(view) != 1 or view[0].func is not _SELECT:
+                continue
+            axis, k = view[0].args
+            if axis != 0 or k < 0:
+                continue
         slots = at.get(t._storage)
         if slots is None:
             slots = at[t._storage] = [None] * t._storage.aval.shape[0]
@@ -222,19 +254,26 @@ def _aligned(values, group: tuple[Storage, list]) -> bool:
     theirs = found[0]
     for k, p in enumerate(positions):
         t = values[p]
-        view = t._view if type(t) is LazyTensor else None
-        if view is None or t._storage is not theirs or len(view) != 1:
+        if type(t) is not LazyTensor or t._storage is not theirs:
             return False
-        if view[0].func is not _SELECT or view[0].args != (0, k):
+        view = t._view
+        if view is not _MEMBER_VIEWS[k] and (
+            view is None or len(view) != 1 or view[0].func is not _SELECT or view[0].args != (0, k)
+        ):
             return False
     return True
 
 
-def _entry(values, where):
+def _entry(values, where, as_whole: Callable):
+    """The value at ``where`` (a position), or (a stack's positions) its stack, ``as_whole``."""
     if type(where) is int:
         return values[where]
     first = values[where[0]]
-    return whole(first._storage) if isinstance(first, torch.Tensor) else first
+    return as_whole(first._storage) if isinstance(first, torch.Tensor) else first
+
+
+def _value(stack: Storage) -> Value:
+    return Value(stack.ref)
 
 
 def expand(outputs: list, plan: list) -> list:
@@ -278,4 +317,4 @@ def like(make, func, args: tuple, kwargs: dict):
     new = entry[0]()
     entry[1] += 1
     shape, dtype = new.aval
-    return LazyTensor(new, Aval(shape[1:], dtype), (View(_SELECT, (0, k)),))
+    return LazyTensor(new, Aval(shape[1:], dtype), _member_view(k))

@@ -73,14 +73,15 @@ def _scan_layers(layers: list, input_data: Any, partition_fn: Callable | None, p
     first = layers[0]
     structures = [_structure(m) for m in layers]
     states = [state for _, state in structures]
-    _check_same_structure([modules for modules, _ in structures], states)
-    numbers = functools.cache(lambda: _layer_numbers(len(layers), _device_of(states)))
+    _check_same_modules([modules for modules, _ in structures], states)
+    groups = {name: [state[name] for state in states] for name in states[0]}
+    _check_same_tensors(groups)
     new_stacks: list = []
-    stacked = {
-        name: _stacked([state[name] for state in states], numbers, new_stacks) for name in states[0]
-    }
+    wholes = {name: _whole(tensors, new_stacks) for name, tensors in groups.items()}
     if new_stacks and current().one_graph is None:
         execute.compute_now(new_stacks)
+    numbers = functools.cache(lambda: _layer_numbers(len(layers), _device_of(states)))
+    stacked = _stacked(groups, wholes, numbers)
     one_layer = _one_layer_function(first, partition_fn, pure)
     modes = tuple(m.training for m in first.modules()) if pure else ()  # in the recording's key
     return _scan(one_layer, input_data, stacked, partition_fn, pure, modes)[0]
@@ -142,9 +143,9 @@ def _structure(layer: torch.nn.Module) -> tuple[list, dict]:
     return modules, {**parameters, **buffers}
 
 
-def _check_same_structure(structures: list, states: list) -> None:
-    """Every layer like the first: its modules' types and training modes, its tensors' names,
-    shapes and dtypes (one layer's code runs for all of them)."""
+def _check_same_modules(structures: list, states: list) -> None:
+    """Every layer like the first in its modules' types and training modes and its tensors'
+    names (one layer's code runs for all of them)."""
     modules = structures[0]
     names = set(states[0])
     for k, (theirs, state) in enumerate(zip(structures, states)):
@@ -168,9 +169,17 @@ def _check_same_structure(structures: list, states: list) -> None:
             )
         if keys:
             raise ValueError(f"scan_layers: layer {k} has {keys}")
-        for name, t in state.items():
+
+
+def _check_same_tensors(groups: dict) -> None:
+    """Every layer's tensor of each name like the first's, an xla tensor of its shape and dtype;
+    the members of one stack (every step's after the first) are alike by construction."""
+    for name, tensors in groups.items():
+        if stacks.stack_of(tensors) is not None:
+            continue
+        ref = tensors[0]
+        for k, t in enumerate(tensors):
             _xla_tensor(f"scan_layers: layer {k}'s {name}", t)
-            ref = states[0][name]
             if (t.shape, t.dtype) != (ref.shape, ref.dtype):
                 raise ValueError(
                     f"scan_layers: Shape mismatch for {name!r} in layer {k}: {_text(t)}, layer 0's "
@@ -186,31 +195,43 @@ def _module_text(modules: list, at: int) -> str:
 
 
 class _Stack(torch.autograd.Function):
-    """The layers' tensors as one (layers x ...) tensor: their stack itself where they are one
-    stack's members, else ``torch.stack`` of them. Layer k's gradient is member k of the
-    stacked gradient, so that torch.optim's foreach ops update it whole (stacks.py); outside a
-    stack it is read at ``indices[k]``, a device tensor of its own, instead of at a constant
-    offset, so that every layer's gradient is one XLA kernel compiled once for all the layers."""
+    """Each kind of the layers' tensors as one (layers x ...) tensor, all kinds in one call (a
+    call of an autograd Function costs more than the stack it hands out): their stack itself
+    where they are one stack's members, else ``torch.stack`` of them. Layer k's gradient is
+    member k of the stacked gradient, so that torch.optim's foreach ops update it whole
+    (stacks.py); outside a stack it is read at ``numbers()[k]``, a device tensor of its own,
+    instead of at a constant offset, so that every layer's gradient is one XLA kernel compiled
+    once for all the layers."""
 
     @staticmethod
-    def forward(ctx, indices: list | None, *tensors: torch.Tensor) -> torch.Tensor:
-        ctx.indices = indices
-        whole = stacks.stacked(list(tensors))
-        return torch.stack(tensors) if whole is None else whole
+    def forward(ctx, layers: int, numbers: Callable, *tensors: torch.Tensor) -> tuple:
+        ctx.set_materialize_grads(False)
+        ctx.layers, ctx.numbers, ctx.members = layers, numbers, []
+        outputs = []
+        for start in range(0, len(tensors), layers):
+            group = list(tensors[start : start + layers])
+            whole = stacks.stacked(group)
+            ctx.members.append(whole is not None)
+            outputs.append(torch.stack(group) if whole is None else whole)
+        return tuple(outputs)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple:
-        needed = ctx.needs_input_grad[1:]
-        if ctx.indices is None:
-            pieces = stacks.slices(grad) or [grad.select(0, k) for k in range(len(needed))]
-            return None, *(piece if n else None for piece, n in zip(pieces, needed))
-        return None, *(
-            grad.index_select(0, k).squeeze(0) if n else None for k, n in zip(ctx.indices, needed)
-        )
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple:
+        needed, layers, pieces = ctx.needs_input_grad[2:], ctx.layers, []
+        for grad, members in zip(grads, ctx.members):
+            if grad is None:
+                layer_grads = [None] * layers
+            elif members:
+                layer_grads = stacks.slices(grad) or [grad.select(0, k) for k in range(layers)]
+            else:
+                layer_grads = [grad.index_select(0, k).squeeze(0) for k in ctx.numbers()]
+            pieces += layer_grads
+        return None, None, *(piece if n else None for piece, n in zip(pieces, needed))
 
 
-def _stacked(tensors: list, numbers: Callable, new_stacks: list) -> torch.Tensor:
-    """The layers' tensors as one, stacked along a new leading axis.
+def _whole(tensors: list, new_stacks: list) -> torch.Tensor | None:
+    """The layers' tensors of one kind as the whole of the stack they are the members of, or
+    None where they cannot be.
 
     Their first call makes them the members of one stack (stacks.restack): each step then reads
     the stack as it is, and its optimizer updates one array per kind of weight, not one per
@@ -231,11 +252,27 @@ def _stacked(tensors: list, numbers: Callable, new_stacks: list) -> torch.Tensor
             (layout,) = layouts
             if type(layout) is NamedSharding and not layout.is_fully_replicated:
                 placement.mark(whole, NamedSharding(layout.mesh, PartitionSpec(None, *layout.spec)))
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    if not needs_grad:
-        return torch.stack(tensors) if whole is None else whole
-    indices = None if whole is not None else numbers()
-    return _Stack.apply(indices, *tensors)
+    return whole
+
+
+def _stacked(groups: dict, wholes: dict, numbers: Callable) -> dict:
+    """Each kind of the layers' tensors stacked, by name; the kinds autograd follows through one
+    ``_Stack`` call, whose backward hands each layer its gradient."""
+    followed = [
+        name
+        for name, tensors in groups.items()
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    ]
+    stacked = {
+        name: torch.stack(tensors) if wholes[name] is None else wholes[name]
+        for name, tensors in groups.items()
+        if name not in followed
+    }
+    if followed:
+        layers = len(groups[followed[0]])
+        tensors = [t for name in followed for t in groups[name]]
+        stacked.update(zip(followed, _Stack.apply(layers, numbers, *tensors)))
+    return {name: stacked[name] for name in groups}
 
 
 def _layer_numbers(count: int, device: torch.device) -> list:
