@@ -521,10 +521,14 @@ def _over_stacks(record: Callable, func, args: tuple, kwargs: dict) -> Any:
 
 
 def _compute_new_stacks(made: list) -> None:
-    """Stacks of data made during a step computed now, by a small program of their own: the
-    step's program is then the one every later step runs (they read the stacks as data)."""
-    if made and current().one_graph is None:
-        compute_now(made)
+    """Stacks a foreach op made (stacks.collapse) laid out as their members were, and those of
+    data computed now, by a small program of their own: the step's program is then the one every
+    later step runs (they read the stacks as data)."""
+    for whole, layouts, _ in made:
+        placement.lay_out_stack(whole, layouts)
+    of_data = [whole for whole, _, data in made if data]
+    if of_data and current().one_graph is None:
+        compute_now(of_data)
 
 
 def _norms_over_stacks(record: Callable, func, args: tuple, kwargs: dict) -> list:

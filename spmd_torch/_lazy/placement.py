@@ -98,6 +98,15 @@ def mark(t: LazyTensor, sharding: NamedSharding) -> None:
     storage.set(_constrained(storage.ref, sharding))
 
 
+def lay_out_stack(whole: LazyTensor, layouts: set) -> None:
+    """A new stack laid out as its members were (``layouts``: their shardings) when they all
+    had one sharding over several devices, the stacked axis unsplit."""
+    if len(layouts) == 1:
+        (layout,) = layouts
+        if type(layout) is NamedSharding and not layout.is_fully_replicated:
+            mark(whole, NamedSharding(layout.mesh, PartitionSpec(None, *layout.spec)))
+
+
 def _constrained(ref: Ref, sharding: NamedSharding) -> Ref:
     aval = ref[0].avals[ref[1]]
     return (Node(CONSTRAIN, (ref,), (Arg(0), sharding), {}, (aval,)), 0)

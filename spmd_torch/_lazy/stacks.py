@@ -136,8 +136,8 @@ def collapse(args: tuple) -> tuple[tuple, list, list] | None:
     """A pointwise foreach op's arguments with every complete stack of one of its lists written
     as the stack itself, in each of its lists alike; with the plan ``expand`` needs: per entry of
     the shortened lists, the original positions it stands for (a stack's, in member order) or one
-    position; and the stacks made here of tensors holding data (below). None when no stack is
-    complete in every list.
+    position; and the stacks made here (below), as ``_restacked`` gives them. None when no
+    stack is complete in every list.
 
     A stack counts when its L members sit at the same positions of every tensor list (member k
     of one list beside member k of the others, all of one shape), the Python scalar lists hold
@@ -205,15 +205,15 @@ _LAST_GROUPS: list = [0, []]  # the last collapsed call's: [list length, [(posit
 
 def _restacked(values, positions: list, shape: tuple, made: list) -> bool:
     """Whether the tensors of ``values`` at ``positions`` became the members of a new stack, in
-    order (each a plain tensor of ``shape`` that nothing else aliases); a new stack of data is
-    appended to ``made``."""
+    order (each a plain tensor of ``shape`` that nothing else aliases); the new stack is appended
+    to ``made`` with its members' former shardings and whether they all held data."""
     tensors = [values[p] for p in positions]
     if not all(type(t) is LazyTensor and t._view is None and t.shape == shape for t in tensors):
         return False
-    data = holds_data(tensors)
+    layouts, data = {t._storage.sharding for t in tensors}, holds_data(tensors)
     new = restack(tensors)
-    if new is not None and data:
-        made.append(new)
+    if new is not None:
+        made.append((new, layouts, data))
     return new is not None
 
 

@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd_torch._lazy import execute, loop, placement, stacks
 from spmd_torch._lazy.engine import current
@@ -246,12 +245,10 @@ def _whole(tensors: list, new_stacks: list) -> torch.Tensor | None:
         layouts = {placement.sharding_of(t) for t in tensors}
         data = stacks.holds_data(tensors)
         whole = stacks.restack(tensors)
-        if whole is not None and data:
-            new_stacks.append(whole)
-        if whole is not None and len(layouts) == 1:
-            (layout,) = layouts
-            if type(layout) is NamedSharding and not layout.is_fully_replicated:
-                placement.mark(whole, NamedSharding(layout.mesh, PartitionSpec(None, *layout.spec)))
+        if whole is not None:
+            placement.lay_out_stack(whole, layouts)
+            if data:
+                new_stacks.append(whole)
     return whole
 
 

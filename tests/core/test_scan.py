@@ -258,6 +258,34 @@ def test_optimizer_state_loaded_beside_scanned_layers_joins_their_stacks():
     )
 
 
+def test_a_sharded_optimizer_state_joins_stacks_laid_out_as_it_was():
+    """State restored sharded like its parameters (as a checkpoint restores it) keeps that
+    layout in its stacks, the stacked axis unsplit: AdamW's moments are not gathered whole onto
+    every device."""
+    xr.use_spmd()
+    mesh = xs.Mesh(np.arange(8), (2, 4), ("data", "model"))
+    layers = _stack("mlp", 4).to(dev)
+    for layer in layers:
+        xs.mark_sharding(layer.up.weight, mesh, ("model", None))
+    opt = torch.optim.AdamW(layers.parameters(), lr=0.01)
+    for p in layers.parameters():
+        opt.state[p] = {"step": torch.tensor(1.0)}
+        for key in ("exp_avg", "exp_avg_sq"):
+            opt.state[p][key] = torch.full(p.shape, 0.01).to(dev)
+            if p.dim() == 2 and p.shape[0] == 2 * D:  # up.weight's
+                xs.mark_sharding(opt.state[p][key], mesh, ("model", None))
+    spmd_torch.sync()
+    _loss(scan_layers(layers, torch.randn(2, 4, D).to(dev))).backward()
+    opt.step()
+    spmd_torch.sync()
+    weight = layers[1].up.weight
+    for key in ("exp_avg", "exp_avg_sq"):
+        moment = opt.state[weight][key]
+        assert stacks.member(moment)[1] == 1
+        assert xs.get_xla_sharding_spec(moment) == xs.get_xla_sharding_spec(weight)
+    xr.reset()
+
+
 def test_scan_layers_in_launch_replicas():
     layers_cpu = _stack("mlp")
     x = torch.randn(2, 4, D)
