@@ -153,8 +153,9 @@ def collapse(args: tuple) -> tuple[tuple, list, list] | None:
         if i not in lists and isinstance(a, torch.Tensor) and a.dim() != 0:
             return None  # a tensor of per-element scalars
     source, groups, made = first, _complete_stacks(first), []
+    last, _LAST_GROUPS[:] = _LAST_GROUPS[:], [0, []]  # good for the next call only
     if not groups and _RESTACKED[0]:
-        source, groups = _found_elsewhere(args, lists, made)
+        source, groups = _found_elsewhere(args, lists, last, made)
     for i in lists:
         if args[i] is not source:
             groups = [
@@ -182,17 +183,18 @@ def collapse(args: tuple) -> tuple[tuple, list, list] | None:
     return tuple(new_args), plan, made
 
 
-def _found_elsewhere(args: tuple, lists: list, made: list) -> tuple[list, list]:
+def _found_elsewhere(args: tuple, lists: list, last: list, made: list) -> tuple[list, list]:
     """(a list, its complete stacks) when the first list holds none: another list holding some
     (the gradients beside an optimizer's state restored from a checkpoint), else the first list
-    restacked at the positions the last collapsed call grouped (``_foreach_mul_(exp_avg_sqs,
-    beta2)``: Adam's second moments come alone before they come beside the gradients)."""
+    restacked at the positions the call just before grouped (``last``; Adam's
+    ``_foreach_mul_(exp_avg_sqs, beta2)`` comes right after ``_foreach_lerp_(exp_avgs, grads)``,
+    and alone)."""
     for i in lists[1:]:
         found = _complete_stacks(args[i])
         if found:
             return args[i], found
     first = args[lists[0]]
-    length, groups = _LAST_GROUPS
+    length, groups = last
     if length != len(first):
         return first, []
     for positions, shape in groups:
@@ -200,7 +202,9 @@ def _found_elsewhere(args: tuple, lists: list, made: list) -> tuple[list, list]:
     return first, _complete_stacks(first)
 
 
-_LAST_GROUPS: list = [0, []]  # the last collapsed call's: [list length, [(positions, shape)]]
+# The groups of the last foreach call over stacks, if it was the last foreach call at all:
+# [its list length, [(positions, member shape)]].
+_LAST_GROUPS: list = [0, []]
 
 
 def _restacked(values, positions: list, shape: tuple, made: list) -> bool:
