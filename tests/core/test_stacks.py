@@ -132,3 +132,26 @@ def test_clip_grad_norm_over_stacks_norms_each_member():
         want = torch.nn.utils.clip_grad_norm_(params_cpu, 0.5, norm_type, foreach=True)
         assert want > 0.5  # the gradients are scaled
         assert_close((total, [p.grad for p in params]), (want, [q.grad for q in params_cpu]))
+
+
+def test_plain_tensors_beside_a_stack_or_right_after_one_join_stacks_later_ones_do_not():
+    """An optimizer's state loaded one tensor per layer becomes stacks: the first moments where
+    a foreach op gives them beside the stacked gradients, the second moments where they come
+    alone right after (Adam's order), at the positions that call grouped. A list alone after a
+    call that grouped nothing stays as it is. Every value stays its own."""
+    grads_cpu, firsts_cpu, seconds_cpu, later_cpu = (_values(3, seed) for seed in (5, 6, 7, 8))
+    grads = _stacked(grads_cpu)
+    firsts, seconds, later = (
+        [v.to(dev) for v in vs] for vs in (firsts_cpu, seconds_cpu, later_cpu)
+    )
+    other = [torch.ones(2).to(dev)]
+    spmd_torch.sync()
+    torch._foreach_lerp_(firsts, grads, 0.1)
+    torch._foreach_mul_(seconds, 0.5)
+    torch._foreach_add_(other, 1.0)  # groups nothing
+    torch._foreach_mul_(later, 0.5)
+    assert [stacks.member(t)[1] for t in firsts + seconds] == [0, 1, 2, 0, 1, 2]
+    assert stacks.member(firsts[0])[0] is not stacks.member(seconds[0])[0]
+    assert all(stacks.member(t) is None for t in later)
+    torch._foreach_lerp_(firsts_cpu, grads_cpu, 0.1)
+    assert_close(firsts + seconds + later, firsts_cpu + [v * 0.5 for v in seconds_cpu + later_cpu])
