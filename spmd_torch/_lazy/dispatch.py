@@ -526,9 +526,7 @@ def _compute_new_stacks(made: list) -> None:
     later step runs (they read the stacks as data)."""
     for whole, layouts, _ in made:
         placement.lay_out_stack(whole, layouts)
-    of_data = [whole for whole, _, data in made if data]
-    if of_data and current().one_graph is None:
-        compute_now(of_data)
+    compute_now([whole for whole, _, data in made if data])
 
 
 def _norms_over_stacks(record: Callable, func, args: tuple, kwargs: dict) -> list:

@@ -104,7 +104,10 @@ def _hold_as_data(storage, array: jax.Array) -> None:
 
 def compute_now(tensors: list[LazyTensor]) -> None:
     """Compute ``tensors`` (none of them a view) as one program now and hold each value as
-    data: the step's program then reads them as inputs, as every later step's does."""
+    data: the step's program then reads them as inputs, as every later step's does. Inside a
+    region that must trace one graph (a compiled graph, a loop body) they stay pending."""
+    if not tensors or current().one_graph is not None:
+        return
     for t, array in zip(tensors, materialize(tensors)):
         _hold_as_data(t._storage, array)
 

@@ -95,12 +95,6 @@ def stack_of(tensors: list) -> Storage | None:
     return first[0]
 
 
-def stacked(tensors: list) -> LazyTensor | None:
-    """The whole stack when ``tensors`` are its members 0, 1, ... in order, else None."""
-    stack = stack_of(tensors)
-    return None if stack is None else whole(stack)
-
-
 def restack(tensors: list) -> LazyTensor | None:
     """Make ``tensors`` the members of one new stack holding their values, and return it whole;
     None (nothing changed) unless each is a distinct plain tensor that nothing else aliases

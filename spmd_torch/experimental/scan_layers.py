@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from spmd_torch._lazy import execute, loop, placement, stacks
-from spmd_torch._lazy.engine import current
 
 from .scan import _scan, _text, _xla_tensor, without_dynamo
 
@@ -74,11 +73,14 @@ def _scan_layers(layers: list, input_data: Any, partition_fn: Callable | None, p
     states = [state for _, state in structures]
     _check_same_modules([modules for modules, _ in structures], states)
     groups = {name: [state[name] for state in states] for name in states[0]}
-    _check_same_tensors(groups)
+    stacks_now = {name: stacks.stack_of(tensors) for name, tensors in groups.items()}
+    _check_same_tensors(groups, stacks_now)
     new_stacks: list = []
-    wholes = {name: _whole(tensors, new_stacks) for name, tensors in groups.items()}
-    if new_stacks and current().one_graph is None:
-        execute.compute_now(new_stacks)
+    wholes = {
+        name: _whole(tensors, new_stacks) if stacks_now[name] is None else stacks.whole(stack)
+        for (name, tensors), stack in zip(groups.items(), stacks_now.values())
+    }
+    execute.compute_now(new_stacks)
     numbers = functools.cache(lambda: _layer_numbers(len(layers), _device_of(states)))
     stacked = _stacked(groups, wholes, numbers)
     one_layer = _one_layer_function(first, partition_fn, pure)
@@ -170,11 +172,12 @@ def _check_same_modules(structures: list, states: list) -> None:
             raise ValueError(f"scan_layers: layer {k} has {keys}")
 
 
-def _check_same_tensors(groups: dict) -> None:
+def _check_same_tensors(groups: dict, stacks_now: dict) -> None:
     """Every layer's tensor of each name like the first's, an xla tensor of its shape and dtype;
-    the members of one stack (every step's after the first) are alike by construction."""
+    the members of one stack (``stacks_now``: every step's after the first) are alike by
+    construction."""
     for name, tensors in groups.items():
-        if stacks.stack_of(tensors) is not None:
+        if stacks_now[name] is not None:
             continue
         ref = tensors[0]
         for k, t in enumerate(tensors):
@@ -203,20 +206,18 @@ class _Stack(torch.autograd.Function):
     once for all the layers."""
 
     @staticmethod
-    def forward(ctx, layers: int, numbers: Callable, *tensors: torch.Tensor) -> tuple:
+    def forward(ctx, layers: int, numbers: Callable, wholes: list, *tensors: torch.Tensor) -> tuple:
+        """``wholes``: per kind, the stack the tensors are the members of, or None."""
         ctx.set_materialize_grads(False)
-        ctx.layers, ctx.numbers, ctx.members = layers, numbers, []
-        outputs = []
-        for start in range(0, len(tensors), layers):
-            group = list(tensors[start : start + layers])
-            whole = stacks.stacked(group)
-            ctx.members.append(whole is not None)
-            outputs.append(torch.stack(group) if whole is None else whole)
-        return tuple(outputs)
+        ctx.layers, ctx.numbers, ctx.members = layers, numbers, [w is not None for w in wholes]
+        return tuple(
+            torch.stack(tensors[k * layers : (k + 1) * layers]) if whole is None else whole
+            for k, whole in enumerate(wholes)
+        )
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None) -> tuple:
-        needed, layers, pieces = ctx.needs_input_grad[2:], ctx.layers, []
+        needed, layers, pieces = ctx.needs_input_grad[3:], ctx.layers, []
         for grad, members in zip(grads, ctx.members):
             if grad is None:
                 layer_grads = [None] * layers
@@ -225,30 +226,29 @@ class _Stack(torch.autograd.Function):
             else:
                 layer_grads = [grad.index_select(0, k).squeeze(0) for k in ctx.numbers()]
             pieces += layer_grads
-        return None, None, *(piece if n else None for piece, n in zip(pieces, needed))
+        return None, None, None, *(piece if n else None for piece, n in zip(pieces, needed))
 
 
 def _whole(tensors: list, new_stacks: list) -> torch.Tensor | None:
-    """The layers' tensors of one kind as the whole of the stack they are the members of, or
-    None where they cannot be.
+    """The layers' tensors of one kind, not yet one stack's members, made the members of one
+    (stacks.restack); the whole stack, or None where they cannot be.
 
-    Their first call makes them the members of one stack (stacks.restack): each step then reads
+    Their first call makes them the members of one stack: each step then reads
     the stack as it is, and its optimizer updates one array per kind of weight, not one per
     layer. The stack is laid out as they were when they all had one sharding over several
     devices (the new axis unsplit). A stack of tensors holding data (initialised, restored) is
     appended to ``new_stacks``, to be computed before the step: the first step's program is then
     every later step's, not one more to compile. Tensors that cannot be re-homed (shared with
     other layers or aliased elsewhere) are stacked again at each call."""
-    whole = stacks.stacked(tensors)
-    # Never re-homed inside a loop body: the stack's value would be the body's, not the step's.
-    if whole is None and not loop.recording_inside():
-        layouts = {placement.sharding_of(t) for t in tensors}
-        data = stacks.holds_data(tensors)
-        whole = stacks.restack(tensors)
-        if whole is not None:
-            placement.lay_out_stack(whole, layouts)
-            if data:
-                new_stacks.append(whole)
+    if loop.recording_inside():  # the stack's value would be the loop body's, not the step's
+        return None
+    layouts = {placement.sharding_of(t) for t in tensors}
+    data = stacks.holds_data(tensors)
+    whole = stacks.restack(tensors)
+    if whole is not None:
+        placement.lay_out_stack(whole, layouts)
+        if data:
+            new_stacks.append(whole)
     return whole
 
 
@@ -268,7 +268,8 @@ def _stacked(groups: dict, wholes: dict, numbers: Callable) -> dict:
     if followed:
         layers = len(groups[followed[0]])
         tensors = [t for name in followed for t in groups[name]]
-        stacked.update(zip(followed, _Stack.apply(layers, numbers, *tensors)))
+        followed_wholes = [wholes[name] for name in followed]
+        stacked.update(zip(followed, _Stack.apply(layers, numbers, followed_wholes, *tensors)))
     return {name: stacked[name] for name in groups}
 
 

@@ -47,7 +47,7 @@ def test_a_foreach_op_over_every_member_in_any_order_updates_the_stack_whole():
     roots = torch._foreach_sqrt(torch._foreach_abs(b))
     text = graph.pending_text()
     assert _ops(text, "aten.select_scatter.default") == 0  # no member written on its own
-    assert stacks.stacked(roots) is not None  # a functional op's results: one stack too
+    assert stacks.stack_of(roots) is not None  # a functional op's results: one stack too
     assert_close(a, a_cpu)
     assert_close(roots, torch._foreach_sqrt([v.abs() for v in b_cpu]))
 
@@ -71,8 +71,8 @@ def test_zeros_like_members_in_order_make_stacks_whose_members_stay_independent(
     for p in params:  # as torch.optim makes two moments per parameter
         firsts.append(torch.zeros_like(p))
         seconds.append(torch.zeros_like(p))
-    assert stacks.stacked(firsts) is not None and stacks.stacked(seconds) is not None
-    assert stacks.stacked(firsts)._storage is not stacks.stacked(seconds)._storage
+    assert stacks.stack_of(firsts) is not None and stacks.stack_of(seconds) is not None
+    assert stacks.stack_of(firsts) is not stacks.stack_of(seconds)
     firsts[1].add_(2.0)
     seconds[2].copy_(params[0])
     expected = [torch.zeros(3, 5) for _ in range(3)]
@@ -100,7 +100,7 @@ def test_a_member_reports_and_takes_its_layout_through_the_stack():
             xs.get_xla_sharding_spec(m)
             == "{devices=[1,4,2]0,4,1,5,2,6,3,7 last_tile_dim_replicate}"
         )
-    whole = stacks.stacked(members)
+    whole = stacks.whole(stacks.stack_of(members))
     assert tuple(whole._storage.sharding.spec) == (None, None, "model")
     xs.clear_sharding(members[0])
     assert whole._storage.sharding is None
@@ -112,7 +112,7 @@ def test_a_foreach_op_whose_list_comes_second_runs_over_the_stack():
     exponents_cpu = _values(3, 8)
     exponents = _stacked(exponents_cpu)
     powers = torch._foreach_pow(0.9, exponents)  # Adam's bias corrections, when capturable
-    assert stacks.stacked(powers) is not None
+    assert stacks.stack_of(powers) is not None
     assert_close(powers, torch._foreach_pow(0.9, exponents_cpu))
 
 
@@ -121,7 +121,7 @@ def test_clip_grad_norm_over_stacks_norms_each_member():
         grads_cpu = _values(4, 9) + [torch.randn(7)]
         grads = _stacked(grads_cpu[:4]) + [grads_cpu[4].to(dev)]
         norms = torch._foreach_norm(grads, norm_type)
-        assert stacks.stacked(norms[:4]) is not None  # one vector_norm over the stack
+        assert stacks.stack_of(norms[:4]) is not None  # one vector_norm over the stack
         assert _ops(graph.pending_text(), "aten.select.int") == 0
         assert_close(norms, torch._foreach_norm(grads_cpu, norm_type))
         params = [torch.zeros(g.shape, device=dev, requires_grad=True) for g in grads_cpu]
