@@ -4,47 +4,20 @@ tensors) into the next."""
 
 import faulthandler
 import gc
-import glob
-import importlib.util
-import mmap
 import os
 
-# LLVM's optimizations off and XLA's older CPU fusion emitters: this process's programs compile
-# 2-3x faster (test_scan, test_lowering_nn and test_attention: 84.6 against 35.4 s), and
-# compiling is most of this suite's time. The HLO is the one users' programs get, so every check
-# against a reference within a tolerance holds as under XLA's defaults; the roundings are not (no
-# fused multiply-adds), so a test of results bit-exact with ATen's is marked ``users_codegen``
-# and compiles as users' programs do. Child processes (examples, pods, libraries) always do.
-QUICK_CODEGEN = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
-USERS_CODEGEN = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
-
-
-def _known_to_xla(names) -> list[str]:
-    """The XLA flags among ``names`` the installed jaxlib has (an unknown flag aborts XLA, and
-    a later release may drop one): the ones its library names."""
-    package = os.path.dirname(importlib.util.find_spec("jaxlib").origin)
-    libraries = glob.glob(os.path.join(package, "*.so"))
-    if not libraries:
-        return []
-    with (
-        open(max(libraries, key=os.path.getsize), "rb") as handle,  # XLA's
-        mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as library,
-    ):
-        return [name for name in names if library.find(name.encode()) >= 0]
-
+from tests.xla_codegen import QUICK_CODEGEN, USERS_CODEGEN, quick
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 USERS_FLAGS = os.environ.get("XLA_FLAGS", "")
 if "--xla_force_host_platform_device_count" not in USERS_FLAGS:
     USERS_FLAGS = f"{USERS_FLAGS} --xla_force_host_platform_device_count=8".strip()
-QUICK = [] if os.environ["JAX_PLATFORMS"] != "cpu" else _known_to_xla(QUICK_CODEGEN)
-QUICK = [name for name in QUICK if name not in USERS_FLAGS]  # a run's own choice stays
+QUICK = quick(USERS_FLAGS)  # a run's own choice stays
 os.environ["XLA_FLAGS"] = " ".join([USERS_FLAGS, *(f"--{n}={QUICK_CODEGEN[n]}" for n in QUICK)])
 
 import jax  # noqa: E402
 
-jax.devices()  # XLA reads its flags as its backend starts: children get the users' ones
-os.environ["XLA_FLAGS"] = USERS_FLAGS
+jax.devices()  # XLA reads its flags as its backend starts; the processes tests start inherit them
 
 import pytest  # noqa: E402
 from jax.experimental.compilation_cache import compilation_cache  # noqa: E402

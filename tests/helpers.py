@@ -22,6 +22,7 @@ import torch.utils._pytree as pytree
 
 import spmd_torch
 from spmd_torch._lazy import counters
+from tests.xla_codegen import child_flags
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -389,9 +390,7 @@ def run_example(script: str, *args: str, hosts: int = 1) -> str:
     """Run ``examples/<script>`` on 8 virtual CPU devices, as one host or (``hosts``) as a job of
     that many hosts through ``spmd_torch.distributed.run``; its output, asserting it exited 0.
     The time limit only ends a hang: an example shares the machine with the suite's workers."""
-    env = dict(
-        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8"
-    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=child_flags())
     command = [sys.executable, str(ROOT / "examples" / script), *args]
     if hosts > 1:
         launcher = ["-m", "spmd_torch.distributed.run", "--hosts", str(hosts)]

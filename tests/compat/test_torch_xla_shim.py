@@ -14,6 +14,7 @@ import tomllib
 
 from spmd_torch import _as_torch_xla
 from tests.helpers import ROOT
+from tests.xla_codegen import child_flags
 
 COMPAT = ROOT / "compat" / "torch_xla"
 
@@ -57,7 +58,7 @@ print("checked")
 
 def _child(*command: str, path: str) -> subprocess.CompletedProcess:
     env = {"PYTHONPATH": path, "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["XLA_FLAGS"] = child_flags()
     return subprocess.run(
         [sys.executable, *command], env=env, capture_output=True, text=True, timeout=120
     )

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.helpers import ROOT, assert_close
+from tests.xla_codegen import child_flags
 
 FLOWS = ROOT / "tests" / "libraries" / "flows"
 pytestmark = pytest.mark.multiprocess
@@ -32,7 +33,7 @@ def run_flow(name: str, *args: str, shim: bool, home) -> dict:
         "HF_HUB_DISABLE_TELEMETRY": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "XLA_FLAGS": child_flags(),
     }
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=home)
     assert done.returncode == 0, f"{name} {args} (shim={shim}) failed:\n{done.stderr[-6000:]}"

@@ -21,6 +21,7 @@ import torch
 
 from spmd_torch.distributed import run
 from tests.helpers import assert_close
+from tests.xla_codegen import child_flags
 
 pytestmark = pytest.mark.multiprocess
 
@@ -32,7 +33,9 @@ FAST_FAILURE = {"SPMD_TORCH_HEARTBEAT_TIMEOUT_S": "6", "SPMD_TORCH_SHUTDOWN_TIME
 
 def _env(**extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPMD_TORCH_", "XLA_"))}
-    env.update(PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", SPMD_TORCH_INIT_TIMEOUT_S="60", **extra)
+    env.update(PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", SPMD_TORCH_INIT_TIMEOUT_S="60")
+    env.update(XLA_FLAGS=child_flags())  # the launcher sets each host's device count
+    env.update(extra)
     return env
 
 
@@ -176,7 +179,7 @@ def test_sigterm_on_one_host_checkpoints_the_same_step_on_every_host(tmp_path):
 def _host_env(host: int, port: int) -> dict:
     """A host started by hand (no launcher), as a pod's scheduler would start it."""
     return _env(
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        XLA_FLAGS=child_flags(devices=2),
         SPMD_TORCH_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
         SPMD_TORCH_NUM_PROCESSES="2",
         SPMD_TORCH_PROCESS_ID=str(host),

@@ -45,6 +45,7 @@ from tests.helpers import (
     load_example,
     tolerance,
 )
+from tests.xla_codegen import child_flags
 
 
 def small_mnist() -> nn.Module:
@@ -271,7 +272,7 @@ def test_g001_pods_the_same_script_on_every_host():
     command = [sys.executable, "-m", "spmd_torch.distributed.run", "--hosts", "2"]
     command += ["--devices-per-host", "4", str(script), "--steps", "4", "--batch-size", "8"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPMD_TORCH_", "XLA_"))}
-    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS=child_flags())
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     found = re.findall(r"\[host (\d)\] replica (\d) loss (\S+) -> (\S+) over 4 steps", done.stdout)
