@@ -2,7 +2,7 @@
 
 ``sync()`` returns once the program is dispatched (JAX runs it asynchronously); only reading values
 (``.item()``, ``.cpu()``) waits. A read of one pending tensor runs just the part of the graph it
-needs and leaves the rest pending. How a program runs is the engine's mode's business (modes.py);
+needs, keeping the live values it computes on the way, and leaves the rest pending. How a program runs is the engine's mode's business (modes.py);
 ending a training step (closures, the metrics file) is the barrier's, above the engine.
 """
 
@@ -146,14 +146,21 @@ def global_array(t: LazyTensor) -> jax.Array:
 
 
 def materialize_refs(refs: list, layouts: dict | None = None) -> list[jax.Array]:
-    """The arrays of graph references, computing only what they need (no donation);
-    ``layouts`` maps (id(node), index) to the sharding an output must have."""
+    """The arrays of graph references, computing only what they need (no donation) and
+    keeping the live values computed on the way (``_held_on_the_way``); ``layouts`` maps (id(node), index) to the sharding an output must have."""
     engine = current()
     if len(engine.pending) > _COMPACT_PENDING_AT:  # programs that read values, never sync()
         engine.pending = [weakref.ref(s) for s in live_pending() if not s.ref[0].is_leaf(s.ref[1])]
     missing = list({(id(n), i): (n, i) for n, i in refs if not n.is_leaf(i)}.values())
     if missing:
         _check_may_run(engine)
+        held = _held_on_the_way(missing)
+        if held:
+            missing += [storage.ref for storage in held]
+            layouts = dict(layouts or {})
+            layouts.update(
+                ((id(s.ref[0]), s.ref[1]), placement.output_sharding(s, s.aval)) for s in held
+            )
         read = [
             None if layouts and (id(n), i) in layouts else views.read_by_index((n, i))
             for n, i in missing
@@ -163,6 +170,25 @@ def materialize_refs(refs: list, layouts: dict | None = None) -> list[jax.Array]
             if by_index is not None:
                 node.keep(index, by_index[0].arrays[by_index[1]])
     return [placement.resolve(node, index) for node, index in refs]
+
+
+def _held_on_the_way(missing: list) -> list:
+    """The live pending storages whose values a program computing ``missing`` computes on the
+    way (one each): read with them, they become data, and later programs read them instead of
+    computing them again. A loop that reads a value per iteration while its tensors stay pending
+    (LBFGS: a line search over a history of directions) otherwise computed all of its history
+    again at every read, in programs that grew with each iteration until the process ran out of
+    memory mappings for their code. Per-device shards of an open manual region stay pending."""
+    program = linearize(missing)
+    local = manual.local_nodes(program)
+    wanted = {(id(node), index) for node, index in missing}
+    held: dict = {}
+    for storage in live_pending():
+        node, index = storage.ref
+        key = (id(node), index)
+        if id(node) in program.index and key not in wanted and id(node) not in local:
+            held.setdefault(key, storage)
+    return [storage for storage in held.values() if not storage.ref[0].is_leaf(storage.ref[1])]
 
 
 @contextlib.contextmanager

@@ -164,7 +164,7 @@ def test_is_bf16_supported_on_cpu():
 
 def test_get_num_cached_compilation_graph_counts_new_programs():
     before = xr.get_num_cached_compilation_graph()
-    x = torch.arange(5.0, device=xm.xla_device())
+    x = torch.arange(5.0).to(xm.xla_device())
     (x * 3 + 11).cpu()  # a program shape no other test compiles
     assert xr.get_num_cached_compilation_graph() == before + 1
     (x * 3 + 11).cpu()  # the same program again: cached

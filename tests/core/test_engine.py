@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import threading
@@ -659,6 +660,47 @@ def test_a_mid_step_read_of_a_program_with_lifted_scalars_matches_eager():
     for i, v in enumerate(values):
         ours[i] = v
     assert_close(ours.cpu(), torch.tensor(values))
+
+
+def test_a_read_holds_the_pending_values_it_computes_on_the_way():
+    """A host read computes the live tensors its value comes from once and keeps them: the next
+    read from them runs only what is new, and what no live tensor holds is not kept."""
+    x = torch.arange(6.0).to(dev)
+    base = torch.sin(x) * 2  # pending, and live
+    temporary_sum = (base + 1).sum()
+    assert temporary_sum.item() == pytest.approx(
+        float((torch.sin(torch.arange(6.0)) * 2 + 1).sum())
+    )
+    assert spmd_torch.debug.graph.pending_text([base * 3]).count("aten.sin") == 0  # base is data
+    assert_close((base * 3).cpu(), torch.sin(torch.arange(6.0)) * 6)
+
+
+def test_lbfgs_programs_stop_growing_and_its_losses_are_eager_cpus():
+    """torch.optim.LBFGS reads a value per iteration while its history stays pending: each read
+    once computed the whole history again, in programs that grew with every iteration (with
+    max_iter=20 its first step ran the process out of memory mappings for their code). Now each
+    read keeps what it computed, and the steps after the first compile nothing."""
+
+    def train(device, steps: int) -> list[float]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+        ).to(device)
+        x, y = torch.randn(64, 8).to(device), torch.randn(64, 1).to(device)
+        optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=6)
+
+        def closure():
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        losses = [optimizer.step(closure).item()]
+        with assert_compiles(0) if device != "cpu" else contextlib.nullcontext():
+            losses += [optimizer.step(closure).item() for _ in range(steps - 1)]
+        return losses
+
+    assert_close(torch.tensor(train(dev, 3)), torch.tensor(train("cpu", 3)))
 
 
 def test_equal_python_numbers_share_one_lifted_input():

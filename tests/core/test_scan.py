@@ -381,7 +381,7 @@ def test_random_ops_draw_new_numbers_each_iteration_as_the_unrolled_loop():
 
 
 def test_a_python_number_in_the_body_is_lifted_and_compiles_once():
-    xs_ = torch.randn(4, 3, device=dev)
+    xs_ = torch.randn(4, 3).to(dev)
 
     def run(scale: float):
         carry, _ = scan(lambda c, x: (c * scale + x, None), torch.ones(3, device=dev), xs_)
