@@ -17,7 +17,11 @@ os.environ["XLA_FLAGS"] = " ".join([USERS_FLAGS, *(f"--{n}={QUICK_CODEGEN[n]}" f
 
 import jax  # noqa: E402
 
-jax.devices()  # XLA reads its flags as its backend starts; the processes tests start inherit them
+jax.devices()  # XLA reads its flags as its backend starts
+# Back to the run's own: left set, the users_codegen tests compiled quickly in full runs of the
+# suite (something in this process reads the variable again), and lost their bits. Children that
+# compile quickly are given xla_codegen.child_flags().
+os.environ["XLA_FLAGS"] = USERS_FLAGS
 
 import pytest  # noqa: E402
 from jax.experimental.compilation_cache import compilation_cache  # noqa: E402

@@ -1,4 +1,5 @@
-"""XLA's quick codegen, for the suite's own process and the processes its tests start.
+"""XLA's quick codegen, for the suite's own process and the processes its tests start with
+``child_flags()``.
 
 LLVM's optimizations off and XLA's older CPU fusion emitters: programs compile 2-3x faster
 (test_scan, test_lowering_nn and test_attention: 84.6 against 35.4 s; the Llama example's two runs
