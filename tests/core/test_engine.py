@@ -675,6 +675,22 @@ def test_a_read_holds_the_pending_values_it_computes_on_the_way():
     assert_close((base * 3).cpu(), torch.sin(torch.arange(6.0)) * 6)
 
 
+def test_a_loss_read_before_the_backward_leaves_the_forward_out_of_the_step():
+    """The activations autograd saved come out of the read's program: the backward's program
+    reads them instead of running the forward again."""
+    w_cpu = torch.randn(4, 3, requires_grad=True)
+    x = torch.randn(5, 4)
+    w = w_cpu.detach().to(dev).requires_grad_()
+    loss = torch.tanh(x.to(dev) @ w).sum()
+    want = torch.tanh(x @ w_cpu).sum()
+    assert loss.item() == pytest.approx(want.item(), rel=1e-6)
+    loss.backward()
+    want.backward()
+    step = spmd_torch.debug.graph.pending_text([w.grad])
+    assert "aten.tanh_backward" in step and "aten.tanh.default" not in step, step
+    assert_close(w.grad.cpu(), w_cpu.grad)
+
+
 def test_lbfgs_programs_stop_growing_and_its_losses_are_eager_cpus():
     """torch.optim.LBFGS reads a value per iteration while its history stays pending: each read
     once computed the whole history again, in programs that grew with every iteration (with
