@@ -183,12 +183,16 @@ def _held_on_the_way(missing: list) -> list:
     local = manual.local_nodes(program)
     wanted = {(id(node), index) for node, index in missing}
     held: dict = {}
-    for storage in live_pending():
+    storages = [s for s in live_pending() if not s.ref[0].is_leaf(s.ref[1])]
+    # Dropped here, not only past _COMPACT_PENDING_AT: a loop that reads every iteration and
+    # never syncs would walk all of its writes at each read.
+    current().pending = [weakref.ref(s) for s in storages]
+    for storage in storages:
         node, index = storage.ref
         key = (id(node), index)
         if id(node) in program.index and key not in wanted and id(node) not in local:
             held.setdefault(key, storage)
-    return [storage for storage in held.values() if not storage.ref[0].is_leaf(storage.ref[1])]
+    return list(held.values())
 
 
 @contextlib.contextmanager

@@ -691,6 +691,17 @@ def test_a_loss_read_before_the_backward_leaves_the_forward_out_of_the_step():
     assert_close(w.grad.cpu(), w_cpu.grad)
 
 
+def test_reads_without_a_barrier_keep_the_pending_list_short():
+    """Each read walks the pending writes once and drops those that are data or dead: a loop
+    that reads every iteration and never syncs does not walk all of its writes at each read."""
+    w = torch.randn(8, 8).to(dev)
+    spmd_torch.sync()
+    for i in range(50):
+        h = torch.relu(w * (i % 3 + 1)) @ w
+        assert (h.sum() > -1e9).item()
+    assert len(engine.current().pending) < 10
+
+
 def test_lbfgs_programs_stop_growing_and_its_losses_are_eager_cpus():
     """torch.optim.LBFGS reads a value per iteration while its history stays pending: each read
     once computed the whole history again, in programs that grew with every iteration (with
