@@ -2,8 +2,9 @@
 
 ``sync()`` returns once the program is dispatched (JAX runs it asynchronously); only reading values
 (``.item()``, ``.cpu()``) waits. A read of one pending tensor runs just the part of the graph it
-needs, keeping the live values it computes on the way, and leaves the rest pending. How a program runs is the engine's mode's business (modes.py);
-ending a training step (closures, the metrics file) is the barrier's, above the engine.
+needs, keeping the live values it computes on the way, and leaves the rest pending. How a program
+runs is the engine's mode's business (modes.py); ending a training step (closures, the metrics
+file) is the barrier's, above the engine.
 """
 
 from __future__ import annotations
@@ -147,10 +148,11 @@ def global_array(t: LazyTensor) -> jax.Array:
 
 def materialize_refs(refs: list, layouts: dict | None = None) -> list[jax.Array]:
     """The arrays of graph references, computing only what they need (no donation) and
-    keeping the live values computed on the way (``_held_on_the_way``); ``layouts`` maps (id(node), index) to the sharding an output must have."""
+    keeping the live values computed on the way (``_held_on_the_way``); ``layouts`` maps
+    (id(node), index) to the sharding an output must have."""
     engine = current()
     if len(engine.pending) > _COMPACT_PENDING_AT:  # programs that read values, never sync()
-        engine.pending = [weakref.ref(s) for s in live_pending() if not s.ref[0].is_leaf(s.ref[1])]
+        _still_pending(engine)
     missing = list({(id(n), i): (n, i) for n, i in refs if not n.is_leaf(i)}.values())
     if missing:
         _check_may_run(engine)
@@ -183,16 +185,22 @@ def _held_on_the_way(missing: list) -> list:
     local = manual.local_nodes(program)
     wanted = {(id(node), index) for node, index in missing}
     held: dict = {}
-    storages = [s for s in live_pending() if not s.ref[0].is_leaf(s.ref[1])]
-    # Dropped here, not only past _COMPACT_PENDING_AT: a loop that reads every iteration and
+    # Compacted here, not only past _COMPACT_PENDING_AT: a loop that reads every iteration and
     # never syncs would walk all of its writes at each read.
-    current().pending = [weakref.ref(s) for s in storages]
-    for storage in storages:
+    for storage in _still_pending(current()):
         node, index = storage.ref
         key = (id(node), index)
         if id(node) in program.index and key not in wanted and id(node) not in local:
             held.setdefault(key, storage)
     return list(held.values())
+
+
+def _still_pending(engine) -> list:
+    """The live storages whose values are still pending, which become the engine's pending list
+    (the dead ones, and those a read computed, dropped)."""
+    storages = [s for s in live_pending() if not s.ref[0].is_leaf(s.ref[1])]
+    engine.pending = [weakref.ref(s) for s in storages]
+    return storages
 
 
 @contextlib.contextmanager

@@ -33,8 +33,13 @@ FAST_FAILURE = {"SPMD_TORCH_HEARTBEAT_TIMEOUT_S": "6", "SPMD_TORCH_SHUTDOWN_TIME
 
 def _env(**extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPMD_TORCH_", "XLA_"))}
-    env.update(PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", SPMD_TORCH_INIT_TIMEOUT_S="60")
-    env.update(XLA_FLAGS=child_flags())  # the launcher sets each host's device count
+    # XLA_FLAGS: the quick codegen; the launcher adds each host's device count
+    env.update(
+        PYTHONPATH=ROOT,
+        JAX_PLATFORMS="cpu",
+        SPMD_TORCH_INIT_TIMEOUT_S="60",
+        XLA_FLAGS=child_flags(),
+    )
     env.update(extra)
     return env
 
