@@ -557,10 +557,15 @@ _THROUGH_FUNCTIONAL = optim.FUSED_STEPS | amp.CHECK_AND_UNSCALE
 def _through_functional(functional, writes: tuple, func, args: tuple, kwargs: dict) -> None:
     """An op writing lists in place (a fused optimizer step, the scaler's check) as one node:
     its functional overload, whose results are written back to the arguments it updates (a
-    step's gradients too when it unscales them)."""
-    node, (_, entries) = emit(functional, args, kwargs, lift_floats=True)
+    step's gradients too when it unscales them). Over whole stacks where its lists hold all of
+    a stack's members, as a pointwise foreach op is (``_over_stacks``)."""
     if kwargs.get("grad_scale") is not None:
         writes += (1,)
+    collapsed = stacks.collapse(args, frozenset(writes), optim.STEP_COUNTERS.get(functional))
+    if collapsed is not None:
+        args, _, made = collapsed
+        _compute_new_stacks(made)
+    node, (_, entries) = emit(functional, args, kwargs, lift_floats=True)
     start = 0
     for position, entry in enumerate(entries):
         length = 1 if entry is TENSOR else entry

@@ -126,12 +126,20 @@ def holds_data(tensors: list) -> bool:
 # --- foreach ops over whole stacks ---------------------------------------------------------------
 
 
-def collapse(args: tuple) -> tuple[tuple, list, list] | None:
+def collapse(
+    args: tuple, written: frozenset = frozenset(), counters: int | None = None
+) -> tuple[tuple, list, list] | None:
     """A pointwise foreach op's arguments with every complete stack of one of its lists written
     as the stack itself, in each of its lists alike; with the plan ``expand`` needs: per entry of
     the shortened lists, the original positions it stands for (a stack's, in member order) or one
     position; and the stacks made here (below), as ``_restacked`` gives them. None when no
-    stack is complete in every list.
+    stack is complete in every list. The first list's stacks, and those of the lists at
+    ``written``, come as whole tensors (the op writes them), the others' as graph values; empty
+    lists stay as they are (Adam's ``max_exp_avg_sqs`` without amsgrad).
+
+    A fused optimizer step takes one 0-dim step counter per parameter (the list at
+    ``counters``): at a stack's positions they become a stack of shape (L,) of their own, which
+    the step's lowering broadcasts along the stacked axis.
 
     A stack counts when its L members sit at the same positions of every tensor list (member k
     of one list beside member k of the others, all of one shape), the Python scalar lists hold
@@ -142,6 +150,7 @@ def collapse(args: tuple) -> tuple[tuple, list, list] | None:
     lists = [i for i, a in enumerate(args) if isinstance(a, (list, tuple))]
     if not lists or not args[lists[0]]:
         return None
+    lists = [i for i in lists if args[i]]
     first = args[lists[0]]  # pow(Scalar, Tensor[]): its list comes second
     for i, a in enumerate(args):
         if i not in lists and isinstance(a, torch.Tensor) and a.dim() != 0:
@@ -152,11 +161,7 @@ def collapse(args: tuple) -> tuple[tuple, list, list] | None:
         source, groups = _found_elsewhere(args, lists, last, made)
     for i in lists:
         if args[i] is not source:
-            groups = [
-                g
-                for g in groups
-                if _aligned(args[i], g) or _restacked(args[i], g[1], g[0].aval.shape[1:], made)
-            ]
+            groups = [g for g in groups if _stacked_alike(args[i], g, i == counters, made)]
     if not groups:
         return None
     _LAST_GROUPS[:] = [
@@ -173,8 +178,15 @@ def collapse(args: tuple) -> tuple[tuple, list, list] | None:
     new_args = list(args)
     new_args[lists[0]] = [_entry(first, where, whole) for where in plan]
     for i in lists[1:]:  # read only: their stacks as graph values, no tensors made
-        new_args[i] = [_entry(args[i], where, _value) for where in plan]
+        new_args[i] = [_entry(args[i], where, whole if i in written else _value) for where in plan]
     return tuple(new_args), plan, made
+
+
+def _stacked_alike(values, group: tuple[Storage, list], counter: bool, made: list) -> bool:
+    """Whether ``values`` holds a stack at ``group``'s positions, aligned or made now, of members
+    shaped as the group's (0-dim for step counters)."""
+    shape = () if counter else group[0].aval.shape[1:]
+    return _aligned(values, group, shape) or _restacked(values, group[1], shape, made)
 
 
 def _found_elsewhere(args: tuple, lists: list, last: list, made: list) -> tuple[list, list]:
@@ -239,15 +251,15 @@ def _complete_stacks(values) -> list[tuple[Storage, list]]:
     return [(stack, positions) for stack, positions in at.items() if None not in positions]
 
 
-def _aligned(values, group: tuple[Storage, list]) -> bool:
+def _aligned(values, group: tuple[Storage, list], shape: tuple) -> bool:
     """Whether ``values`` holds, at the positions of ``group``'s stack, the members 0..L-1 of one
-    stack of the same shape (or, for Python scalars, one value)."""
+    stack of members of ``shape`` (or, for Python scalars, one value)."""
     stack, positions = group
     head = values[positions[0]]
     if not isinstance(head, torch.Tensor):  # Python scalars: one value for the whole stack
         return all(values[p] == head for p in positions)
     found = member(head)
-    if found is None or found[0].aval.shape != stack.aval.shape:
+    if found is None or found[0].aval.shape != (len(positions), *shape):
         return False
     theirs = found[0]
     for k, p in enumerate(positions):

@@ -329,7 +329,20 @@ def test_the_program_for_8_layers_is_not_larger_than_for_2():
     assert more_nodes > 3 * nodes and more_dots >= 4 * dots
 
 
-def test_optimizer_steps_and_state_dict_see_each_layers_own_parameters():
+_OPTIMIZERS = {
+    "adamw": lambda params, fused: torch.optim.AdamW(params, lr=1e-2, fused=fused),
+    "adam_amsgrad": lambda params, fused: torch.optim.Adam(
+        params, lr=1e-2, amsgrad=True, weight_decay=0.1, fused=fused
+    ),
+    "sgd_momentum": lambda params, fused: torch.optim.SGD(
+        params, lr=1e-2, momentum=0.9, fused=fused
+    ),
+    "adagrad": lambda params, fused: torch.optim.Adagrad(params, lr=1e-2, fused=fused),
+}
+
+
+@pytest.mark.parametrize("kind, fused", [("adamw", None), *((kind, True) for kind in _OPTIMIZERS)])
+def test_optimizer_steps_and_state_dict_see_each_layers_own_parameters(kind, fused):
     class Model(nn.Module):
         def __init__(self):
             super().__init__()
@@ -343,7 +356,7 @@ def test_optimizer_steps_and_state_dict_see_each_layers_own_parameters():
     model_cpu = Model()
     model = copy.deepcopy(model_cpu).to(dev)
     assert list(model.state_dict()) == list(model_cpu.state_dict())  # layers.0.up.weight ...
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, model_cpu)]
+    optimizers = [_OPTIMIZERS[kind](m.parameters(), fused) for m in (model, model_cpu)]
     for step in range(3):
         x = torch.randn(2, 4, D, generator=torch.Generator().manual_seed(step))
         for m, optimizer, scanned in zip((model, model_cpu), optimizers, (True, False)):
@@ -686,11 +699,11 @@ def test_a_body_may_neither_write_what_it_reads_from_outside_nor_read_values():
         scan(lambda c, x: (c * c.sum().item(), None), torch.zeros(2, device=dev), xs_)
 
 
-def _adamw_step_size(layers: int) -> list[tuple[int, int]]:
+def _adamw_step_size(layers: int, fused: bool | None) -> list[tuple[int, int]]:
     """(nodes, inputs) of each of two training steps' programs, AdamW included, over ``layers``
     scanned MLP layers."""
     stack = _stack("mlp", layers).to(dev)
-    optimizer = torch.optim.AdamW(stack.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(stack.parameters(), lr=1e-2, fused=fused)
     sizes = []
     for _ in range(2):
         _loss(scan_layers(stack, torch.randn(2, 4, D, device=dev))).backward()
@@ -702,9 +715,13 @@ def _adamw_step_size(layers: int) -> list[tuple[int, int]]:
     return sizes
 
 
-def test_an_adamw_step_over_8_scanned_layers_is_the_program_of_2():
+@pytest.mark.parametrize("fused", [None, True])
+def test_an_adamw_step_over_8_scanned_layers_is_the_program_of_2(fused):
     """The layers' weights, gradients and moments are stacks (stacks.py): the optimizer updates
     one array per kind of weight, so neither program grows with the depth, and the second step
-    reads each stack as one input."""
-    (first, second), (first_8, second_8) = _adamw_step_size(2), _adamw_step_size(8)
-    assert first_8[0] == first[0] and second_8 == second
+    reads each stack as one input. The fused step too, its step counters stacked: its first
+    program also makes them, a 0-dim ``zeros`` per parameter (4 a layer)."""
+    (first, second) = _adamw_step_size(2, fused)
+    (first_8, second_8) = _adamw_step_size(8, fused)
+    counters = 0 if fused is None else (8 - 2) * 4
+    assert first_8[0] == first[0] + counters and second_8 == second

@@ -32,6 +32,13 @@ def _unscaled(grad, grad_scale, maximize: bool) -> tuple:
     return (-g if maximize else g), grad
 
 
+def _step_count(counter, param):
+    """A step counter in float64, shaped to broadcast against its parameter: one per member,
+    along the stacked axis, when the parameter is a stack (``stacks.collapse``)."""
+    counter = counter.astype(jnp.float64)
+    return counter.reshape(counter.shape + (1,) * (param.ndim - counter.ndim))
+
+
 def _kept(outputs: list, inputs: list, found_inf) -> list:
     """Each new value, or its old one where the gradient scaler found an inf or a nan."""
     if found_inf is None:
@@ -52,7 +59,7 @@ def _adam(
     ):
         g, new_grad = _unscaled(grad, grad_scale, maximize)
         p = param.astype(opmath(param.dtype))
-        step = state_steps[i].astype(jnp.float64)
+        step = _step_count(state_steps[i], p)
         step_size = (lr / (1 - beta1**step)).astype(p.dtype)
         bias2_sqrt = jnp.sqrt(1 - beta2**step).astype(p.dtype)
         if decoupled:
@@ -118,7 +125,7 @@ def _adagrad(
     for i, (param, grad, state_sum) in enumerate(zip(params, grads, state_sums)):
         g, new_grad = _unscaled(grad, grad_scale, maximize)
         p = param.astype(opmath(param.dtype))
-        step = state_steps[i].astype(jnp.float64)
+        step = _step_count(state_steps[i], p)
         decayed_lr = (lr / (1 + (step - 1) * lr_decay)).astype(p.dtype)
         g = jnp.where(weight_decay != 0, g + p * weight_decay, g)
         total = state_sum.astype(p.dtype) + g * g
@@ -148,6 +155,17 @@ FUSED_STEPS = {
     aten._fused_sgd_.tensor_lr: (aten._fused_sgd.tensor_lr, (0, 2)),
     aten._fused_adagrad_.default: (aten._fused_adagrad.default, (0, 2)),
     aten._fused_adagrad_.tensor_lr: (aten._fused_adagrad.tensor_lr, (0, 2)),
+}
+
+
+# A fused step's functional overload -> the position of its list of step counters.
+STEP_COUNTERS = {
+    aten._fused_adam.default: 5,
+    aten._fused_adam.tensor_lr: 5,
+    aten._fused_adamw.default: 5,
+    aten._fused_adamw.tensor_lr: 5,
+    aten._fused_adagrad.default: 3,
+    aten._fused_adagrad.tensor_lr: 3,
 }
 
 
