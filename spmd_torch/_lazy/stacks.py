@@ -161,7 +161,12 @@ def collapse(
         source, groups = _found_elsewhere(args, lists, last, made)
     for i in lists:
         if args[i] is not source:
-            groups = [g for g in groups if _stacked_alike(args[i], g, i == counters, made)]
+            groups = [
+                g
+                for g in groups
+                if _stacked_alike(args[i], g, i == counters, made)
+                or (i not in written and _repeated(args[i], g))
+            ]
     if not groups:
         return None
     _LAST_GROUPS[:] = [
@@ -187,6 +192,20 @@ def _stacked_alike(values, group: tuple[Storage, list], counter: bool, made: lis
     shaped as the group's (0-dim for step counters)."""
     shape = () if counter else group[0].aval.shape[1:]
     return _aligned(values, group, shape) or _restacked(values, group[1], shape, made)
+
+
+def _repeated(values, group: tuple[Storage, list]) -> bool:
+    """Whether one tensor stands at every one of a stack's positions of a list the op only reads
+    (the sync-free optimizers' ``found_inf``), of no more dimensions than a member: the op takes
+    it as is, broadcast over the stack as over each member."""
+    stack, positions = group
+    head = values[positions[0]]
+    return (
+        len(positions) > 1
+        and isinstance(head, torch.Tensor)
+        and head.dim() < len(stack.aval.shape)
+        and all(values[p] is head for p in positions)
+    )
 
 
 def _found_elsewhere(args: tuple, lists: list, last: list, made: list) -> tuple[list, list]:
@@ -279,7 +298,11 @@ def _entry(values, where, as_whole: Callable):
     if type(where) is int:
         return values[where]
     first = values[where[0]]
-    return as_whole(first._storage) if isinstance(first, torch.Tensor) else first
+    if not isinstance(first, torch.Tensor):
+        return first  # a Python scalar, one for the whole stack
+    if len(where) > 1 and values[where[1]] is first:
+        return first  # one tensor at every position (_repeated), broadcast over the stack
+    return as_whole(first._storage)
 
 
 def _value(stack: Storage) -> Value:

@@ -182,3 +182,19 @@ def test_a_fused_step_over_every_member_updates_each_stack_and_stacks_the_counte
     assert _ops(graph.pending_text(), "aten.select_scatter.default") == 0
     assert stacks.stack_of(steps[1][:3]) is not None and stacks.member(steps[1][3]) is None
     assert_close(xla + [steps[1]], cpu + [steps[0]])
+
+
+def test_one_tensor_at_every_position_is_taken_over_the_stack_as_over_each_member():
+    """The sync-free optimizers take their step back with ``_foreach_sub_(counters, [found_inf]
+    * n)``: a tensor repeated beside a stack's members is broadcast over the stack, unless it
+    has as many dimensions as the stack (each member's result is then larger than the member)."""
+    a_cpu = _values(3, 11)
+    a = _stacked(a_cpu)
+    flag_cpu, rows_cpu = torch.tensor(2.0), torch.randn(4, 3, 5)
+    flag, rows = flag_cpu.to(dev), rows_cpu.to(dev)
+    torch._foreach_sub_(a, [flag] * 3)
+    torch._foreach_sub_(a_cpu, [flag_cpu] * 3)
+    assert _ops(graph.pending_text(), "aten.select_scatter.default") == 0
+    wide = torch._foreach_add(a, [rows] * 3)
+    assert [tuple(t.shape) for t in wide] == [(4, 3, 5)] * 3
+    assert_close(a + list(wide), a_cpu + list(torch._foreach_add(a_cpu, [rows_cpu] * 3)))
