@@ -12,6 +12,7 @@ import functools
 import math
 import os
 import warnings
+import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -106,7 +107,9 @@ def _resolve(func) -> Callable:
         return _with_class_indices(handler, _CLASS_TARGETS[func])
     if handler is not None and func in factories.MADE_LIKE:  # zeros_like(p): laid out like p
         made_like = partial(_made_like, handler)
-        return partial(_stacked_like, made_like) if func in factories.STACKED_LIKE else made_like
+        handler = partial(_stacked_like, made_like) if func in factories.STACKED_LIKE else made_like
+    if handler is not None and func in factories.CONSTANT_FILLS:
+        return partial(_filled, handler)
     if handler is not None:
         return handler
     if _has_kernel(func, "CompositeImplicitAutograd"):
@@ -130,6 +133,16 @@ _COMPOSITE = torch._C.DispatchKey.CompositeExplicitAutograd
 
 def _made_like(handler: Callable, func, args: tuple, kwargs: dict) -> LazyTensor:
     return placement.follow(handler(func, args, kwargs), args[0])
+
+
+def _filled(handler: Callable, func, args: tuple, kwargs: dict) -> LazyTensor:
+    """A constant fill (``zeros``, ``zeros_like``...): its storage is noted as born of it, for
+    the barrier (execute._constants_first)."""
+    out = handler(func, args, kwargs)
+    storage = out._storage
+    node, index = storage.ref
+    current().born.append((weakref.ref(storage), weakref.ref(node), index))
+    return out
 
 
 def _stacked_like(made_like: Callable, func, args: tuple, kwargs: dict) -> LazyTensor:

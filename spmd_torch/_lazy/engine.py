@@ -45,7 +45,7 @@ SWITCHES = ("mode", "scope", "one_graph", "eager", "marked_step", "global_mesh",
 
 class Engine:
     __slots__ = tuple(
-        "home mode cache pending rng seed manual_used in_flight step_closures scope one_graph eager "
+        "home mode cache pending born rng seed manual_used in_flight step_closures scope one_graph eager "
         "eager_depth marked_step global_mesh steps regions next_region __weakref__".split()
     )
 
@@ -60,6 +60,10 @@ class Engine:
         # Weak references to storages given a pending value, in write order: the barrier computes
         # the live ones. A plain list (no weakref callbacks) keeps the per-op cost low.
         self.pending: list = []
+        # (weak refs to a storage and to the node of its first value, that value's index) for
+        # the storages a constant fill made since the last barrier: the barrier computes those
+        # starting live state first (execute._constants_first).
+        self.born: list = []
         self.rng = None  # the Storage of the device PRNG key; made from ``seed`` on first use
         self.seed = None  # manual_seed's (None: the default), not yet on the device
         self.manual_used = False  # until a region is entered, the barrier skips looking for one

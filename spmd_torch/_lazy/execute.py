@@ -40,6 +40,7 @@ def sync(wait: bool = False) -> None:
         groups = engine.mode.by_device(list(owners.values()), lambda entry: entry[0])
         for device, group in groups:  # one program per device used (xla:0's, unless others are)
             _run(engine, group, device, len(groups) == 1, start)
+    engine.born.clear()
     if wait:
         wait_device_ops()
 
@@ -56,6 +57,11 @@ def _run(engine, owners: list, device: int, donate: bool, start: tuple) -> None:
     local = manual.local_nodes(program)
     if local:  # per-device shards stay pending until disable_manual_sharding
         owners = [entry for entry in owners if id(entry[0][0]) not in local]
+        if not owners:
+            return
+        program = linearize([ref for ref, _ in owners], device)
+    if engine.born and _constants_first(engine, program, local):
+        owners = _still_computed(owners)
         if not owners:
             return
         program = linearize([ref for ref, _ in owners], device)
@@ -94,6 +100,54 @@ def _owners(engine) -> dict:
             continue
         owners.setdefault((id(node), index), (storage.ref, []))[1].append(storage)
     return owners
+
+
+def _constants_first(engine, program, local: set) -> bool:
+    """Compute first, as data, the constant fills that began a live storage's value since the
+    last barrier and that ``program`` uses (AdamW's ``zeros_like`` moments, a fused step's
+    counters); whether there were any. The step's program then reads that state as an input, as
+    every later step's program does: the first step compiles the program the next steps run,
+    where it used to compile one holding the fills and the second step another one. Fills of a
+    pending tensor's shape (``zeros_like`` of a value not yet computed) and fills inside an
+    open manual region (``local``: per-device shards) stay in the program."""
+    if not engine.mode.hoists_constants:
+        return False
+    layouts: dict = {}
+    refs, storages = [], []
+    for weak_storage, weak_node, index in engine.born:
+        storage, node = weak_storage(), weak_node()
+        if storage is None or node is None or id(node) not in program.index or id(node) in local:
+            continue
+        key = (id(node), index)
+        if key in layouts or not all(source.is_leaf(i) for source, i in node.src):
+            continue
+        # An unmarked one is replicated, the layout it then keeps (placement.remember): the
+        # step's program writes it back so, as the next step's does.
+        layouts[key] = (
+            placement.output_sharding(storage, node.avals[index]) or engine.mode.replicated
+        )
+        refs.append((node, index))
+        storages.append(storage)
+    if refs:
+        engine.mode.read(refs, layouts, sync)
+        for (node, index), storage in zip(refs, storages):
+            node.become_data()
+            placement.remember(storage, node.arrays[index])
+    return bool(refs)
+
+
+def _still_computed(owners: list) -> list:
+    """``owners`` whose values are still to compute; the others (a fill nothing wrote since:
+    ``_constants_first`` made its node data) keep their storages as they are."""
+    left = []
+    for ref, storages in owners:
+        node, index = ref
+        if not node.is_leaf(index):
+            left.append((ref, storages))
+            continue
+        for storage in storages:
+            placement.remember(storage, node.arrays[index])
+    return left
 
 
 def _hold_as_data(storage, array: jax.Array) -> None:
@@ -200,6 +254,7 @@ def _still_pending(engine) -> list:
     (the dead ones, and those a read computed, dropped)."""
     storages = [s for s in live_pending() if not s.ref[0].is_leaf(s.ref[1])]
     engine.pending = [weakref.ref(s) for s in storages]
+    engine.born = [entry for entry in engine.born if entry[0]() is not None]
     return storages
 
 

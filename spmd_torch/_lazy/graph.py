@@ -97,6 +97,12 @@ class Node:
             self.arrays = [None] * len(self.avals)
         self.arrays[index] = array
 
+    def become_data(self) -> None:
+        """A computed node of one output whose array it keeps becomes an input node, as the
+        barrier's outputs are: programs read it and may give its array up once no live tensor
+        holds it (run.Run.of)."""
+        self.op, self.src, self.args, self.kwargs, self.scope = DATA, (), (), _NO_KWARGS, None
+
     def __repr__(self) -> str:
         return f"Node({self.op}, {len(self.src)} src)"
 

@@ -56,6 +56,9 @@ class PerDevice:
     # process's alone; on a pod every host runs it, and hosts' numbers may differ (a host index),
     # so which of them are equal must not part the hosts' programs.
     shares_equal_scalars = property(lambda self: jax.process_count() == 1)
+    # A barrier may run a small program before the step's (execute._constants_first); a
+    # replica's programs run together with the other replicas', whose fills may differ.
+    hoists_constants = True
 
     def __init__(self):
         self.meetings: dict = {}  # tag -> rendezvous held with the other processes so far
@@ -241,6 +244,7 @@ class Replica(PerDevice):
     # Replicas' numbers differ by ordinal (``x * ordinal``): which of them are equal must not part
     # their programs, which run as one (with collectives, nothing else may run).
     shares_equal_scalars = False
+    hoists_constants = False
 
     def __init__(self, world, ordinal: int, cpu_rng, named_by_ordinal: bool = False):
         super().__init__()

@@ -102,6 +102,13 @@ STACKED_LIKE = frozenset(
     + (aten.full_like.default,)
 )
 
+# Ops whose value is a constant of its shape and dtype, whatever their tensor argument holds.
+CONSTANT_FILLS = STACKED_LIKE | frozenset(
+    (aten.zeros.default, aten.ones.default, aten.full.default, aten.empty.memory_format)
+    + (aten.new_zeros.default, aten.new_ones.default, aten.new_full.default)
+    + (aten.new_empty.default,)
+)
+
 register_table(
     {
         aten.full.default: _full,
