@@ -16,7 +16,8 @@ host count it is given, and saves its last step there (``CheckpointManager``: ev
 own shards). A checksum of every parameter and optimizer-state bit is saved with the checkpoint
 and compared after a restore: the script exits non-zero unless the restore is bit-exact, the loss
 falls, and the training loop compiles at most three programs: the layers' stacks (a few ops,
-once per run), the first step, then the step once AdamW has its state. A resumed run's state comes
+once per run), AdamW's state (its zeros, made in the first step and computed before it), then
+the step every later step runs. A resumed run's state comes
 with the checkpoint, one tensor per layer: its first step stacks it beside the layers' weights (a
 small program), then compiles the step every later step runs. ``--check-eager N`` (small sizes only: it copies the weights to the host) also trains
 a CPU copy for N steps in float32 and compares the losses.

@@ -121,17 +121,19 @@ def _constants_first(engine, program, local: set) -> bool:
         key = (id(node), index)
         if key in layouts or not all(source.is_leaf(i) for source, i in node.src):
             continue
-        # An unmarked one is replicated, the layout it then keeps (placement.remember): the
-        # step's program writes it back so, as the next step's does.
-        layouts[key] = (
-            placement.output_sharding(storage, node.avals[index]) or engine.mode.replicated
-        )
+        layout = placement.output_sharding(storage, node.avals[index])
+        if storage.ref[0] is not node and layout is None:
+            # Written since, unmarked: replicated, the layout it keeps (placement.remember), so
+            # the step's program writes it back as the next step's does.
+            layout = engine.mode.replicated
+            storages.append((storage, node, index))
+        layouts[key] = layout
         refs.append((node, index))
-        storages.append(storage)
     if refs:
         engine.mode.read(refs, layouts, sync)
-        for (node, index), storage in zip(refs, storages):
+        for node, _ in refs:
             node.become_data()
+        for storage, node, index in storages:
             placement.remember(storage, node.arrays[index])
     return bool(refs)
 

@@ -76,7 +76,7 @@ Workloads:
       or 64 layers, W3's AdamW; implementations ``spmd_torch`` (a Python loop over the layers),
       ``spmd_scan`` (``scan_layers``), ``jax`` (a Python loop under jit) and ``jax_scan``
       (``lax.scan`` over stacked parameters). Per run: the first step's trace and compile seconds
-      and wall time, the second step's (spmd_torch's second program), the median steady step
+      and wall time, the second step's (a compile of its own before b5d3400), the median steady step
       (blocked) and the mean of as many pipelined.
       Targets: spmd_scan's first step at 64 layers at most 1.5x its first at 4 (when both ran);
       at 16 layers its steady step at least 0.9x as fast as spmd_torch's and jax_scan's. Only

@@ -12,8 +12,8 @@ and compiling.
 Figures: ``trace_s``, the first step's tracing (spmd_torch: recording the step's ops; JAX: its
 jaxpr); ``compile_s``, the first step's compile (spmd_torch: CompileTime, which lowers the graph
 to JAX, then StableHLO, then XLA; JAX: lowering and XLA); ``first_s``, the first step's wall time
-(trace, compile, run, wait); ``second_s`` (spmd_torch's second step is a program of its own: the
-optimizer state exists from then on); ``step_ms``, the median of the blocked steps after the
+(trace, compile, run, wait); ``second_s`` (until b5d3400 spmd_torch's second step compiled a
+program of its own, reading the optimizer state its first step made); ``step_ms``, the median of the blocked steps after the
 warm-up; ``pipelined_ms``, as many steps again issued back to back, one wait at the end (as a
 training loop runs them: spmd_torch traces a step while the last one runs). Targets (issue 33):
 spmd_scan's first step at 64 layers at most 1.5x its first step at 4; at 16 layers its steady
