@@ -165,7 +165,7 @@ def collapse(
                 g
                 for g in groups
                 if _stacked_alike(args[i], g, i == counters, made)
-                or (i not in written and _repeated(args[i], g))
+                or (i != lists[0] and i not in written and _repeated(args[i], g))
             ]
     if not groups:
         return None

@@ -198,3 +198,15 @@ def test_one_tensor_at_every_position_is_taken_over_the_stack_as_over_each_membe
     wide = torch._foreach_add(a, [rows] * 3)
     assert [tuple(t.shape) for t in wide] == [(4, 3, 5)] * 3
     assert_close(a + list(wide), a_cpu + list(torch._foreach_add(a_cpu, [rows_cpu] * 3)))
+
+
+def test_a_tensor_repeated_in_the_list_written_in_place_is_not_taken_over_the_stack():
+    """``_foreach_add_([t] * 3, members)`` writes ``t`` three times: the list an op writes is
+    never taken over the stack as one tensor (its result would have the stack's shape), and the
+    members being a stack's changes nothing against plain tensors."""
+    values = _values(3, 12)
+    stacked, plain = _stacked(values), [v.to(dev) for v in values]
+    t, u = torch.zeros(3, 5).to(dev), torch.zeros(3, 5).to(dev)
+    torch._foreach_add_([t] * 3, stacked)
+    torch._foreach_add_([u] * 3, plain)
+    assert t.shape == (3, 5) and torch.equal(t.cpu(), u.cpu())
