@@ -241,7 +241,22 @@ def linearize(outputs: list[Ref], device: int = 0) -> Program:
                 continue
             if expanded:
                 kwargs = tuple(node.kwargs.items()) if node.kwargs else ()
-                wiring = tuple([where(ref) for ref in node.src])
+                wiring = []
+                for ref in node.src:  # ``where`` inlined for data and computed sources
+                    source, i = ref
+                    arrays = source.arrays
+                    if arrays is not None and arrays[i] is not None:
+                        key = (id(source), i)
+                        k = index.get(key)
+                        if k is None:
+                            k = index[key] = len(leaves)
+                            leaves.append(ref)
+                        wiring.append(("in", k))
+                    elif source.op != SCALAR:
+                        wiring.append(("n", index.get(id(source)), i))
+                    else:
+                        wiring.append(where(ref))
+                wiring = tuple(wiring)
                 index[id(node)] = len(nodes)
                 nodes.append(node)
                 rows.append((id(node.op), node.args, kwargs, wiring, node.scope))
