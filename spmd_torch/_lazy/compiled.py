@@ -24,11 +24,11 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx
 
-from . import execute, rng
+from . import execute, rng, stacks
 from .collective import COLLECTIVES
 from .compile import build_function
 from .engine import current
-from .graph import Arg, Aval, Node, linearize
+from .graph import Arg, Aval, Node, Ref, linearize
 from .lowering import EngineOp, lowers
 from .lowering.dtypes import to_jax_dtype
 from .tensor import SEVERAL_DEVICES, LazyTensor, Storage, TensorHandle, wrap, wrap_data
@@ -42,21 +42,27 @@ COLLECTIVES.add(GRAPH_WITH_COLLECTIVES)
 
 class Template:
     """A recorded graph: its program; where each program input comes from at a call (``("arg",
-    k)``: argument k; ``("cpu", node[, k])``: a value of the graph's CPU part; ``("key",)``: the PRNG
-    key; else a constant's ref); where each output leaf comes from (``("out", k)``: the program's
-    output k; ``("arg", k)``, ``("cpu", node)``, ``("value", v)``); the arguments written in place,
-    whose new values follow the outputs, and then the next PRNG key if it draws random numbers.
+    k)``: argument k; ``("stack", k)``: the whole stack argument k is a member of, as are the
+    arguments at the other positions recorded with it; ``("cpu", node[, k])``: a value of the
+    graph's CPU part; ``("key",)``: the PRNG key; else a constant's ref); where each output leaf
+    comes from (``("out", k)``: the program's output k; ``("arg", k)``, ``("cpu", node)``,
+    ``("value", v)``); the arguments written in place and then the stacks written (by the position
+    of a member), whose new values follow the outputs, and then the next PRNG key if it draws
+    random numbers.
     It is a node's static argument, and so part of the program's key: equal to another recording
     of the same computation (the same graph recorded by each replica of ``launch``, whose steps
     must then be one program), else only to itself."""
 
-    def __init__(self, program, sources, results, tree, writes, key_out: bool, layouts: list):
+    def __init__(
+        self, program, sources, results, tree, writes, stack_writes, key_out: bool, layouts: list
+    ):
         self.program = program
         self.layouts = layouts  # per computed output, the layout marked inside the graph, or None
         self.sources = sources
         self.results = results
         self.tree = tree
         self.writes = writes
+        self.stack_writes = stack_writes
         self.key_out = key_out
         self.uses_key = key_out or ("key",) in sources
         self.avals = tuple(node.avals[i] for node, i in program.outputs)
@@ -88,6 +94,7 @@ class Template:
             tuple(map(name, sources)),
             tuple(map(name, results)),
             tuple(writes),
+            tuple(stack_writes),
             key_out,
             tuple(layouts),
         )
@@ -130,7 +137,16 @@ class Template:
             unrun = 0
         key = rng.state() if self.uses_key else None
         find, sources = self._source, self.sources  # most are arguments: read inline
-        src = tuple([args[s[1]]._ref() if s[0] == "arg" else find(s, cpu, key) for s in sources])
+        src = tuple(
+            [
+                args[s[1]]._ref()
+                if s[0] == "arg"
+                else args[s[1]]._storage.ref
+                if s[0] == "stack"
+                else find(s, cpu, key)
+                for s in sources
+            ]
+        )
         node = Node(self.op, src, (self.placeholders, self), {}, self.avals)
         if SEVERAL_DEVICES:  # on its tensors' xla device
             node.device = next((r[0].device for r, s in zip(src, self.sources) if s[0] == "arg"), 0)
@@ -143,6 +159,8 @@ class Template:
                 outputs.append(args[k] if kind == "arg" else cpu[k] if kind == "cpu" else k)
         for k, position in enumerate(self.writes, start=self.computed):
             args[position]._write((node, k))
+        for k, position in enumerate(self.stack_writes, start=self.computed + len(self.writes)):
+            args[position]._storage.set((node, k))  # the whole stack: every member
         if self.key_out:
             key.set((node, len(self.avals) - 1))
         self.calls[engine] = (weakref.ref(node), engine.steps, in_step + 1, unrun + 1)
@@ -188,14 +206,23 @@ class CompiledGraph:
         # input signature -> (Template, its CPU part's nodes in order), or None: op by op
         self.templates: dict = {}
         self.placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+        self.last_call: tuple | None = None  # the last call's signature: (plain, stack groups)
 
     def __call__(self, *args: Any) -> Any:
         args = [a.tensor if type(a) is TensorHandle else a for a in args]
         # Dynamo's guards already hold every tensor's device, dtype and shape to the graph's;
         # only the values it takes as arguments (sizes of dynamic shapes) tell calls apart.
-        signature = tuple([type(a) is LazyTensor or _signature_of(a) for a in args])
+        # And which arguments are the members of one stack (stacks.py): recorded as one input.
+        plain = tuple([type(a) is LazyTensor or _signature_of(a) for a in args])
+        last = self.last_call
+        if last is not None and last[0] == plain and stacks.still_grouped(args, last[1]):
+            groups = last[1]  # as at the last call (a step's optimizer: every call)
+        else:
+            groups = stacks.groups_in(args)
+        self.last_call = (plain, groups)
+        signature = (plain, groups)
         if signature not in self.templates:
-            self.templates[signature] = self._record(args)
+            self.templates[signature] = self._record(args, groups)
         recorded = self.templates[signature]
         if recorded is None:
             return self.graph(*args)
@@ -217,11 +244,11 @@ class CompiledGraph:
                 values[node] = _attribute(self.graph, node.target)
         return values
 
-    def _record(self, args: list) -> tuple | None:
+    def _record(self, args: list, groups: tuple) -> tuple | None:
         """Run the graph once on placeholders, recording its template; None where it cannot be
         recorded (it reads a value, an op's output shape depends on data, or its CPU part needs
         a device value), with a warning: then it runs op by op."""
-        recorder = _Recorder(self.graph, self.placeholders, args)
+        recorder = _Recorder(self.graph, self.placeholders, args, groups)
         try:
             with recording(self.name, "the graph cannot be recorded") as key:
                 key_in = key.ref
@@ -259,15 +286,27 @@ RECORDINGS_ENDED = [0]
 
 class _Recorder(fx.Interpreter):
     """Runs a graph once through the dispatcher on placeholders: xla arguments, CPU arguments and
-    the values of the CPU part (nodes whose value is a CPU tensor) each become one."""
+    the values of the CPU part (nodes whose value is a CPU tensor) each become one. The members
+    of a stack given whole (``groups``: their positions) are the members of one placeholder
+    stack, so that the graph's foreach ops over them are recorded over the stack (an optimizer
+    step over ``scan_layers``' layers, or over step counters kept stacked) and the program
+    reads and writes one array for all of them."""
 
-    def __init__(self, graph: fx.GraphModule, placeholders: list, args: list):
+    def __init__(self, graph: fx.GraphModule, placeholders: list, args: list, groups: tuple):
         super().__init__(graph)
         self.slots: dict = {}  # id(placeholder leaf) -> its template source
         self.cpu_part: dict = {}  # its nodes in order (a dict: order, and membership in O(1))
         self.inputs, self.xla_inputs = [], {}
+        self.stack_inputs: dict = {}  # a stack's first position -> its placeholder stack
+        stand_ins = {}  # position -> a member of a placeholder stack
+        for positions in groups:
+            whole = self._stand_in(args[positions[0]]._storage.aval, ("stack", positions[0]))
+            self.stack_inputs[positions[0]] = whole
+            stand_ins.update(zip(positions, stacks.members(whole._storage)))
         for k, (node, a) in enumerate(zip(placeholders, args)):
-            if type(a) is LazyTensor:
+            if k in stand_ins:
+                self.inputs.append(stand_ins[k])
+            elif type(a) is LazyTensor:
                 self.xla_inputs[k] = self._stand_in(a, ("arg", k))
                 self.inputs.append(self.xla_inputs[k])
             elif isinstance(a, torch.Tensor):
@@ -276,8 +315,9 @@ class _Recorder(fx.Interpreter):
             else:
                 self.inputs.append(a)
         self.before = {k: t._storage.ref for k, t in self.xla_inputs.items()}
+        self.stacks_before = {k: t._storage.ref for k, t in self.stack_inputs.items()}
 
-    def _stand_in(self, like: torch.Tensor, source: tuple) -> LazyTensor:
+    def _stand_in(self, like: torch.Tensor | Aval, source: tuple) -> LazyTensor:
         ref, aval = placeholder(like.shape, like.dtype)
         self.slots[id(ref[0])] = source
         return wrap(ref, aval)
@@ -312,13 +352,47 @@ class _Recorder(fx.Interpreter):
                 results.append(("value", leaf))
         writes = [k for k, t in self.xla_inputs.items() if t._storage.ref is not self.before[k]]
         refs += [self.xla_inputs[k]._storage.ref for k in writes]
+        stack_writes = []
+        for k, whole in self.stack_inputs.items():
+            before, now = self.stacks_before[k], whole._storage.ref
+            if now is not before:
+                stack_writes.append(k)
+                refs.append(_copied_whole(now, before) or now)
         key_out = key_now is not key_in
         if key_out:
             refs.append(key_now)
         program = linearize(refs)
         self.slots[id(key_in[0])] = ("key",)
         sources = [self.slots.get(id(node), (node, i)) for node, i in program.leaves]
-        return Template(program, sources, results, tree, writes, key_out, layouts)
+        return Template(program, sources, results, tree, writes, stack_writes, key_out, layouts)
+
+
+def _copied_whole(written: Ref, start: Ref) -> Ref | None:
+    """The stack ``T`` when ``written`` is ``start`` with each of its members replaced in turn
+    by the member of the same index of ``T`` (a functionalized graph copies each updated input
+    back, ``copy_(member k, new member k)``: here each member of a stack the foreach ops made
+    whole), else None: one array out instead of a chain of one slice and one write per member."""
+    length, copied, source = start[0].avals[start[1]].shape[0], set(), None
+    ref = written
+    while ref is not start and len(copied) < length:
+        node = ref[0]
+        if node.op is not _SELECT_SCATTER or node.args[2] != 0:
+            return None
+        k, (base, piece) = node.args[3], node.src
+        read = piece[0]
+        if read.op is not _SELECT or read.args[1:] != (0, k) or k in copied:
+            return None
+        source = read.src[0] if source is None else source
+        if read.src[0] != source:
+            return None
+        copied.add(k)
+        ref = base
+    if ref is not start or len(copied) != length:
+        return None
+    return source if source[0].avals[source[1]] == start[0].avals[start[1]] else None
+
+
+_SELECT, _SELECT_SCATTER = torch.ops.aten.select.int, torch.ops.aten.select_scatter.default
 
 
 def _no_call() -> None:

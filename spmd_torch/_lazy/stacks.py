@@ -116,6 +116,51 @@ def restack(tensors: list) -> LazyTensor | None:
 _RESTACKED = [False]  # whether any stack was ever made: until then foreach ops look for none
 
 
+def groups_in(values: list) -> tuple:
+    """The positions of every stack all of whose members ``values`` holds, each once, in member
+    order, one tuple per stack (in order of first position); () when it holds none. A stack
+    that is also held otherwise (whole, or through another view) does not count."""
+    if not _RESTACKED[0]:
+        return ()
+    complete = {stack: positions for stack, positions in _complete_stacks(values)}
+    if not complete:
+        return ()
+    held: dict = {}  # stack -> tensors of it in values
+    for t in values:
+        if type(t) is LazyTensor and t._storage in complete:
+            held[t._storage] = held.get(t._storage, 0) + 1
+    return tuple(
+        sorted(
+            tuple(positions)
+            for stack, positions in complete.items()
+            if held[stack] == len(positions)
+        )
+    )
+
+
+def still_grouped(values: list, groups: tuple) -> bool:
+    """Whether ``groups`` (``groups_in`` of earlier values) still describes ``values``: each
+    group's positions hold members 0..L-1 of one stack through their shared view chains, and
+    no other position holds a tensor of those stacks (a quick check: False only sends the
+    caller back to ``groups_in``)."""
+    held: set = set()
+    for positions in groups:
+        stack = getattr(values[positions[0]], "_storage", None)
+        if stack is None or stack.aval.shape[0] != len(positions):
+            return False
+        for k, p in enumerate(positions):
+            t = values[p]
+            if (
+                type(t) is not LazyTensor
+                or t._storage is not stack
+                or t._view is not _MEMBER_VIEWS[k]
+            ):
+                return False
+        held.add(stack)
+    tensors = sum(type(t) is LazyTensor and t._storage in held for t in values)
+    return tensors == sum(map(len, groups))
+
+
 def holds_data(tensors: list) -> bool:
     """Whether each of ``tensors`` is a plain xla tensor whose value is data, not pending."""
     return all(
@@ -165,7 +210,11 @@ def collapse(
                 g
                 for g in groups
                 if _stacked_alike(args[i], g, i == counters, made)
-                or (i != lists[0] and i not in written and _repeated(args[i], g))
+                or (
+                    i != lists[0]
+                    and i not in written
+                    and (_repeated(args[i], g) or _per_member_scalars(args[i], g))
+                )
             ]
     if not groups:
         return None
@@ -183,7 +232,10 @@ def collapse(
     new_args = list(args)
     new_args[lists[0]] = [_entry(first, where, whole) for where in plan]
     for i in lists[1:]:  # read only: their stacks as graph values, no tensors made
-        new_args[i] = [_entry(args[i], where, whole if i in written else _value) for where in plan]
+        new_args[i] = [
+            _entry(args[i], where, whole if i in written else _value, _along(i, counters, first))
+            for where in plan
+        ]
     return tuple(new_args), plan, made
 
 
@@ -205,6 +257,23 @@ def _repeated(values, group: tuple[Storage, list]) -> bool:
         and isinstance(head, torch.Tensor)
         and head.dim() < len(stack.aval.shape)
         and all(values[p] is head for p in positions)
+    )
+
+
+def _along(i: int, counters: int | None, first: list) -> list | None:
+    """The list a read-only list's per-member scalars are shaped along: the first (not for a
+    fused step's counters, whose lowering broadcasts them itself)."""
+    return None if i == counters else first
+
+
+def _per_member_scalars(values, group: tuple[Storage, list]) -> bool:
+    """Whether a list the op only reads holds a 0-dim tensor at each of a stack's positions
+    (a capturable optimizer's bias corrections, one per parameter, made from its step counters),
+    where the stack's members are not 0-dim: the op takes them stacked, one per member, broadcast
+    along the member's axes (``_entry``)."""
+    stack, positions = group
+    return len(stack.aval.shape) > 1 and all(
+        type(values[p]) is LazyTensor and values[p].dim() == 0 for p in positions
     )
 
 
@@ -293,8 +362,9 @@ def _aligned(values, group: tuple[Storage, list], shape: tuple) -> bool:
     return True
 
 
-def _entry(values, where, as_whole: Callable):
-    """The value at ``where`` (a position), or (a stack's positions) its stack, ``as_whole``."""
+def _entry(values, where, as_whole: Callable, members: list | None = None):
+    """The value at ``where`` (a position), or (a stack's positions) its stack, ``as_whole``;
+    ``members``: the op's first list, whose stack at ``where`` the others are taken along."""
     if type(where) is int:
         return values[where]
     first = values[where[0]]
@@ -302,6 +372,11 @@ def _entry(values, where, as_whole: Callable):
         return first  # a Python scalar, one for the whole stack
     if len(where) > 1 and values[where[1]] is first:
         return first  # one tensor at every position (_repeated), broadcast over the stack
+    if members is not None and first.dim() == 0 and members[where[0]].dim() > 0:
+        # one 0-dim tensor per member (_per_member_scalars): stacked, shaped (L, 1, ...)
+        stacked = emit_value(aten.stack.default, [Value(values[p]._ref()) for p in where], 0)
+        shape = [len(where)] + [1] * members[where[0]].dim()
+        return emit_value(aten.view.default, stacked, shape)
     return as_whole(first._storage)
 
 

@@ -35,7 +35,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from spmd_torch import _barrier, config
-from spmd_torch._lazy import counters, engine, stacks
+from spmd_torch._lazy import counters, engine
 from spmd_torch.debug import graph, metrics
 
 _WATCHING, _CAPTURED, _LAZY, _LEFT = "watching", "captured", "lazy", "left alone"
@@ -356,10 +356,9 @@ def _inside_users_compile() -> bool:
 
 
 def _left_alone_because(owner, kind: str) -> str:
-    """Why capture leaves the callable as it is: it is compiled already, a step of the user's
-    replaced the optimizer's (an LR scheduler's step tracking is fine: it calls the class's), or
-    the optimizer updates ``scan_layers``' stacked layers, which its lazy step updates a stack
-    at a time where a captured one would update each layer's slice apart."""
+    """Why capture leaves the callable as it is: it is compiled already, or a step of the
+    user's replaced the optimizer's (an LR scheduler's step tracking is fine: it calls the
+    class's)."""
     if kind == "forward":
         eval_frame = sys.modules.get("torch._dynamo.eval_frame")
         if eval_frame is not None and isinstance(owner, eval_frame.OptimizedModule):
@@ -372,10 +371,6 @@ def _left_alone_because(owner, kind: str) -> str:
     step = owner.__dict__.get("step")
     if step is not None and not hasattr(step, "_wrapped_by_lr_sched"):
         return f"optimizer.step is replaced on the instance (by {step!r})"
-    if any(stacks.member(p) for group in owner.param_groups for p in group["params"]):
-        return (
-            "its parameters are scan_layers' stacked layers: the lazy step updates each stack whole"
-        )
     return ""
 
 

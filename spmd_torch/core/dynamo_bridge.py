@@ -22,8 +22,10 @@ from torch._dynamo.variables import optimizer as dynamo_optimizer
 from torch._dynamo.variables import torch as dynamo_torch
 from torch._dynamo.variables.ctx_manager import AutocastModeVariable
 
+from spmd_torch._lazy import execute, stacks
 from spmd_torch._lazy.compiled import CompiledGraph
 from spmd_torch._lazy.lowering import inductor_prims
+from spmd_torch._lazy.tensor import LazyTensor
 
 # Dynamo must never trace the engine's frames, nor JAX's under them: they run where compiled code
 # breaks its graph (a backward, an eager region), and an op there is an op of the lazy graph. A
@@ -58,8 +60,30 @@ def _capturable_on_xla(set_capturable: Callable) -> Callable:
     return on_xla_too
 
 
+def _steps_stacked_on_xla(move_step_if_cpu: Callable) -> Callable:
+    """Dynamo moves an optimizer's CPU step counters to their parameters' device before it traces
+    the step. On xla the counters it moves become the members of one stack (stacks.py), so that
+    the compiled step reads and writes one array for all of them instead of one 0-dim array per
+    parameter (W7cpu's GPT-2: 148 of the step's 595 inputs, and as many outputs)."""
+
+    def move(self) -> None:
+        state = self.value.state
+        moving = [s for p, s in state.items() if "step" in s and s["step"].is_cpu]
+        move_step_if_cpu(self)
+        counters = [s["step"] for s in moving]
+        on_xla = [t for t in counters if type(t) is LazyTensor]
+        if len(on_xla) > 1 and len({(t.device, t.dtype, t.shape) for t in on_xla}) == 1:
+            uploaded = stacks.holds_data(on_xla)
+            whole = stacks.restack(on_xla)
+            if whole is not None and uploaded:  # as data: the compiled step's first program
+                execute.compute_now([whole])  # reads it as every later one does
+
+    return move
+
+
 _OPTIMIZER = dynamo_optimizer.OptimizerVariable
 _OPTIMIZER._set_capturable = _capturable_on_xla(_OPTIMIZER._set_capturable)
+_OPTIMIZER.move_step_if_cpu = _steps_stacked_on_xla(_OPTIMIZER.move_step_if_cpu)
 
 
 def _is_autocast_subclass(value) -> bool:

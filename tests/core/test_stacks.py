@@ -210,3 +210,37 @@ def test_a_tensor_repeated_in_the_list_written_in_place_is_not_taken_over_the_st
     torch._foreach_add_([t] * 3, stacked)
     torch._foreach_add_([u] * 3, plain)
     assert t.shape == (3, 5) and torch.equal(t.cpu(), u.cpu())
+
+
+def test_a_0_dim_tensor_per_member_is_taken_along_the_stack():
+    """A capturable optimizer divides by one 0-dim bias correction per parameter: beside a
+    stack's members, those scalars are stacked and broadcast along each member's axes, and the
+    members are updated whole; without a stack (or where the list is the one written) the op
+    is as before."""
+    a_cpu = _values(4, 13)
+    a = _stacked(a_cpu)
+    scales_cpu = [torch.tensor(float(k + 2)) for k in range(4)]
+    scales = [s.to(dev) for s in scales_cpu]
+    torch._foreach_div_(a, scales)
+    torch._foreach_div_(a_cpu, scales_cpu)
+    assert _ops(graph.pending_text(), "aten.select_scatter.default") == 0
+    assert_close(a, a_cpu)
+    summed = torch._foreach_add(scales, scales)  # the 0-dim list first: nothing to go along
+    assert_close(summed, torch._foreach_add(scales_cpu, scales_cpu))
+
+
+def test_the_members_given_together_are_found_and_checked_again_cheaply():
+    """``groups_in`` finds every stack all of whose members a list holds, each once, in member
+    order (a compiled graph's arguments: one input per stack); a stack also held whole, or a
+    member missing, is no group; ``still_grouped`` confirms the groups of an earlier call."""
+    a, b = _stacked(_values(3, 14)), _stacked(_values(2, 15))
+    plain = torch.ones(2).to(dev)
+    values = [b[1], plain, a[2], a[0], b[0], a[1]]
+    groups = stacks.groups_in(values)
+    assert groups == ((3, 5, 2), (4, 0))
+    assert stacks.still_grouped(values, groups)
+    assert stacks.groups_in(values[:-1]) == ((4, 0),)  # a[1] missing
+    assert not stacks.still_grouped(values[:-1] + [plain], groups)
+    whole = stacks.whole(a[0]._storage)
+    assert stacks.groups_in(values + [whole]) == ((4, 0),)  # a held whole besides
+    assert not stacks.still_grouped(values + [whole], groups)
