@@ -149,7 +149,9 @@ class Template:
         )
         node = Node(self.op, src, (self.placeholders, self), {}, self.avals)
         if SEVERAL_DEVICES:  # on its tensors' xla device
-            node.device = next((r[0].device for r, s in zip(src, self.sources) if s[0] == "arg"), 0)
+            node.device = next(
+                (r[0].device for r, s in zip(src, self.sources) if s[0] in ("arg", "stack")), 0
+            )
         outputs = []
         for kind, k in self.results:
             if kind == "out":
