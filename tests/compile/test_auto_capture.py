@@ -383,6 +383,25 @@ class Scanned(nn.Module):
         return self.head(x)
 
 
+def _captured_step_program(make):
+    """(the program of one more captured step, as pending before its barrier, the model, its
+    AdamW) after the loop has run with capture on."""
+    torch.manual_seed(0)
+    model = make().to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    spmd_torch.auto_capture(True)
+    try:
+        _train(model, opt, "mlp")
+        opt.zero_grad()
+        _loss(model, *(t.to(dev) for t in next(_batches("mlp")))).backward()
+        opt.step()
+        program = debug_graph.pending_program()
+        xm.mark_step()
+    finally:
+        spmd_torch.auto_capture(False)
+    return program, model, opt
+
+
 def test_a_captured_optimizer_updates_scanned_layers_stack_by_stack():
     """AdamW's step over ``scan_layers``' stacked layers is captured, and its program reads and
     writes each stack whole (the members of a stack, given together, are recorded as the members
@@ -392,23 +411,12 @@ def test_a_captured_optimizer_updates_scanned_layers_stack_by_stack():
     assert states["captured"] == ["Scanned.forward", "AdamW.step"]
     assert counts[3] == counts[-1], f"recompiled in steady state: {counts}"
 
-    torch.manual_seed(0)
-    model = Scanned().to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    spmd_torch.auto_capture(True)
-    try:
-        _train(model, opt, "mlp")
-        opt.zero_grad()
-        _loss(model, *(t.to(dev) for t in next(_batches("mlp")))).backward()
-        opt.step()
-        templates = [
-            node.args[1]
-            for node in debug_graph.pending_program().nodes
-            if node.op in (compiled.GRAPH, compiled.GRAPH_WITH_COLLECTIVES)
-        ]
-        xm.mark_step()
-    finally:
-        spmd_torch.auto_capture(False)
+    program = _captured_step_program(Scanned)[0]
+    templates = [
+        node.args[1]
+        for node in program.nodes
+        if node.op in (compiled.GRAPH, compiled.GRAPH_WITH_COLLECTIVES)
+    ]
     step = [t for t in templates if t.stack_writes]
     assert len(step) == 1  # the optimizer's
     # the layers' weights and biases, their two moments each, and every parameter's counter
@@ -424,19 +432,8 @@ def test_a_captured_step_reads_its_step_counters_as_one_array():
     """Dynamo moves AdamW's CPU step counters to the device before it traces the step; there
     they become the members of one stack, so the step's program reads and writes one array of
     all the counters, not a 0-dim array per parameter (148 of GPT-2's 595 program inputs)."""
-    torch.manual_seed(0)
-    model = MLP().to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    spmd_torch.auto_capture(True)
-    try:
-        _train(model, opt, "mlp")
-        opt.zero_grad()
-        _loss(model, *(t.to(dev) for t in next(_batches("mlp")))).backward()
-        opt.step()
-        leaves = [ref[0].avals[ref[1]].shape for ref in debug_graph.pending_program().leaves]
-        xm.mark_step()
-    finally:
-        spmd_torch.auto_capture(False)
+    program, model, opt = _captured_step_program(MLP)
+    leaves = [ref[0].avals[ref[1]].shape for ref in program.leaves]
     counters = len(list(model.parameters()))
     assert leaves.count(()) == 0 and leaves.count((counters,)) == 1, leaves
     steps = [opt.state[p]["step"] for p in model.parameters()]
