@@ -117,9 +117,9 @@ _RESTACKED = [False]  # whether any stack was ever made: until then foreach ops 
 
 
 def groups_in(values: list) -> tuple:
-    """The positions of every stack all of whose members ``values`` holds, each once, in member
-    order, one tuple per stack (in order of first position); () when it holds none. A stack
-    that is also held otherwise (whole, or through another view) does not count."""
+    """The positions of every stack all of whose members ``values`` holds, each once: one tuple
+    per stack, in member order, the tuples sorted (by member 0's position); () when it holds
+    none. A stack that is also held otherwise (whole, or through another view) does not count."""
     if not _RESTACKED[0]:
         return ()
     complete = {stack: positions for stack, positions in _complete_stacks(values)}
