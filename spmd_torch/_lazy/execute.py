@@ -110,7 +110,7 @@ def _constants_first(engine, program, local: set) -> bool:
     where it used to compile one holding the fills and the second step another one. Fills of a
     pending tensor's shape (``zeros_like`` of a value not yet computed) and fills inside an
     open manual region (``local``: per-device shards) stay in the program."""
-    if not engine.mode.hoists_constants:
+    if not engine.mode.runs_side_programs:
         return False
     layouts: dict = {}
     refs, storages = [], []

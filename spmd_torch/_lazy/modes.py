@@ -56,9 +56,12 @@ class PerDevice:
     # process's alone; on a pod every host runs it, and hosts' numbers may differ (a host index),
     # so which of them are equal must not part the hosts' programs.
     shares_equal_scalars = property(lambda self: jax.process_count() == 1)
-    # A barrier may run a small program before the step's (execute._constants_first); a
-    # replica's programs run together with the other replicas', whose fills may differ.
-    hoists_constants = True
+    # Small programs of its own may run before the step's: the fills a barrier computes first
+    # (execute._constants_first), the step counters Dynamo moves to the device (stacked as data
+    # while it traces, core/dynamo_bridge.py). Not a replica's: its programs run together with
+    # the other replicas' (whose fills may differ), and running one would pass its turn to them
+    # in the middle of a Dynamo trace, whose "compiling" flag is the process's.
+    runs_side_programs = True
 
     def __init__(self):
         self.meetings: dict = {}  # tag -> rendezvous held with the other processes so far
@@ -244,7 +247,7 @@ class Replica(PerDevice):
     # Replicas' numbers differ by ordinal (``x * ordinal``): which of them are equal must not part
     # their programs, which run as one (with collectives, nothing else may run).
     shares_equal_scalars = False
-    hoists_constants = False
+    runs_side_programs = False
 
     def __init__(self, world, ordinal: int, cpu_rng, named_by_ordinal: bool = False):
         super().__init__()

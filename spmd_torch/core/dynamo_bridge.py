@@ -22,7 +22,7 @@ from torch._dynamo.variables import optimizer as dynamo_optimizer
 from torch._dynamo.variables import torch as dynamo_torch
 from torch._dynamo.variables.ctx_manager import AutocastModeVariable
 
-from spmd_torch._lazy import execute, stacks
+from spmd_torch._lazy import engine, execute, stacks
 from spmd_torch._lazy.compiled import CompiledGraph
 from spmd_torch._lazy.lowering import inductor_prims
 from spmd_torch._lazy.tensor import LazyTensor
@@ -70,6 +70,8 @@ def _steps_stacked_on_xla(move_step_if_cpu: Callable) -> Callable:
         state = self.value.state
         moving = [s for p, s in state.items() if "step" in s and s["step"].is_cpu]
         move_step_if_cpu(self)
+        if not engine.current().mode.runs_side_programs:
+            return  # a replica of launch: each counter stays an array of its own
         counters = [s["step"] for s in moving]
         on_xla = [t for t in counters if type(t) is LazyTensor]
         if len(on_xla) > 1 and len({(t.device, t.dtype, t.shape) for t in on_xla}) == 1:
