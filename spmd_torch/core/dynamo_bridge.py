@@ -67,16 +67,14 @@ def _steps_stacked_on_xla(move_step_if_cpu: Callable) -> Callable:
     parameter (W7cpu's GPT-2: 148 of the step's 595 inputs, and as many outputs)."""
 
     def move(self) -> None:
-        state = self.value.state
-        moving = [s for p, s in state.items() if "step" in s and s["step"].is_cpu]
+        moving = [s for s in self.value.state.values() if "step" in s and s["step"].is_cpu]
         move_step_if_cpu(self)
         if not engine.current().mode.runs_side_programs:
             return  # a replica of launch: each counter stays an array of its own
-        counters = [s["step"] for s in moving]
-        on_xla = [t for t in counters if type(t) is LazyTensor]
-        if len(on_xla) > 1 and len({(t.device, t.dtype, t.shape) for t in on_xla}) == 1:
-            uploaded = stacks.holds_data(on_xla)
-            whole = stacks.restack(on_xla)
+        counters = [s["step"] for s in moving if type(s["step"]) is LazyTensor]
+        if len(counters) > 1 and len({(t.device, t.dtype, t.shape) for t in counters}) == 1:
+            uploaded = stacks.holds_data(counters)
+            whole = stacks.restack(counters)
             if whole is not None and uploaded:  # as data: the compiled step's first program
                 execute.compute_now([whole])  # reads it as every later one does
 
