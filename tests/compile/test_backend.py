@@ -528,3 +528,37 @@ def test_a_finished_engine_takes_its_call_count_with_it():
     del spare, y
     gc.collect()
     assert list(template.calls) == []
+
+
+def _scale_all(xs):
+    torch._foreach_mul_(xs, 0.5)
+
+
+def _touch_some(xs):
+    """Reads every member, writes two."""
+    xs[1].mul_(xs[0])
+    xs[3].add_(xs[2])
+
+
+def test_a_graph_given_every_member_of_a_stack_takes_the_stack_whole():
+    """A graph given all members of a stack (``scan_layers``' layers) records them as one
+    placeholder stack, one input and one output of its program: a foreach update of every
+    member comes back as the new stack itself, and in-place writes to some members only leave
+    the others as they were."""
+    from spmd_torch._lazy import compiled, stacks
+
+    g = torch.Generator().manual_seed(3)
+    cpu = [torch.randn(3, 5, generator=g) for _ in range(4)]
+    members = [t.to(spmd_torch.device()) for t in cpu]
+    assert stacks.restack(members) is not None
+    for step in (_scale_all, _touch_some, _scale_all):
+        torch.compile(step, backend="spmd_torch", dynamic=False)(members)
+        (node,) = [n for n in graph.pending_program().nodes if n.op is compiled.GRAPH]
+        template = node.args[1]
+        assert len(template.stack_writes) == 1 and not template.writes  # the stack, whole
+        ops = {str(n.op) for n in template.program.nodes}
+        assert ("aten.select_scatter.default" in ops) == (step is _touch_some), ops
+        xm.mark_step()
+        step(cpu)
+    assert stacks.stack_of(members) is not None  # still the members of one stack
+    assert_close(members, cpu)
