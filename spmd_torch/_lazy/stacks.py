@@ -143,6 +143,8 @@ def still_grouped(values: list, groups: tuple) -> bool:
     group's positions hold members 0..L-1 of one stack through their shared view chains, and
     no other position holds a tensor of those stacks (a quick check: False only sends the
     caller back to ``groups_in``)."""
+    if not groups:
+        return True  # nothing recorded as a stack: the arguments are taken one by one as before
     held: set = set()
     for positions in groups:
         stack = getattr(values[positions[0]], "_storage", None)
