@@ -62,17 +62,23 @@ def _capturable_on_xla(set_capturable: Callable) -> Callable:
 
 def _steps_stacked_on_xla(move_step_if_cpu: Callable) -> Callable:
     """Dynamo moves an optimizer's CPU step counters to their parameters' device before it traces
-    the step. On xla the counters it moves become the members of one stack (stacks.py), so that
-    the compiled step reads and writes one array for all of them instead of one 0-dim array per
-    parameter (W7cpu's GPT-2: 148 of the step's 595 inputs, and as many outputs)."""
+    the step. On xla the counters, moved or made there (a fused step's), become the members of
+    one stack (stacks.py), so that the compiled step reads and writes one array for all of them
+    instead of one 0-dim array per parameter (W7cpu's GPT-2: 148 of the step's 595 inputs, and
+    as many outputs); counters already in a stack (``scan_layers``' layers) stay in theirs."""
 
     def move(self) -> None:
-        moving = [s for s in self.value.state.values() if "step" in s and s["step"].is_cpu]
         move_step_if_cpu(self)
         if not engine.current().mode.runs_side_programs:
             return  # a replica of launch: each counter stays an array of its own
-        counters = [s["step"] for s in moving if type(s["step"]) is LazyTensor]
-        if len(counters) > 1 and len({(t.device, t.dtype, t.shape) for t in counters}) == 1:
+        counters = [
+            s["step"]
+            for s in self.value.state.values()
+            if type(s.get("step")) is LazyTensor
+            and not s["step"].dim()
+            and stacks.member(s["step"]) is None
+        ]
+        if len(counters) > 1 and len({(t.device, t.dtype) for t in counters}) == 1:
             uploaded = stacks.holds_data(counters)
             whole = stacks.restack(counters)
             if whole is not None and uploaded:  # as data: the compiled step's first program

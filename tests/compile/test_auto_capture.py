@@ -399,12 +399,12 @@ def test_a_step_the_user_compiled_is_left_alone():
         spmd_torch.auto_capture(False)
 
 
-def _captured_step_program(make):
+def _captured_step_program(make, **adamw):
     """(the program of one more captured step, as pending before its barrier, the model, its
     AdamW) after the loop has run with capture on."""
     torch.manual_seed(0)
     model = make().to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **adamw)
     spmd_torch.auto_capture(True)
     try:
         _train(model, opt, "mlp")
@@ -444,11 +444,13 @@ def test_a_captured_optimizer_updates_scanned_layers_stack_by_stack():
     assert all(node.avals[0].shape == () for node in selects)
 
 
-def test_a_captured_step_reads_its_step_counters_as_one_array():
-    """Dynamo moves AdamW's CPU step counters to the device before it traces the step; there
-    they become the members of one stack, so the step's program reads and writes one array of
-    all the counters, not a 0-dim array per parameter (148 of GPT-2's 595 program inputs)."""
-    program, model, opt = _captured_step_program(MLP)
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_a_captured_step_reads_its_step_counters_as_one_array(fused):
+    """Dynamo moves AdamW's CPU step counters to the device before it traces the step (a fused
+    step's are there already); there they become the members of one stack, so the step's
+    program reads and writes one array of all the counters, not a 0-dim array per parameter
+    (148 of GPT-2's 595 program inputs)."""
+    program, model, opt = _captured_step_program(MLP, fused=fused)
     leaves = [ref[0].avals[ref[1]].shape for ref in program.leaves]
     counters = len(list(model.parameters()))
     assert leaves.count(()) == 0 and leaves.count((counters,)) == 1, leaves
