@@ -58,6 +58,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+import spmd_torch.core.auto_capture as auto_capture  # noqa: E402
 import spmd_torch.core.xla_model as xm  # noqa: E402
 import spmd_torch.debug.metrics as met  # noqa: E402
 import spmd_torch.distributed.spmd as xs  # noqa: E402
@@ -427,8 +428,11 @@ def main() -> int:
 
     if len(losses) > 1 and not losses[-1] < losses[0]:
         failures.append(f"the loss did not fall: {losses[0]:.4f} -> {losses[-1]:.4f}")
-    if compiles > 3:
-        failures.append(f"{compiles} compilations in the training loop, expected at most 3")
+    # Automatic capture (SPMD_TORCH_AUTO_CAPTURE=1) compiles the step once more when it starts,
+    # and one small program stacking the optimizer's step counters.
+    limit = 5 if auto_capture.enabled() else 3
+    if compiles > limit:
+        failures.append(f"{compiles} compilations in the training loop, expected at most {limit}")
     for failure in failures:
         print(f"FAILED: {failure}", file=sys.stderr)
     return 1 if failures else 0
