@@ -138,14 +138,7 @@ class Template:
         key = rng.state() if self.uses_key else None
         find, sources = self._source, self.sources  # most are arguments: read inline
         src = tuple(
-            [
-                args[s[1]]._ref()
-                if s[0] == "arg"
-                else args[s[1]]._storage.ref
-                if s[0] == "stack"
-                else find(s, cpu, key)
-                for s in sources
-            ]
+            [args[s[1]]._ref() if s[0] == "arg" else find(s, args, cpu, key) for s in sources]
         )
         node = Node(self.op, src, (self.placeholders, self), {}, self.avals)
         if SEVERAL_DEVICES:  # on its tensors' xla device
@@ -177,9 +170,11 @@ class Template:
         return pytree.tree_unflatten(outputs, self.tree)
 
     @staticmethod
-    def _source(source, cpu: dict, key) -> tuple:
+    def _source(source, args: list, cpu: dict, key) -> tuple:
         """The ref of a source other than an argument (``call`` reads those inline)."""
         kind = source[0]
+        if kind == "stack":  # the whole stack of the member at that position
+            return args[source[1]]._storage.ref
         if kind == "key":
             return key.ref
         if kind != "cpu":

@@ -98,6 +98,18 @@ def mark(t: LazyTensor, sharding: NamedSharding) -> None:
     storage.set(_constrained(storage.ref, sharding))
 
 
+def restack(tensors: list) -> tuple[LazyTensor | None, bool]:
+    """``stacks.restack(tensors)``, the new stack laid out as they were (``lay_out_stack``), and
+    whether they all held data: a stack of data is computed before the step that reads it
+    (``execute.compute_now``), so that step's program is the one every later step runs."""
+    layouts = {sharding_of(t) for t in tensors}
+    data = stacks.holds_data(tensors)
+    whole = stacks.restack(tensors)
+    if whole is not None:
+        lay_out_stack(whole, layouts)
+    return whole, data
+
+
 def lay_out_stack(whole: LazyTensor, layouts: set) -> None:
     """A new stack laid out as its members were (``layouts``: their shardings) when they all
     had one sharding over several devices, the stacked axis unsplit."""

@@ -140,25 +140,16 @@ def groups_in(values: list) -> tuple:
 
 def still_grouped(values: list, groups: tuple) -> bool:
     """Whether ``groups`` (``groups_in`` of earlier values) still describes ``values``: each
-    group's positions hold members 0..L-1 of one stack through their shared view chains, and
-    no other position holds a tensor of those stacks (a quick check: False only sends the
-    caller back to ``groups_in``)."""
+    group's positions hold members 0..L-1 of one stack (``_aligned``), and no other position
+    holds a tensor of those stacks."""
     if not groups:
         return True  # nothing recorded as a stack: the arguments are taken one by one as before
     held: set = set()
     for positions in groups:
-        stack = getattr(values[positions[0]], "_storage", None)
-        if stack is None or stack.aval.shape[0] != len(positions):
+        head = values[positions[0]]
+        if type(head) is not LazyTensor or not _aligned(values, (None, positions), head.shape):
             return False
-        for k, p in enumerate(positions):
-            t = values[p]
-            if (
-                type(t) is not LazyTensor
-                or t._storage is not stack
-                or t._view is not _MEMBER_VIEWS[k]
-            ):
-                return False
-        held.add(stack)
+        held.add(head._storage)
     tensors = sum(type(t) is LazyTensor and t._storage in held for t in values)
     return tensors == sum(map(len, groups))
 
@@ -234,10 +225,9 @@ def collapse(
     new_args = list(args)
     new_args[lists[0]] = [_entry(first, where, whole) for where in plan]
     for i in lists[1:]:  # read only: their stacks as graph values, no tensors made
-        new_args[i] = [
-            _entry(args[i], where, whole if i in written else _value, _along(i, counters, first))
-            for where in plan
-        ]
+        as_whole = whole if i in written else _value
+        along = None if i == counters else first  # a fused step's counters: broadcast there
+        new_args[i] = [_entry(args[i], where, as_whole, along) for where in plan]
     return tuple(new_args), plan, made
 
 
@@ -260,12 +250,6 @@ def _repeated(values, group: tuple[Storage, list]) -> bool:
         and head.dim() < len(stack.aval.shape)
         and all(values[p] is head for p in positions)
     )
-
-
-def _along(i: int, counters: int | None, first: list) -> list | None:
-    """The list a read-only list's per-member scalars are shaped along: the first (not for a
-    fused step's counters, whose lowering broadcasts them itself)."""
-    return None if i == counters else first
 
 
 def _per_member_scalars(values, group: tuple[Storage, list]) -> bool:

@@ -22,7 +22,7 @@ from torch._dynamo.variables import optimizer as dynamo_optimizer
 from torch._dynamo.variables import torch as dynamo_torch
 from torch._dynamo.variables.ctx_manager import AutocastModeVariable
 
-from spmd_torch._lazy import engine, execute, stacks
+from spmd_torch._lazy import engine, execute, placement, stacks
 from spmd_torch._lazy.compiled import CompiledGraph
 from spmd_torch._lazy.lowering import inductor_prims
 from spmd_torch._lazy.tensor import LazyTensor
@@ -79,9 +79,8 @@ def _steps_stacked_on_xla(move_step_if_cpu: Callable) -> Callable:
             and stacks.member(s["step"]) is None
         ]
         if len(counters) > 1 and len({(t.device, t.dtype) for t in counters}) == 1:
-            uploaded = stacks.holds_data(counters)
-            whole = stacks.restack(counters)
-            if whole is not None and uploaded:  # as data: the compiled step's first program
+            whole, data = placement.restack(counters)
+            if whole is not None and data:  # as data: the compiled step's first program
                 execute.compute_now([whole])  # reads it as every later one does
 
     return move

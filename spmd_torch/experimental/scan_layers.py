@@ -242,13 +242,9 @@ def _whole(tensors: list, new_stacks: list) -> torch.Tensor | None:
     other layers or aliased elsewhere) are stacked again at each call."""
     if loop.recording_inside():  # the stack's value would be the loop body's, not the step's
         return None
-    layouts = {placement.sharding_of(t) for t in tensors}
-    data = stacks.holds_data(tensors)
-    whole = stacks.restack(tensors)
-    if whole is not None:
-        placement.lay_out_stack(whole, layouts)
-        if data:
-            new_stacks.append(whole)
+    whole, data = placement.restack(tensors)
+    if whole is not None and data:
+        new_stacks.append(whole)
     return whole
 
 
