@@ -524,6 +524,8 @@ def _record_foreach(functional, lift: bool, lift_ints: bool, func, args: tuple, 
 def _over_stacks(record: Callable, func, args: tuple, kwargs: dict) -> Any:
     """A pointwise foreach op recorded over whole stacks where its lists hold all their members
     (stacks.py: one array updated per stack, not one per member)."""
+    if len(args) == 2 and not isinstance(args[1], (list, tuple)):
+        _counters_stacked(args[0])  # ``_foreach_add_(step_counters, 1)``
     collapsed = stacks.collapse(args)
     if collapsed is None:
         return record(func, args, kwargs)
@@ -531,6 +533,17 @@ def _over_stacks(record: Callable, func, args: tuple, kwargs: dict) -> Any:
     _compute_new_stacks(made)
     results = record(func, args, kwargs)
     return None if results is None else stacks.expand(results, plan)
+
+
+def _counters_stacked(values: list) -> None:
+    """An optimizer's step counters made one stack before its first step (stacks.
+    counters_stacked), where the mode may compute one before the step, outside regions that
+    trace one graph (a compiled graph's placeholders are not the counters themselves)."""
+    engine = current()
+    if engine.mode.runs_side_programs and engine.one_graph is None:
+        whole, now = stacks.counters_stacked(values)
+        if now and whole is not None:
+            compute_now([whole])
 
 
 def _compute_new_stacks(made: list) -> None:
@@ -574,10 +587,13 @@ def _through_functional(functional, writes: tuple, func, args: tuple, kwargs: di
     a stack's members, as a pointwise foreach op is (``_over_stacks``)."""
     if kwargs.get("grad_scale") is not None:
         writes += (1,)
-    collapsed = stacks.collapse(args, frozenset(writes), optim.STEP_COUNTERS.get(functional))
+    counters = optim.STEP_COUNTERS.get(functional)
+    collapsed = stacks.collapse(args, frozenset(writes), counters)
     if collapsed is not None:
         args, _, made = collapsed
         _compute_new_stacks(made)
+    if counters is not None:
+        args = (*args[:counters], stacks.counters_read(args[counters]), *args[counters + 1 :])
     node, (_, entries) = emit(functional, args, kwargs, lift_floats=True)
     start = 0
     for position, entry in enumerate(entries):

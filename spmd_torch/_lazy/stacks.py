@@ -28,8 +28,10 @@ from collections.abc import Callable
 
 import torch
 
+from .engine import current
 from .graph import Aval, Value
-from .record import emit_value
+from .lowering.factories import CONSTANT_FILLS
+from .record import emit, emit_value
 from .tensor import LazyTensor, Storage, wrap
 from .views import View
 
@@ -95,18 +97,21 @@ def stack_of(tensors: list) -> Storage | None:
     return first[0]
 
 
-def restack(tensors: list) -> LazyTensor | None:
-    """Make ``tensors`` the members of one new stack holding their values, and return it whole;
-    None (nothing changed) unless each is a distinct plain tensor that nothing else aliases
-    (re-homing one alias would part it from the others)."""
+def restack(tensors: list, value: LazyTensor | None = None) -> LazyTensor | None:
+    """Make ``tensors`` the members of one new stack holding their values (or ``value``, a
+    tensor equal to their stack), and return it whole; None (nothing changed) unless each is a
+    distinct plain tensor that nothing else aliases (re-homing one alias would part it from the
+    others)."""
     if len({id(t._storage) for t in tensors if type(t) is LazyTensor}) != len(tensors):
         return None
     for t in tensors:
         # references to the storage: the tensor's own and getrefcount's argument
         if t._view is not None or sys.getrefcount(t._storage) > 2:
             return None
-    value = emit_value(aten.stack.default, [Value(t._storage.ref) for t in tensors], 0)
-    stack = wrap(value.ref, value.aval)._storage
+    if value is None:
+        value = emit_value(aten.stack.default, [Value(t._storage.ref) for t in tensors], 0)
+        value = wrap(value.ref, value.aval)
+    stack = value._storage
     for t, new in zip(tensors, members(stack)):
         t._alias_of(new)
     _RESTACKED[0] = True
@@ -159,6 +164,73 @@ def holds_data(tensors: list) -> bool:
     return all(
         type(t) is LazyTensor and t._storage.ref[0].is_leaf(t._storage.ref[1]) for t in tensors
     )
+
+
+def holds_constants(tensors: list) -> bool:
+    """Whether each of ``tensors`` is a plain xla tensor whose value the step does not compute:
+    data, or a constant fill (``zeros``, ``full_like`` of a parameter) of data, nothing written
+    since. A stack of them can be computed before the step (``execute.compute_now``) as a stack
+    of data is, so that the step's program is the one every later step runs."""
+    for t in tensors:
+        if type(t) is not LazyTensor or t._view is not None:
+            return False
+        node, index = t._storage.ref
+        if not node.is_leaf(index) and not (
+            node.op in CONSTANT_FILLS and all(src.is_leaf(i) for src, i in node.src)
+        ):
+            return False
+    return True
+
+
+def counters_stacked(values) -> tuple[LazyTensor | None, bool]:
+    """(the stack, whether to compute it now) when ``values`` are the step counters of a fused
+    or capturable optimizer before its first step: more than one 0-dim tensor of one dtype, none
+    a stack's member, each holding data or a constant fill (``holds_constants``). They become the
+    members of one stack, so that every step's program reads and writes one array for all of
+    them (where layers are stacked, a slice of it per stack of layers) instead of one per
+    parameter, and the first step's program is the one every later step runs: equal sourceless
+    fills (torch.optim's ``zeros(())``) as one fill of the whole stack, which the barrier
+    computes with the other fills; data as a stack computed before the step. (None, False) for
+    other values."""
+    if (
+        len(values) < 2
+        or not all(type(t) is LazyTensor and not t.dim() and member(t) is None for t in values)
+        or len({(t.dtype, t.device) for t in values}) != 1
+        or not holds_constants(values)
+    ):
+        return None, False
+    fill = values[0]._storage.ref[0]
+    recipe = (fill.op, fill.args, fill.kwargs)
+    if (
+        fill.op not in _SIZED_FILLS
+        or fill.src
+        or any((n.op, n.args, n.kwargs) != recipe for n in (t._storage.ref[0] for t in values))
+    ):
+        return restack(values), True
+    return restack(values, fill.op([len(values)], *fill.args[1:], **fill.kwargs)), False
+
+
+def counters_read(values: list) -> list:
+    """A fused step's counters as its node reads them: each member of a stack of counters
+    (``counters_stacked``) one output of a single ``unbind`` of that stack, instead of a
+    ``select`` node per parameter; the rest as they are."""
+    unbound: dict = {}  # stack -> its unbind node
+    read = []
+    for t in values:
+        found = member(t) if type(t) is LazyTensor and not t.dim() else None
+        if found is None:
+            read.append(t)
+            continue
+        stack, k = found
+        node = unbound.get(stack)
+        if node is None:
+            node = unbound[stack] = emit(aten.unbind.int, (Value(stack.ref), 0), {})[0]
+        read.append(Value((node, k)))
+    return read
+
+
+# Fills whose first argument is their size: one of shape (L,) is L of shape () at once.
+_SIZED_FILLS = frozenset((aten.zeros.default, aten.ones.default, aten.full.default))
 
 
 # --- foreach ops over whole stacks ---------------------------------------------------------------
@@ -225,9 +297,11 @@ def collapse(
     new_args = list(args)
     new_args[lists[0]] = [_entry(first, where, whole) for where in plan]
     for i in lists[1:]:  # read only: their stacks as graph values, no tensors made
+        if i == counters:  # a fused step's: one (L,) value per stack, broadcast in its lowering
+            new_args[i] = [_counters_along(args[i], where) for where in plan]
+            continue
         as_whole = whole if i in written else _value
-        along = None if i == counters else first  # a fused step's counters: broadcast there
-        new_args[i] = [_entry(args[i], where, as_whole, along) for where in plan]
+        new_args[i] = [_entry(args[i], where, as_whole, first) for where in plan]
     return tuple(new_args), plan, made
 
 
@@ -235,7 +309,9 @@ def _stacked_alike(values, group: tuple[Storage, list], counter: bool, made: lis
     """Whether ``values`` holds a stack at ``group``'s positions, aligned or made now, of members
     shaped as the group's (0-dim for step counters)."""
     shape = () if counter else group[0].aval.shape[1:]
-    return _aligned(values, group, shape) or _restacked(values, group[1], shape, made)
+    if _aligned(values, group, shape) or _restacked(values, group[1], shape, made):
+        return True
+    return counter and all(type(values[p]) is LazyTensor and not values[p].dim() for p in group[1])
 
 
 def _repeated(values, group: tuple[Storage, list]) -> bool:
@@ -290,11 +366,13 @@ _LAST_GROUPS: list = [0, []]
 def _restacked(values, positions: list, shape: tuple, made: list) -> bool:
     """Whether the tensors of ``values`` at ``positions`` became the members of a new stack, in
     order (each a plain tensor of ``shape`` that nothing else aliases); the new stack is appended
-    to ``made`` with its members' former shardings and whether they all held data."""
+    to ``made`` with its members' former shardings and whether it can be computed before the
+    step: they all held data, or constants where the mode runs programs of its own."""
     tensors = [values[p] for p in positions]
     if not all(type(t) is LazyTensor and t._view is None and t.shape == shape for t in tensors):
         return False
-    layouts, data = {t._storage.sharding for t in tensors}, holds_data(tensors)
+    layouts = {t._storage.sharding for t in tensors}
+    data = holds_data(tensors) or (current().mode.runs_side_programs and holds_constants(tensors))
     new = restack(tensors)
     if new is not None:
         made.append((new, layouts, data))
@@ -364,6 +442,24 @@ def _entry(values, where, as_whole: Callable, members: list | None = None):
         shape = [len(where)] + [1] * members[where[0]].dim()
         return emit_value(aten.view.default, stacked, shape)
     return as_whole(first._storage)
+
+
+def _counters_along(values, where):
+    """A fused step's counter at ``where`` (a position), or at a stack's positions one value of
+    shape (L,): their own stack, a strided slice of the one holding every counter
+    (``fresh_counters``), else the counters stacked."""
+    if type(where) is int:
+        return values[where]
+    found = [member(values[p]) for p in where]
+    stack = found[0][0] if found[0] is not None else None
+    if stack is not None and all(f is not None and f[0] is stack for f in found):
+        indices = [k for _, k in found]
+        start, step = indices[0], indices[1] - indices[0] if len(indices) > 1 else 1
+        if step > 0 and indices == list(range(start, start + step * len(indices), step)):
+            if len(indices) == stack.aval.shape[0]:
+                return Value(stack.ref)
+            return emit_value(aten.slice.Tensor, Value(stack.ref), 0, start, indices[-1] + 1, step)
+    return emit_value(aten.stack.default, [Value(values[p]._ref()) for p in where], 0)
 
 
 def _value(stack: Storage) -> Value:

@@ -22,7 +22,7 @@ from torch._dynamo.variables import optimizer as dynamo_optimizer
 from torch._dynamo.variables import torch as dynamo_torch
 from torch._dynamo.variables.ctx_manager import AutocastModeVariable
 
-from spmd_torch._lazy import engine, execute, placement, stacks
+from spmd_torch._lazy import engine, execute, stacks
 from spmd_torch._lazy.compiled import CompiledGraph
 from spmd_torch._lazy.lowering import inductor_prims
 from spmd_torch._lazy.tensor import LazyTensor
@@ -63,7 +63,8 @@ def _capturable_on_xla(set_capturable: Callable) -> Callable:
 def _steps_stacked_on_xla(move_step_if_cpu: Callable) -> Callable:
     """Dynamo moves an optimizer's CPU step counters to their parameters' device before it traces
     the step. On xla the counters, moved or made there (a fused step's), become the members of
-    one stack (stacks.py), so that the compiled step reads and writes one array for all of them
+    one stack (``stacks.counters_stacked``, as a lazy step's do at their first ``+1``), so that
+    the compiled step reads and writes one array for all of them
     instead of one 0-dim array per parameter (W7cpu's GPT-2: 148 of the step's 595 inputs, and
     as many outputs); counters already in a stack (``scan_layers``' layers) stay in theirs."""
 
@@ -74,14 +75,11 @@ def _steps_stacked_on_xla(move_step_if_cpu: Callable) -> Callable:
         counters = [
             s["step"]
             for s in self.value.state.values()
-            if type(s.get("step")) is LazyTensor
-            and not s["step"].dim()
-            and stacks.member(s["step"]) is None
+            if type(s.get("step")) is LazyTensor and stacks.member(s["step"]) is None
         ]
-        if len(counters) > 1 and len({(t.device, t.dtype) for t in counters}) == 1:
-            whole, data = placement.restack(counters)
-            if whole is not None and data:  # as data: the compiled step's first program
-                execute.compute_now([whole])  # reads it as every later one does
+        whole, now = stacks.counters_stacked(counters)
+        if now and whole is not None:  # as data: the compiled step's first program
+            execute.compute_now([whole])  # reads it as every later one does
 
     return move
 

@@ -5,6 +5,7 @@ naming the layer or the shape."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import weakref
@@ -359,11 +360,16 @@ def test_optimizer_steps_and_state_dict_see_each_layers_own_parameters(kind, fus
     optimizers = [_OPTIMIZERS[kind](m.parameters(), fused) for m in (model, model_cpu)]
     for step in range(3):
         x = torch.randn(2, 4, D, generator=torch.Generator().manual_seed(step))
-        for m, optimizer, scanned in zip((model, model_cpu), optimizers, (True, False)):
-            optimizer.zero_grad()
-            _loss(m(x.to(next(m.parameters()).device), scanned)).backward()
-            optimizer.step()
-        spmd_torch.sync()
+        # The first step compiles the program of every later one (a fused step's counters and
+        # Adagrad's sums, made before scan_layers stacks the parameters, too), but SGD's: its
+        # first step copies the gradients into the momentum buffers, as on any device.
+        again = int(kind == "sgd_momentum" and step == 1)
+        with assert_compiles(again) if step else contextlib.nullcontext():
+            for m, optimizer, scanned in zip((model, model_cpu), optimizers, (True, False)):
+                optimizer.zero_grad()
+                _loss(m(x.to(next(m.parameters()).device), scanned)).backward()
+                optimizer.step()
+            spmd_torch.sync()
     assert_close(
         {k: v.cpu() for k, v in model.state_dict().items()},
         dict(model_cpu.state_dict()),
@@ -719,9 +725,8 @@ def _adamw_step_size(layers: int, fused: bool | None) -> list[tuple[int, int]]:
 def test_an_adamw_step_over_8_scanned_layers_is_the_program_of_2(fused):
     """The layers' weights, gradients and moments are stacks (stacks.py): the optimizer updates
     one array per kind of weight, so neither program grows with the depth, and the second step
-    reads each stack as one input. The fused step too, its step counters stacked: its first
-    program also makes them, a 0-dim ``zeros`` per parameter (4 a layer)."""
+    reads each stack as one input. The fused step too, its step counters one stack made before
+    its first program, which is then the program of every later step."""
     (first, second) = _adamw_step_size(2, fused)
     (first_8, second_8) = _adamw_step_size(8, fused)
-    counters = 0 if fused is None else (8 - 2) * 4
-    assert first_8[0] == first[0] + counters and second_8 == second
+    assert first_8 == first and second_8 == second

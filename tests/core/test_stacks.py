@@ -159,9 +159,11 @@ def test_plain_tensors_beside_a_stack_or_right_after_one_join_stacks_later_ones_
 
 def test_a_fused_step_over_every_member_updates_each_stack_and_stacks_the_counters():
     """``fused=True``'s one op per step (here AdamW's, unscaling the gradients, two steps as
-    torch.optim makes them) updates each stack whole, the gradients written back too, and the
-    one step counter per parameter becomes a stack of its own; a tensor beside the stacks stays
-    its own. Against ATen's CPU kernel."""
+    torch.optim makes them) updates each stack whole, the gradients written back too; a tensor
+    beside the stacks stays its own. The one step counter per parameter, fresh zeros, becomes
+    one stack for all parameters at the first ``_foreach_add_``, computed at once, so that the
+    first step's program reads it as the next step's does; a stack's counters are a slice of it.
+    Against ATen's CPU kernel."""
     shapes = [(3, 5)] * 3 + [(7,)]
     g = torch.Generator().manual_seed(10)
     cpu = [[torch.randn(s, generator=g) for s in shapes] for _ in range(4)]
@@ -169,18 +171,23 @@ def test_a_fused_step_over_every_member_updates_each_stack_and_stacks_the_counte
     xla = [_stacked(values[:3]) + [values[3].to(dev)] for values in cpu]
     steps = [[torch.zeros(()) for _ in shapes], [torch.zeros((), device=dev) for _ in shapes]]
     scale, found_inf = torch.tensor(4.0), torch.tensor(0.0)
-    for _ in range(2):
+    for step in range(2):
         for (params, grads, firsts, seconds), counters, device in zip(
             (cpu, xla), steps, ("cpu", dev)
         ):
             torch._foreach_add_(counters, 1)
+            if device == dev and step == 0:
+                assert stacks.stack_of(counters) is not None
+                # one add over one array of counters, made by one fill: no stack of them
+                text = graph.pending_text()
+                assert _ops(text, "aten._foreach_add.Scalar") == 1 and "f32[4] = aten.zeros" in text
+                assert _ops(text, "aten.stack.default") == 4  # _stacked's
             torch._fused_adamw_(
                 params, grads, firsts, seconds, [], counters, lr=0.1, beta1=0.9, beta2=0.99,
                 weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False,
                 grad_scale=scale.to(device), found_inf=found_inf.to(device),
             )  # fmt: skip
     assert _ops(graph.pending_text(), "aten.select_scatter.default") == 0
-    assert stacks.stack_of(steps[1][:3]) is not None and stacks.member(steps[1][3]) is None
     assert_close(xla + [steps[1]], cpu + [steps[0]])
 
 

@@ -16,6 +16,7 @@ import spmd_torch.core.xla_model as xm
 import spmd_torch.distributed.spmd as xs
 import spmd_torch.distributed.xla_multiprocessing as xmp
 import spmd_torch.runtime as xr
+from spmd_torch._lazy.graph import DATA
 from spmd_torch._XLAC import _get_xla_sharding_spec
 from spmd_torch.amp import syncfree
 from spmd_torch.debug import graph
@@ -104,9 +105,9 @@ def test_steps_equal_eager_on_one_device(name):
     assert_close(to_cpu(list(model.parameters())), list(cpu.parameters()), **training)
 
 
-def _step_program(make) -> tuple[list[str], int]:
-    """The ops of the program one optimizer step records (everything else run before it), and
-    its lifted scalars."""
+def _step_program(make) -> tuple[list[str], int, int]:
+    """The ops of the program one optimizer step records (everything else run before it), its
+    lifted scalars and its 0-dim tensor inputs."""
     model = _model().to(dev)
     optimizer = make(model.parameters())
     x = torch.randn(6, 8).to(dev)
@@ -119,21 +120,26 @@ def _step_program(make) -> tuple[list[str], int]:
         optimizer.step()
         program = graph.pending_program()
         spmd_torch.sync()
-    return [str(node.op) for node in program.nodes], len(program.scalars)
+    ops = [str(node.op) for node in program.nodes]
+    zero_dim = sum(not node.avals[i].shape for node, i in program.leaves if node.op == DATA)
+    return ops, len(program.scalars), zero_dim
 
 
 def test_default_adamw_is_a_handful_of_foreach_nodes():
     """torch.optim picks its foreach path for xla parameters: 8 nodes over all 6 parameters,
     7 scalar inputs (per-parameter bias corrections travel as one vector each), where the
     single-tensor loop recorded 8 ops and 7 scalars per parameter."""
-    ops, scalars = _step_program(lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1))
+    ops, scalars, _ = _step_program(lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1))
     assert len(ops) <= 12 and all(op.startswith("aten._foreach_") for op in ops), ops
     assert scalars <= 8, scalars
 
 
 def test_fused_adamw_is_one_node():
-    ops, _ = _step_program(lambda ps: torch.optim.AdamW(ps, lr=0.01, fused=True))
-    assert ops == ["aten._foreach_add.Scalar", "aten._fused_adamw.default"], ops  # steps, step
+    """The step, and its counters' +1: the six counters are one array (the step reads them
+    through one ``unbind``), not six program inputs and six outputs."""
+    ops, _, zero_dim = _step_program(lambda ps: torch.optim.AdamW(ps, lr=0.01, fused=True))
+    assert ops == ["aten._foreach_add.Scalar", "aten.unbind.int", "aten._fused_adamw.default"]
+    assert zero_dim == 0
 
 
 @pytest.mark.parametrize("make", [syncfree.Adam, syncfree.SGD], ids=["adam", "sgd"])
@@ -144,9 +150,10 @@ def test_a_syncfree_step_is_one_fused_node_and_its_counters(make):
         optimizer.step = lambda: step(found_inf=torch.zeros((), device=dev))
         return optimizer
 
-    ops, _ = _step_program(with_flag)
+    ops, _, _ = _step_program(with_flag)
     fused = [op for op in ops if "_fused_" in op]
-    assert len(fused) == 1 and len(ops) <= 4, ops  # counters +1 and -found_inf, the flag's cast
+    # the counters' +1, their unbind and -found_inf, the flag
+    assert len(fused) == 1 and len(ops) <= 5, ops
 
 
 def test_clip_grad_norm_is_foreach_nodes():
