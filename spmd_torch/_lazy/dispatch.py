@@ -536,9 +536,10 @@ def _over_stacks(record: Callable, func, args: tuple, kwargs: dict) -> Any:
 
 
 def _counters_stacked(values: list) -> None:
-    """An optimizer's step counters made one stack before its first step (stacks.
-    counters_stacked), where the mode may compute one before the step, outside regions that
-    trace one graph (a compiled graph's placeholders are not the counters themselves)."""
+    """A fused or capturable optimizer's step counters made one stack at their first ``+1``
+    (``stacks.counters_stacked``): where the mode may run a program before the step, and not
+    inside a region that traces one graph (a compiled graph's placeholders stand for tensors
+    that live outside it)."""
     engine = current()
     if engine.mode.runs_side_programs and engine.one_graph is None:
         whole, now = stacks.counters_stacked(values)

@@ -447,7 +447,7 @@ def _entry(values, where, as_whole: Callable, members: list | None = None):
 def _counters_along(values, where):
     """A fused step's counter at ``where`` (a position), or at a stack's positions one value of
     shape (L,): their own stack, a strided slice of the one holding every counter
-    (``fresh_counters``), else the counters stacked."""
+    (``counters_stacked``), else the counters stacked."""
     if type(where) is int:
         return values[where]
     found = [member(values[p]) for p in where]
