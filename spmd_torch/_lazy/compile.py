@@ -371,12 +371,14 @@ def lookup_or_compile(run) -> tuple[Executable, bool]:
     structure = STRUCTURES[key.structure]
     digest = hashlib.sha1(repr(_named(structure[0], cache.ops)).encode()).hexdigest()[:8]
     start = time.perf_counter_ns()
+    mesh = _split_mesh([a.sharding for a in arrays] + list(run.out_shardings or ()))
     if run.replicas is None:
-        function = build_function(program, donated, run.out_shardings)
+        out_shardings = run.out_shardings and tuple(s and _on(mesh, s) for s in run.out_shardings)
+        function = build_function(program, donated, out_shardings)
     else:
         function = build_replica_function(program, donated, run.replicas)
     function.__name__ = f"SyncTensorsGraph_{digest}"  # profiles name the program by its key
-    abstract_inputs = abstract(arrays)
+    abstract_inputs = abstract(arrays, mesh)
     kept = [a for a, d in zip(abstract_inputs, donated) if not d]
     given = [a for a, d in zip(abstract_inputs, donated) if d]
     jitted = jax.jit(function, donate_argnums=(0,) if any(donated) else ())
@@ -497,7 +499,8 @@ def lowered(
     or not (JAX drops unread ones otherwise)."""
     donated = (False,) * len(arrays)
     if replicas is None:
-        function, inputs = build_function(program, donated), abstract(arrays)
+        mesh = _split_mesh([a.sharding for a in arrays])
+        function, inputs = build_function(program, donated), abstract(arrays, mesh)
     else:
         function = build_replica_function(program, donated, replicas)
         layout = stacked(replicas)
@@ -515,17 +518,23 @@ def lowered(
     return jax.jit(lambda kept: function([], kept, empty), keep_unused=True).lower(inputs)
 
 
-def abstract(arrays: list) -> list[jax.ShapeDtypeStruct]:
-    """``arrays``' shapes, dtypes and layouts, each replicated one restated on the mesh of the
-    first split input. JAX names the layouts it chose for outputs on the mesh of the first input
-    with a mesh: an output split over a 2-D mesh has no name on the 1-D mesh uploads are
-    replicated over (IndivisibleError at compile)."""
-    shardings = [a.sharding for a in arrays]
-    meshes = [s.mesh for s in shardings if type(s) is NamedSharding and not s.is_fully_replicated]
-    return [
-        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_on(meshes[:1], s))
-        for a, s in zip(arrays, shardings)
-    ]
+def abstract(arrays: list, mesh: list) -> list[jax.ShapeDtypeStruct]:
+    """``arrays``' shapes, dtypes and layouts, each replicated one restated on ``mesh``
+    (``_split_mesh``)."""
+    return [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_on(mesh, a.sharding)) for a in arrays]
+
+
+def _split_mesh(shardings: list) -> list:
+    """The mesh of the first of ``shardings`` that splits its tensor (a list of none or one),
+    which the program's replicated inputs and outputs are restated on. JAX names the layouts it
+    chose for outputs on the mesh of the first input with a mesh, or else of the first layout
+    the program constrains a value to: an output split over a 2-D mesh has no name on the 1-D
+    mesh uploads are replicated over (IndivisibleError at compile), as in a program computing a
+    2-D-sharded parameter's and an unmarked one's new AdamW moments."""
+    for s in shardings:
+        if type(s) is NamedSharding and not s.is_fully_replicated:
+            return [s.mesh]
+    return []
 
 
 def _on(mesh: list, sharding):

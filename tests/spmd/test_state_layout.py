@@ -96,6 +96,29 @@ def test_optimizer_state_sharded_like_its_parameter(mesh, which):
     assert_close(torch.tensor(losses), torch.tensor(expected), tol="training")
 
 
+@pytest.mark.parametrize("which", ["adamw", "sgd_momentum"])
+def test_a_2d_mesh_with_an_unmarked_first_parameter_trains(which):
+    """The first layer left unmarked (replicated over the flat mesh uploads land on), the
+    second split over a 2-D mesh both ways: the programs computing their state and their steps
+    compile (JAX named the layouts it chose on the first replicated mesh it met, where a 2-D
+    split has no name), the split state keeps its parameter's layout, and the losses are eager
+    CPU's."""
+    grid = xs.Mesh(np.arange(8), (4, 2), ("fsdp", "tensor"))
+    model = new_mlp().to(dev)
+    xs.mark_sharding(model[2].weight, grid, ("fsdp", "tensor"))
+    optimizer = OPTIMIZERS[which](model.parameters())
+    losses = train(model, optimizer, dev)
+    split = xs.get_xla_sharding_spec(model[2].weight)
+    assert split.startswith("{devices=[4,2]")
+    assert all(
+        xs.get_xla_sharding_spec(v) == split
+        for v in weight_states(model, optimizer)["2.weight"].values()
+    )
+    cpu_model = new_mlp()
+    expected = train(cpu_model, OPTIMIZERS[which](cpu_model.parameters()), torch.device("cpu"))
+    assert_close(torch.tensor(losses), torch.tensor(expected), tol="training")
+
+
 def test_uneven_head_moments_hold_an_eighth_per_device(mesh):
     model = new_mlp().to(dev)
     shard_fsdp(model, mesh)
