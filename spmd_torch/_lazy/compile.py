@@ -372,21 +372,26 @@ def lookup_or_compile(run) -> tuple[Executable, bool]:
     digest = hashlib.sha1(repr(_named(structure[0], cache.ops)).encode()).hexdigest()[:8]
     start = time.perf_counter_ns()
     mesh = _split_mesh([a.sharding for a in arrays] + list(run.out_shardings or ()))
-    if run.replicas is None:
-        out_shardings = run.out_shardings and tuple(s and _on(mesh, s) for s in run.out_shardings)
-        function = build_function(program, donated, out_shardings)
-    else:
-        function = build_replica_function(program, donated, run.replicas)
-    function.__name__ = f"SyncTensorsGraph_{digest}"  # profiles name the program by its key
+    out_shardings = None  # each output's layout, given to jit too: JAX then names none of them
+    if run.replicas is None and run.out_shardings:
+        out_shardings = [s and _on(mesh, s) for s in run.out_shardings]
     abstract_inputs = abstract(arrays, mesh)
     kept = [a for a, d in zip(abstract_inputs, donated) if not d]
     given = [a for a, d in zip(abstract_inputs, donated) if d]
-    jitted = jax.jit(function, donate_argnums=(0,) if any(donated) else ())
     with warnings.catch_warnings(), _collector_paused():
         # Donating a dead input no output can reuse still frees it early; that is the point.
         warnings.filterwarnings("ignore", "Some donated buffers were not usable")
         scalars = _scalars_aval(run.scalars.shape[-1], run.replicas)
-        compiled = jitted.lower(given, kept, scalars).compile()
+        try:
+            compiled = _jitted(run, out_shardings, digest).lower(given, kept, scalars).compile()
+        except Exception as error:  # JAX's IndivisibleError, a private class
+            if type(error).__name__ != "IndivisibleError" or run.replicas is not None or not mesh:
+                raise
+            # An output left unmarked, split over another mesh of the same devices than the one
+            # JAX names it on: replicated instead (mark it to keep it split).
+            replicated = NamedSharding(mesh[0], PartitionSpec())
+            pinned = [s or replicated for s in out_shardings or [None] * len(program.located)]
+            compiled = _jitted(run, pinned, digest).lower(given, kept, scalars).compile()
     counters.record(COMPILE_TIME[current().eager], time.perf_counter_ns() - start)
     counters.record("InputOutputAliasCount", sum(donated))  # buffers given to outputs, per compile
     shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
@@ -518,6 +523,19 @@ def lowered(
     return jax.jit(lambda kept: function([], kept, empty), keep_unused=True).lower(inputs)
 
 
+def _jitted(run, out_shardings: list | None, digest: str):
+    """``run``'s program as a jitted function, its outputs laid out as ``out_shardings`` say."""
+    if run.replicas is None:
+        function = build_function(run.program, run.donated, out_shardings)
+    else:
+        function = build_replica_function(run.program, run.donated, run.replicas)
+    function.__name__ = f"SyncTensorsGraph_{digest}"  # profiles name the program by its key
+    donate = (0,) if any(run.donated) else ()
+    if out_shardings:
+        return jax.jit(function, donate_argnums=donate, out_shardings=out_shardings)
+    return jax.jit(function, donate_argnums=donate)
+
+
 def abstract(arrays: list, mesh: list) -> list[jax.ShapeDtypeStruct]:
     """``arrays``' shapes, dtypes and layouts, each replicated one restated on ``mesh``
     (``_split_mesh``)."""
@@ -530,7 +548,9 @@ def _split_mesh(shardings: list) -> list:
     chose for outputs on the mesh of the first input with a mesh, or else of the first layout
     the program constrains a value to: an output split over a 2-D mesh has no name on the 1-D
     mesh uploads are replicated over (IndivisibleError at compile), as in a program computing a
-    2-D-sharded parameter's and an unmarked one's new AdamW moments."""
+    2-D-sharded parameter's and an unmarked one's new AdamW moments. (Outputs given a layout are
+    given it in ``jax.jit`` too, so that no other mesh names them: a program may read and write
+    tensors laid out over two meshes of the same devices.)"""
     for s in shardings:
         if type(s) is NamedSharding and not s.is_fully_replicated:
             return [s.mesh]

@@ -119,6 +119,31 @@ def test_a_2d_mesh_with_an_unmarked_first_parameter_trains(which):
     assert_close(torch.tensor(losses), torch.tensor(expected), tol="training")
 
 
+def test_one_model_laid_out_over_two_meshes_of_the_same_devices_trains(mesh):
+    """One layer split over the 1-D mesh, another over a 2-D one of the same 8 devices. The
+    programs computing the moments and the steps write tensors laid out over both (jit is given
+    their layouts, so that JAX names none of them on the other mesh), and the gradients, left
+    unmarked and live at each barrier, come back too (replicated where JAX could not name the
+    partitioner's split); each state keeps its parameter's layout, and the losses and gradients
+    are eager CPU's."""
+    grid = xs.Mesh(np.arange(8), (4, 2), ("fsdp", "tensor"))
+    model = new_mlp().to(dev)
+    xs.mark_sharding(model[0].weight, mesh, ("fsdp", None))
+    xs.mark_sharding(model[2].weight, grid, ("fsdp", "tensor"))
+    optimizer = OPTIMIZERS["adamw"](model.parameters())
+    losses = train(model, optimizer, dev)
+    states = weight_states(model, optimizer)
+    split = xs.get_xla_sharding_spec(model[2].weight)
+    assert split.startswith("{devices=[4,2]")
+    for name, spec in (("0.weight", ROWS), ("2.weight", split)):
+        assert all(xs.get_xla_sharding_spec(v) == spec for v in states[name].values()), name
+    cpu_model = new_mlp()
+    expected = train(cpu_model, OPTIMIZERS["adamw"](cpu_model.parameters()), torch.device("cpu"))
+    assert_close(torch.tensor(losses), torch.tensor(expected), tol="training")
+    grads = [p.grad.cpu() for p in model.parameters()]
+    assert_close(grads, [p.grad for p in cpu_model.parameters()], tol="training")
+
+
 def test_uneven_head_moments_hold_an_eighth_per_device(mesh):
     model = new_mlp().to(dev)
     shard_fsdp(model, mesh)
