@@ -387,7 +387,7 @@ def lookup_or_compile(run) -> tuple[Executable, bool]:
         except Exception as error:  # JAX's IndivisibleError, a private class
             if type(error).__name__ != "IndivisibleError" or run.replicas is not None or not mesh:
                 raise
-            # An output left unmarked, split over another mesh of the same devices than the one
+            # An output left unmarked, split over a mesh of the same devices other than the one
             # JAX names it on: replicated instead (mark it to keep it split).
             replicated = NamedSharding(mesh[0], PartitionSpec())
             pinned = [s or replicated for s in out_shardings or [None] * len(program.located)]
