@@ -24,7 +24,7 @@ from spmd_torch import config
 
 from . import attention, collective, counters, placement, rng, stacks, transfer, views
 from .engine import FORKED_AFTER_JAX, current, refuse_in_bad_fork
-from .execute import compute_now, sync, to_cpu
+from .execute import compute_now, stack_counters, sync, to_cpu
 from .graph import Aval, Node, Value
 from .lowering import LOWERINGS, amp, ctc, factories, optim
 from .lowering.foreach import element_overload, element_packet
@@ -525,7 +525,7 @@ def _over_stacks(record: Callable, func, args: tuple, kwargs: dict) -> Any:
     """A pointwise foreach op recorded over whole stacks where its lists hold all their members
     (stacks.py: one array updated per stack, not one per member)."""
     if len(args) == 2 and not isinstance(args[1], (list, tuple)):
-        _counters_stacked(args[0])  # ``_foreach_add_(step_counters, 1)``
+        stack_counters(args[0])  # ``_foreach_add_(step_counters, 1)``
     collapsed = stacks.collapse(args)
     if collapsed is None:
         return record(func, args, kwargs)
@@ -533,18 +533,6 @@ def _over_stacks(record: Callable, func, args: tuple, kwargs: dict) -> Any:
     _compute_new_stacks(made)
     results = record(func, args, kwargs)
     return None if results is None else stacks.expand(results, plan)
-
-
-def _counters_stacked(values: list) -> None:
-    """A fused or capturable optimizer's step counters made one stack at their first ``+1``
-    (``stacks.counters_stacked``): where the mode may run a program before the step, and not
-    inside a region that traces one graph (a compiled graph's placeholders stand for tensors
-    that live outside it)."""
-    engine = current()
-    if engine.mode.runs_side_programs and engine.one_graph is None:
-        whole, now = stacks.counters_stacked(values)
-        if now and whole is not None:
-            compute_now([whole])
 
 
 def _compute_new_stacks(made: list) -> None:

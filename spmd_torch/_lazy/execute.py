@@ -19,7 +19,7 @@ import torch
 
 from spmd_torch import config
 
-from . import counters, manual, modes, placement, rng, views  # noqa: F401  (modes: the default mode)
+from . import counters, manual, modes, placement, rng, stacks, views  # noqa: F401  (modes: the default mode)
 from .engine import current
 from .graph import DATA, Node, linearize
 from .record import user_frame
@@ -167,6 +167,19 @@ def compute_now(tensors: list[LazyTensor]) -> None:
         return
     for t, array in zip(tensors, materialize(tensors)):
         _hold_as_data(t._storage, array)
+
+
+def stack_counters(values: list) -> None:
+    """A fused or capturable optimizer's step counters made one stack (``stacks.
+    counters_stacked``), computed now where that takes a program: where the mode may run one
+    before the step, and not inside a region that traces one graph (a compiled graph's
+    placeholders stand for tensors that live outside it). The lazy step's first ``+1`` and the
+    counters Dynamo moves to the device come here alike."""
+    engine = current()
+    if engine.mode.runs_side_programs and engine.one_graph is None:
+        whole, now = stacks.counters_stacked(values)
+        if now and whole is not None:
+            compute_now([whole])
 
 
 def materialize(tensors: list[LazyTensor]) -> list[jax.Array]:

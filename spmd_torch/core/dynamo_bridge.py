@@ -22,7 +22,7 @@ from torch._dynamo.variables import optimizer as dynamo_optimizer
 from torch._dynamo.variables import torch as dynamo_torch
 from torch._dynamo.variables.ctx_manager import AutocastModeVariable
 
-from spmd_torch._lazy import engine, execute, stacks
+from spmd_torch._lazy import execute, stacks
 from spmd_torch._lazy.compiled import CompiledGraph
 from spmd_torch._lazy.lowering import inductor_prims
 from spmd_torch._lazy.tensor import LazyTensor
@@ -63,23 +63,19 @@ def _capturable_on_xla(set_capturable: Callable) -> Callable:
 def _steps_stacked_on_xla(move_step_if_cpu: Callable) -> Callable:
     """Dynamo moves an optimizer's CPU step counters to their parameters' device before it traces
     the step. On xla the counters, moved or made there (a fused step's), become the members of
-    one stack (``stacks.counters_stacked``, as a lazy step's do at their first ``+1``), so that
-    the compiled step reads and writes one array for all of them
-    instead of one 0-dim array per parameter (W7cpu's GPT-2: 148 of the step's 595 inputs, and
-    as many outputs); counters already in a stack (``scan_layers``' layers) stay in theirs."""
+    one stack (``execute.stack_counters``, as a lazy step's do at their first ``+1``), so that
+    the compiled step reads and writes one array for all of them instead of one 0-dim array per
+    parameter (W7cpu's GPT-2: 148 of the step's 595 inputs, and as many outputs); counters
+    already in a stack (``scan_layers``' layers) stay in theirs. Not in a replica of launch."""
 
     def move(self) -> None:
         move_step_if_cpu(self)
-        if not engine.current().mode.runs_side_programs:
-            return  # a replica of launch: each counter stays an array of its own
         counters = [
             s["step"]
             for s in self.value.state.values()
             if type(s.get("step")) is LazyTensor and stacks.member(s["step"]) is None
         ]
-        whole, now = stacks.counters_stacked(counters)
-        if now and whole is not None:  # as data: the compiled step's first program
-            execute.compute_now([whole])  # reads it as every later one does
+        execute.stack_counters(counters)
 
     return move
 
