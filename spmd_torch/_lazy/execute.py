@@ -71,7 +71,7 @@ def _run(engine, owners: list, device: int, donate: bool, start: tuple) -> None:
     layouts = tuple(
         placement.output_sharding(holders[0], ref[0].avals[ref[1]]) for ref, holders in owners
     )
-    arrays = engine.mode.run(program, donate=donate, out_shardings=layouts)
+    arrays = engine.mode.run(program, donate=donate, out_shardings=layouts, written=owners)
     with counters.timed("BindTime"):
         for (ref, holders), array in zip(owners, arrays):
             node, index = ref
@@ -122,7 +122,10 @@ def _constants_first(engine, program, local: set) -> bool:
         if key in layouts or not all(source.is_leaf(i) for source, i in node.src):
             continue
         layout = placement.output_sharding(storage, node.avals[index])
-        if storage.ref[0] is not node and layout is None:
+        written_since = storage.ref[0] is not node
+        if written_since:  # its new value takes over the fill's buffer (compile.donated_order)
+            storage.overwrote = key
+        if written_since and layout is None:
             # Written since, unmarked: replicated, the layout it keeps (placement.remember), so
             # the step's program writes it back as the next step's does.
             layout = engine.mode.replicated

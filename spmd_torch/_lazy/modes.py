@@ -133,14 +133,17 @@ class PerDevice:
         """``program`` lowered as this mode runs it, nothing compiled (the debug views')."""
         return compiler.lowered(program, arrays, every_input)
 
-    def run(self, program: Program, donate: bool, out_shardings: tuple | None = None) -> list:
-        """Compute a linearised graph (``run.Run.of`` says what ``donate`` gives up)."""
+    def run(
+        self, program: Program, donate: bool, out_shardings: tuple | None = None, written=None
+    ) -> list:
+        """Compute a linearised graph (``run.Run.of`` says what ``donate`` gives up; ``written``:
+        per output, its ref and the storages it will be bound to)."""
         with counters.timed("GatherTime"):
             arrays = self.gather(program)
         if program.device:  # outputs on xla:N even when no input says so (factories)
             here = self.landing_on(program.device)
             out_shardings = tuple(s or here for s in out_shardings or [None] * len(program.outputs))
-        return self.execute(Run.of(program, arrays, donate, out_shardings))
+        return self.execute(Run.of(program, arrays, donate, out_shardings, written))
 
     def read(self, refs: list, layouts: dict | None, sync: Callable) -> None:
         """Compute the pending ``refs`` (each once), leaving each value on its node; ``layouts``

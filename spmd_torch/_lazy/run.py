@@ -39,15 +39,18 @@ class Run:
     scalars: np.ndarray  # the lifted Python scalars, packed
     out_shardings: tuple | None = None  # each output's layout (None entries: the partitioner's)
     replicas: Mesh | None = None  # run by each replica of this mesh, inputs stacked over it
+    written: list | None = None  # per output, (its ref, the storages the barrier binds it to)
 
     @classmethod
-    def of(cls, program: Program, arrays: list, donate: bool, out_shardings=None) -> Run:
+    def of(
+        cls, program: Program, arrays: list, donate: bool, out_shardings=None, written=None
+    ) -> Run:
         """Donates (with ``donate``) the inputs no live tensor holds any more."""
         donated = tuple(
             donate and node.op == DATA and node.holders == 0 for node, _ in program.leaves
         )
         scalars = program.scalar_values()
-        return cls(program, arrays, donated, scalars, out_shardings)
+        return cls(program, arrays, donated, scalars, out_shardings, written=written)
 
     @functools.cached_property
     def key(self) -> tuple:
@@ -207,7 +210,7 @@ def stacked(runs: list[Run], mesh: Mesh) -> Run:
     ]
     donated = tuple(all(run.donated[i] for run in runs) for i in range(len(arrays)))
     scalars = jax.make_array_from_process_local_data(layout, np.stack([r.scalars for r in runs]))
-    return Run(first.program, arrays, donated, scalars, replicas=mesh)
+    return Run(first.program, arrays, donated, scalars, replicas=mesh, written=first.written)
 
 
 def _stacked(blocks: list, mesh: Mesh, layout) -> jax.Array:

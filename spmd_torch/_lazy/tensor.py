@@ -42,7 +42,7 @@ _STORAGES = counters.STORAGES  # [made, freed]: not atomic across threads (a loa
 class Storage:
     """The value shared by a tensor and all its aliases, with a version bumped on every write."""
 
-    __slots__ = ("ref", "version", "views", "sharding", "from_host", "__weakref__")
+    __slots__ = ("ref", "version", "views", "sharding", "from_host", "overwrote", "__weakref__")
 
     def __init__(self, ref: Ref):
         _STORAGES[0] += 1
@@ -54,14 +54,20 @@ class Storage:
         self.views = None  # weak refs to views caching a value read from this storage
         self.sharding = None  # jax Sharding every value written here gets (see placement.py)
         self.from_host = False  # an upload no program wrote since: no sharding spec of its own
+        # (id(node), index) of the last computed value a write replaced: the program input whose
+        # buffer the barrier's new value may take over (see compile.donated_order)
+        self.overwrote = None
         if node.arrays is None or node.arrays[ref[1]] is None:  # pending: inlined is_leaf
             current().pending.append(weakref.ref(self))
 
     def set(self, ref: Ref) -> None:
         node = ref[0]
         node.holders += 1
-        if self.ref is not None:
-            self.ref[0].holders -= 1
+        old = self.ref
+        if old is not None:
+            old[0].holders -= 1
+            if old[0].arrays is not None:
+                self.overwrote = (id(old[0]), old[1])
         self.ref = ref
         self.version += 1
         if self.views is not None:
