@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from jax._src import source_info_util  # a traceback as ops' source: no public API
 from jax._src.lax.lax import _convert_element_type  # weak-typed casts have no public API
+from jax._src.lib.mlir import passmanager  # MLIR's own passes: JAX exposes no public API
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from spmd_torch import config
@@ -397,7 +398,7 @@ def lookup_or_compile(run) -> tuple[Executable, bool]:
         scalars = _scalars_aval(run.scalars.shape[-1], run.replicas)
         try:
             jitted = _jitted(run, out_shardings, digest, given_order)
-            compiled = jitted.lower(given, kept, scalars).compile()
+            compiled = _compiled(jitted.lower(given, kept, scalars))
         except Exception as error:  # JAX's IndivisibleError, a private class
             if type(error).__name__ != "IndivisibleError" or run.replicas is not None or not mesh:
                 raise
@@ -406,7 +407,7 @@ def lookup_or_compile(run) -> tuple[Executable, bool]:
             replicated = NamedSharding(mesh[0], PartitionSpec())
             pinned = [s or replicated for s in out_shardings or [None] * len(program.located)]
             jitted = _jitted(run, pinned, digest, given_order)
-            compiled = jitted.lower(given, kept, scalars).compile()
+            compiled = _compiled(jitted.lower(given, kept, scalars))
     counters.record(COMPILE_TIME[current().eager], time.perf_counter_ns() - start)
     counters.record("InputOutputAliasCount", sum(donated))  # buffers given to outputs, per compile
     shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
@@ -423,6 +424,21 @@ def lookup_or_compile(run) -> tuple[Executable, bool]:
     cache.history.append(key)
     del cache.history[:-16]
     return executable, False
+
+
+def _compiled(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+    """``lowered`` compiled, equal computations in its StableHLO merged first (MLIR's ``cse``).
+
+    The graph holds a lifted Python number once, but each op that reads it converts it to its
+    own dtype, and a ``_foreach_*`` op once per tensor of its list: an unrolled 32-layer AdamW
+    step converts the same five hyperparameters 2,222 times. XLA merges them only after passes
+    that walk each one; merged beforehand, its compile of that step took 3.8-4.0 s instead of
+    4.4 s (hand-written JAX's, whose hyperparameters are literals: 3.4-3.7 s). The pass itself
+    takes 20 ms there. The module is the one ``compile`` reads, changed in place."""
+    module = lowered.compiler_ir("stablehlo")
+    with module.context:
+        passmanager.PassManager.parse("builtin.module(cse)").run(module.operation)
+    return lowered.compile()
 
 
 def donated_order(run) -> tuple | None:

@@ -824,3 +824,26 @@ def test_a_fill_nothing_wrote_becomes_data_before_the_step():
     with assert_compiles(0):  # the next step's program: the same
         y = xd * mask
         spmd_torch.sync()
+
+
+def test_a_lifted_number_is_converted_once_per_dtype_in_the_compiled_module(monkeypatch):
+    """A ``_foreach_*`` op converts its Python number for each tensor of its list; XLA is given
+    the module with those equal conversions merged (an unrolled decoder's AdamW step has
+    thousands), and the values are those of eager PyTorch."""
+    modules = []
+    compile_lowered = jax.stages.Lowered.compile
+
+    def compile_and_keep(self, *args, **kwargs):
+        modules.append(self.as_text())
+        return compile_lowered(self, *args, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", compile_and_keep)
+    cpu = [torch.randn(3, n) for n in range(2, 8)]  # shapes no other test compiles
+    xs = [t.to(dev) for t in cpu]
+    spmd_torch.sync()
+    torch._foreach_mul_(xs, 0.37)
+    spmd_torch.sync()
+    (module,) = modules
+    assert module.count("(tensor<f64>) -> tensor<f32>") == 1
+    for x, t in zip(xs, cpu):
+        assert_close(x.cpu(), t * 0.37)
