@@ -436,6 +436,8 @@ def _compiled(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
     4.4 s (hand-written JAX's, whose hyperparameters are literals: 3.4-3.7 s). The pass itself
     takes 20 ms there. The module is the one ``compile`` reads, changed in place."""
     module = lowered.compiler_ir("stablehlo")
+    if module is None:  # a backend whose lowering keeps no MLIR module
+        return lowered.compile()
     with module.context:
         passmanager.PassManager.parse("builtin.module(cse)").run(module.operation)
     return lowered.compile()
