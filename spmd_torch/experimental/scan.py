@@ -17,6 +17,11 @@ traced at each call (one iteration's ops).
 Where it differs from PyTorch/XLA: ``fn`` may close over tensors, which get gradients like the
 arguments (a replayed recording reads them at their values of the moment); random ops draw new
 numbers in each iteration, the same ones as the unrolled loop.
+
+``value_and_grad_partitioned`` is PyTorch/XLA's building block of its scan's autograd, kept for
+the code that calls it: one iteration split by AOTAutograd into a forward returning the
+activations and a backward taking them. Our ``scan`` does not use it (JAX differentiates the
+lowered loop).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from spmd_torch._lazy import loop
 from spmd_torch._lazy.graph import Aval, aval_text
 from spmd_torch._lazy.tensor import DEVICE, LazyTensor
 
-__all__ = ["scan"]
+__all__ = ["scan", "tree_flatten_none", "value_and_grad_partitioned"]
 
 
 def scan(
@@ -83,6 +88,115 @@ def scan(
         tensor([[0., 1.], [2., 4.], [6., 9.]])
     """
     return without_dynamo(_scan)(fn, init, xs, partition_fn, is_fn_pure)
+
+
+def value_and_grad_partitioned(
+    fn: Callable[[Any, Any], tuple[Any, Any]],
+    init: Any,
+    xs: Any,
+    partition_fn: Callable | None = None,
+    is_fn_pure: bool = True,
+) -> tuple[Callable, Callable, Callable]:
+    """One iteration of ``fn`` as AOTAutograd's forward and backward graphs, ``partition_fn``
+    (default: ``functorch.compile.default_partition``) choosing the activations between them.
+
+    Returns ``(forward, alias_input, backward)``:
+
+    - ``forward(carry, x) -> (new_carry, (y, partial_activations))``: the activations that are
+      not ``x``'s own tensors (a scan need not store those again);
+    - ``alias_input(partial_activations, x) -> activations``: ``x``'s tensors put back in place;
+    - ``backward(grad_new_carry, (grad_y, activations)) -> (grad_carry, grad_x)``.
+
+    ``fn`` is traced once, on empty tensors shaped like ``init`` and one slice of ``xs`` (the
+    carry always requiring grad, so that gradients flow from one iteration to the next); with
+    ``is_fn_pure`` the three functions are kept per partition function and input structure.
+    """
+    from functorch.compile import aot_function, default_partition, make_boxed_func
+
+    partition_fn = partition_fn or default_partition
+    carry = pytree.tree_map(lambda t: torch.empty_like(t, requires_grad=True), init)
+    x = pytree.tree_map(lambda t: torch.empty_like(t[0], requires_grad=t.requires_grad), xs)
+    key = (id(partition_fn), *(_structure(tree) for tree in (carry, x)))
+    kept = _PARTITIONED.setdefault(fn, {}) if is_fn_pure else {}
+    if key in kept:
+        return kept[key]
+
+    graphs: dict = {}
+
+    def keeps(part: str) -> Callable:
+        def compiler(graph: torch.fx.GraphModule, _inputs) -> Callable:
+            graphs[part] = graph
+            return make_boxed_func(graph)
+
+        return compiler
+
+    def fn_returning_no_input(*args):  # an output that is an input would bypass the graphs
+        inputs = {id(t) for t in pytree.tree_leaves(args)}
+        return pytree.tree_map(lambda t: t.clone() if id(t) in inputs else t, fn(*args))
+
+    with torch.enable_grad():
+        traced = aot_function(
+            fn_returning_no_input,
+            fw_compiler=keeps("forward"),
+            bw_compiler=keeps("backward"),
+            partition_fn=partition_fn,
+        )
+        outputs, unflatten_outputs = tree_flatten_none(traced(carry, x))
+        torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+    forward_graph, backward_graph = graphs["forward"], graphs["backward"]
+    _, unflatten_grads = tree_flatten_none((carry, x))
+    n_outputs = len(outputs)
+    # Which activations are x's own tensors: activation position by x leaf.
+    x_leaves = pytree.tree_leaves(x)
+    activations = forward_graph(*pytree.tree_leaves(carry), *x_leaves)[n_outputs:]
+    leaf_of = {id(t): k for k, t in enumerate(x_leaves)}
+    aliases = {leaf_of[id(a)]: k for k, a in enumerate(activations) if id(a) in leaf_of}
+    aliased = set(aliases.values())
+
+    def forward(carry: Any, x: Any) -> tuple[Any, tuple]:
+        results = forward_graph(*pytree.tree_leaves(carry), *pytree.tree_leaves(x))
+        new_carry, y = unflatten_outputs(list(results[:n_outputs]))
+        partial = tuple(a for k, a in enumerate(results[n_outputs:]) if k not in aliased)
+        return new_carry, (y, partial)
+
+    def alias_input(partial_activations: tuple, x: Any) -> tuple:
+        activations = list(partial_activations)
+        leaves = pytree.tree_leaves(x)
+        for leaf, position in sorted(aliases.items(), key=lambda item: item[1]):
+            activations.insert(position, leaves[leaf])
+        return tuple(activations)
+
+    def backward(grad_new_carry: Any, grads_and_activations: tuple) -> tuple[Any, Any]:
+        grad_y, activations = grads_and_activations
+        tangents = [*pytree.tree_leaves(grad_new_carry), *tree_flatten_none(grad_y)[0]]
+        return unflatten_grads(list(backward_graph(*activations, *tangents)))
+
+    kept[key] = (forward, alias_input, backward)
+    return kept[key]
+
+
+def tree_flatten_none(tree: Any) -> tuple[list, Callable[[list], Any]]:
+    """``tree``'s leaves with its ``None`` leaves left out, and the function that builds the tree
+    back from such a list (the ``None``s put back where they were)."""
+    leaves, spec = pytree.tree_flatten(tree)
+    holes = [leaf is None for leaf in leaves]
+
+    def unflatten(values: list) -> Any:
+        given = iter(values)
+        return pytree.tree_unflatten([None if hole else next(given) for hole in holes], spec)
+
+    return [leaf for leaf in leaves if leaf is not None], unflatten
+
+
+def _structure(tree: Any) -> tuple:
+    """A pytree's structure with its leaves' shapes and dtypes."""
+    leaves, spec = pytree.tree_flatten(tree)
+    return spec, tuple((tuple(t.shape), t.dtype) for t in leaves)
+
+
+# Per function (weakly), value_and_grad_partitioned's three functions by partition function and
+# input structure.
+_PARTITIONED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def without_dynamo(function: Callable) -> Callable:

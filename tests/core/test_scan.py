@@ -25,7 +25,7 @@ import spmd_torch.runtime as xr
 from spmd_torch._lazy import stacks
 from spmd_torch.debug import graph
 from spmd_torch.experimental.fori_loop import fori_loop, while_loop
-from spmd_torch.experimental.scan import scan
+from spmd_torch.experimental.scan import scan, tree_flatten_none, value_and_grad_partitioned
 from spmd_torch.experimental.scan_layers import _structure, scan_layers
 from tests.helpers import assert_close, assert_compiles
 
@@ -730,3 +730,65 @@ def test_an_adamw_step_over_8_scanned_layers_is_the_program_of_2(fused):
     (first, second) = _adamw_step_size(2, fused)
     (first_8, second_8) = _adamw_step_size(8, fused)
     assert first_8 == first and second_8 == second
+
+
+# --- value_and_grad_partitioned: one iteration as AOTAutograd's forward and backward ---------------
+
+
+def _layer_step(carry: dict, x: dict) -> tuple[dict, torch.Tensor]:
+    hidden = torch.tanh(carry["h"] @ x["w"] + x["b"])
+    return {"h": hidden, "n": carry["n"] * 2}, (hidden * carry["n"]).sum(-1)
+
+
+@pytest.mark.parametrize("partition", ["default", "min_cut"])
+def test_value_and_grad_partitioned_equals_eager_autograd(partition):
+    from functorch.compile import default_partition, min_cut_rematerialization_partition
+
+    partition_fn = {"default": default_partition, "min_cut": min_cut_rematerialization_partition}
+    torch.manual_seed(0)
+    carry = {"h": torch.randn(3, 4), "n": torch.randn(3, 1)}
+    x = {"w": torch.randn(4, 4), "b": torch.randn(4)}
+    on_xla = lambda tree: {k: v.to(dev) for k, v in tree.items()}  # noqa: E731
+    xs = {k: v[None].to(dev).requires_grad_() for k, v in x.items()}
+    forward, alias_input, backward = value_and_grad_partitioned(
+        _layer_step, on_xla(carry), xs, partition_fn[partition]
+    )
+    new_carry, (y, partial) = forward(on_xla(carry), on_xla(x))
+    activations = alias_input(partial, on_xla(x))
+    grad_carry, grad_x = backward(
+        {"h": torch.ones(3, 4, device=dev), "n": torch.ones(3, 1, device=dev)},
+        (torch.ones(3, device=dev), activations),
+    )
+
+    leaves = [t.clone().requires_grad_() for t in (*carry.values(), *x.values())]
+    eager_carry, eager_y = _layer_step(dict(zip(carry, leaves[:2])), dict(zip(x, leaves[2:])))
+    outputs = [*eager_carry.values(), eager_y]
+    grads = torch.autograd.grad(outputs, leaves, [torch.ones_like(t) for t in outputs])
+    for got, want in zip([*new_carry.values(), y], outputs):
+        assert_close(got.cpu(), want.detach())
+    for got, want in zip([*grad_carry.values(), *grad_x.values()], grads):
+        assert_close(got.cpu(), want)
+
+
+def test_value_and_grad_partitioned_gives_back_the_inputs_it_saves_and_keeps_its_graphs():
+    def step(carry, x):
+        new = carry @ x
+        return new, new
+
+    carry, xs = torch.randn(2, 2, device=dev), torch.randn(5, 2, 2, device=dev)
+    forward, alias_input, backward = value_and_grad_partitioned(step, carry, xs)
+    x = xs[0]
+    _, (_, partial) = forward(carry, x)
+    activations = alias_input(partial, x)
+    # The backward of carry @ x needs carry and x: x is given back, not returned again.
+    assert [a is x for a in activations].count(True) == 1
+    assert not any(a is x for a in partial) and len(activations) == len(partial) + 1
+    assert value_and_grad_partitioned(step, carry, xs)[0] is forward  # traced once per structure
+    assert value_and_grad_partitioned(step, carry[:1], xs[:, :, :1])[0] is not forward
+
+
+def test_tree_flatten_none_drops_and_restores_none_leaves():
+    tree = {"a": (1, None), "b": None, "c": [2, (None, 3)]}
+    leaves, unflatten = tree_flatten_none(tree)
+    assert leaves == [1, 2, 3]
+    assert unflatten([4, 5, 6]) == {"a": (4, None), "b": None, "c": [5, (None, 6)]}
