@@ -81,22 +81,25 @@ class Executable:
     # another program with the same scalars; an upload counts DeviceDataCacheMiss and is timed as
     # TransferToDeviceTime, as a tensor's.
     scalars_on_device: dict
-    given_order: tuple | None = None  # the donated inputs' positions as given (None: in order)
+    aliasing: Aliasing | None = None  # the donated inputs' and outputs' orders (None: theirs)
 
     def __call__(self, arrays: list, donated: tuple, scalars) -> list:
         """Run on ``arrays`` (the donated ones given up) and the packed scalars."""
         kept = [a for a, d in zip(arrays, donated) if not d]
-        if self.given_order is None:
+        if self.aliasing is None:
             given = [a for a, d in zip(arrays, donated) if d]
         else:
-            given = [arrays[k] for k in self.given_order]
+            given = [arrays[k] for k in self.aliasing.given]
         if type(scalars) is np.ndarray and scalars.size:  # a replicas' run stacks its own
             where = self.compiled.input_shardings[0][2]  # None: the default device
             if where is None or where.is_fully_addressable:  # on a pod JAX's device_put checks
                 # that every host has the same values, a collective per upload: there the call
                 # takes them as is
                 scalars = self._on_device(scalars, where)
-        return self.compiled(given, kept, scalars)
+        outputs = self.compiled(given, kept, scalars)
+        if self.aliasing is None:
+            return outputs
+        return [outputs[k] for k in self.aliasing.output_at]
 
     def _on_device(self, scalars: np.ndarray, where) -> jax.Array:
         key = (scalars.tobytes(), where)
@@ -161,10 +164,10 @@ def build_function(
     program: Program,
     donated: tuple,
     out_shardings: tuple | None = None,
-    given_order: tuple | None = None,
+    aliasing: Aliasing | None = None,
 ) -> Callable:
-    """The program as a function of (donated inputs, kept inputs, scalars) -> outputs; the
-    donated inputs in ``given_order`` (positions among the inputs) when one is given.
+    """The program as a function of (donated inputs, kept inputs, scalars) -> outputs; donated
+    inputs and outputs in ``aliasing``'s orders when it is given.
 
     Inputs stored padded (an uneven sharding) are cropped to their logical shape first; outputs
     given a sharding are constrained to it, padded when uneven.
@@ -174,7 +177,7 @@ def build_function(
     for is_donated in donated:
         slots.append((is_donated, counts[is_donated]))
         counts[is_donated] += 1
-    for k, position in enumerate(given_order or ()):
+    for k, position in enumerate(aliasing.given if aliasing else ()):
         slots[position] = (True, k)
     logical = [node.avals[i].shape for node, i in program.leaves]
     steps = _steps(program)
@@ -206,21 +209,21 @@ def build_function(
 
         value = _interpret(steps, read)
         values = [value(o) for o in outputs]
-        if out_shardings is None:
-            return values
-        return [v if s is None else _laid_out(v, s) for v, s in zip(values, out_shardings)]
+        if out_shardings is not None:
+            values = [v if s is None else _laid_out(v, s) for v, s in zip(values, out_shardings)]
+        return values if aliasing is None else [values[k] for k in aliasing.outputs]
 
     return run
 
 
 def build_replica_function(
-    program: Program, donated: tuple, replicas: Mesh, given_order: tuple | None = None
+    program: Program, donated: tuple, replicas: Mesh, aliasing: Aliasing | None = None
 ) -> Callable:
     """The program run by every replica at once: one ``shard_map`` over the replicas' mesh whose
     inputs, scalars and outputs are the replicas' values stacked along the replica axis; each
     device computes its replica's values (inputs arrive as (1, *shape) blocks, cropped to shape).
     """
-    run = build_function(program, donated, given_order=given_order)
+    run = build_function(program, donated, aliasing=aliasing)
     spec = PartitionSpec(REPLICA_AXIS)
 
     def each_replica(donated_inputs, kept_inputs, packed_scalars):
@@ -390,14 +393,14 @@ def lookup_or_compile(run) -> tuple[Executable, bool]:
         out_shardings = [s and _on(mesh, s) for s in run.out_shardings]
     abstract_inputs = abstract(arrays, mesh)
     kept = [a for a, d in zip(abstract_inputs, donated) if not d]
-    given_order = donated_order(run)
-    given = [abstract_inputs[k] for k in given_order or _donated_positions(donated)]
+    aliasing = aliasing_of(run)
+    given = [abstract_inputs[k] for k in (aliasing.given if aliasing else _donated(donated))]
     with warnings.catch_warnings(), _collector_paused():
         # Donating a dead input no output can reuse still frees it early; that is the point.
         warnings.filterwarnings("ignore", "Some donated buffers were not usable")
         scalars = _scalars_aval(run.scalars.shape[-1], run.replicas)
         try:
-            jitted = _jitted(run, out_shardings, digest, given_order)
+            jitted = _jitted(run, out_shardings, digest, aliasing)
             compiled = _compiled(jitted.lower(given, kept, scalars))
         except Exception as error:  # JAX's IndivisibleError, a private class
             if type(error).__name__ != "IndivisibleError" or run.replicas is not None or not mesh:
@@ -406,7 +409,7 @@ def lookup_or_compile(run) -> tuple[Executable, bool]:
             # JAX names it on: replicated instead (mark it to keep it split).
             replicated = NamedSharding(mesh[0], PartitionSpec())
             pinned = [s or replicated for s in out_shardings or [None] * len(program.located)]
-            jitted = _jitted(run, pinned, digest, given_order)
+            jitted = _jitted(run, pinned, digest, aliasing)
             compiled = _compiled(jitted.lower(given, kept, scalars))
     counters.record(COMPILE_TIME[current().eager], time.perf_counter_ns() - start)
     counters.record("InputOutputAliasCount", sum(donated))  # buffers given to outputs, per compile
@@ -415,7 +418,7 @@ def lookup_or_compile(run) -> tuple[Executable, bool]:
     cpu = len(devices) > 1 and next(iter(devices)).platform == "cpu"
     lockstep = cpu and _COLLECTIVE.search(compiled.as_text()) is not None
     executable = Executable(
-        compiled, digest, len(devices), lockstep, cache.scalars_on_device, given_order
+        compiled, digest, len(devices), lockstep, cache.scalars_on_device, aliasing
     )
     cache.executables[key] = executable
     while len(cache.executables) > max(config.COMPILATION_CACHE_SIZE.value, 1):
@@ -443,32 +446,52 @@ def _compiled(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
     return lowered.compile()
 
 
-def donated_order(run) -> tuple | None:
-    """The donated inputs' positions in the order that lets each output take over the buffer
-    of the value it overwrites; None when that is their own order.
+class Aliasing(NamedTuple):
+    """The order a program takes its donated inputs (``given``: positions among its inputs) and
+    gives its outputs (``outputs``: positions among the program's), and where each program
+    output is among those given (``output_at``)."""
+
+    given: tuple
+    outputs: tuple
+    output_at: tuple
+
+
+def aliasing_of(run) -> Aliasing | None:
+    """The orders that let each output take over the buffer of the value it overwrites; None
+    when the program's own orders do.
 
     JAX gives a donated input's buffer to the first output of its shape and dtype not yet given
-    one, both in order. In leaf order AdamW's new moments took parameters' buffers whose old
-    values the program still had to read, and XLA copied the parameters first and every new
-    value after (two copies per parameter: 295 of the 862 in an unrolled 16-layer decoder's
-    step). Ordered by the output each input's storage is written back to, each output gets its
-    own; any order is correct, this one copies least.
+    one, both in order. In program order AdamW's new moments took parameters' buffers whose old
+    values the program still had to read, and XLA copied each parameter in and each new value
+    out (295 of the 862 copies of an unrolled 16-layer decoder's step); under SPMD a step's new
+    gradients, written before the optimizer's outputs, took their buffers. So the outputs that
+    overwrite a donated input come first, each given its input in the same place, the others
+    after them. Any order is correct; this one copies least.
     """
     if run.written is None or not any(run.donated):
         return None
     index, donated = run.program.index, run.donated
-    writer = {}  # input position -> the first output bound to a storage that held it
+    overwritten = {}  # output -> the donated input a storage bound to it held before
+    claimed: set = set()
     for k, (_, storages) in enumerate(run.written):
         for storage in storages:
             position = index.get(storage.overwrote)
-            if position is not None and donated[position]:
-                writer.setdefault(position, k)
-    given = _donated_positions(donated)
-    order = sorted(given, key=lambda k: (writer.get(k, len(run.written)), k))
-    return None if order == given else tuple(order)
+            if position is not None and donated[position] and position not in claimed:
+                overwritten[k] = position
+                claimed.add(position)
+                break
+    count = len(run.written)
+    outputs = (*overwritten, *(k for k in range(count) if k not in overwritten))
+    given = (*overwritten.values(), *(k for k in _donated(donated) if k not in claimed))
+    if outputs == tuple(range(count)) and given == tuple(_donated(donated)):
+        return None
+    output_at = [0] * count
+    for at, k in enumerate(outputs):
+        output_at[k] = at
+    return Aliasing(given, outputs, tuple(output_at))
 
 
-def _donated_positions(donated: tuple) -> list[int]:
+def _donated(donated: tuple) -> list[int]:
     """The donated inputs' positions, in order."""
     return [k for k, d in enumerate(donated) if d]
 
@@ -588,12 +611,14 @@ def lowered(
     return jax.jit(lambda kept: function([], kept, empty), keep_unused=True).lower(inputs)
 
 
-def _jitted(run, out_shardings: list | None, digest: str, given_order: tuple | None):
+def _jitted(run, out_shardings: list | None, digest: str, aliasing: Aliasing | None):
     """``run``'s program as a jitted function, its outputs laid out as ``out_shardings`` say."""
     if run.replicas is None:
-        function = build_function(run.program, run.donated, out_shardings, given_order)
+        function = build_function(run.program, run.donated, out_shardings, aliasing)
     else:
-        function = build_replica_function(run.program, run.donated, run.replicas, given_order)
+        function = build_replica_function(run.program, run.donated, run.replicas, aliasing)
+    if out_shardings and aliasing is not None:
+        out_shardings = [out_shardings[k] for k in aliasing.outputs]
     function.__name__ = f"SyncTensorsGraph_{digest}"  # profiles name the program by its key
     donate = (0,) if any(run.donated) else ()
     if out_shardings:

@@ -252,3 +252,25 @@ def test_restore_onto_a_4x2_mesh_keeps_the_moments_sharded(mesh, tmp_path):
         assert placement.sharding_of(p).mesh.shape == {"a": 4, "b": 2} and expected == ROWS, name
         for key, value in weight_states(restored, restored_optimizer)[name].items():
             assert xs.get_xla_sharding_spec(value) == expected, f"{name}.{key}"
+
+
+def test_sharded_parameters_and_moments_keep_their_buffers_across_steps(mesh):
+    """Each device's shard of a parameter or moment is written back into its own buffer
+    (donation pairs each output with the input it replaces)."""
+    model = new_mlp().to(dev)
+    shard_fsdp(model, mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def buffers() -> list[int]:
+        state = [v for p in model.parameters() for v in optimizer.state[p].values() if v.dim()]
+        tensors = [*model.parameters(), *state]
+        return [
+            s.data.unsafe_buffer_pointer()
+            for t in tensors
+            for s in global_array(t).addressable_shards
+        ]
+
+    train(model, optimizer, dev, steps=2, mesh=mesh)
+    first = buffers()
+    train(model, optimizer, dev, steps=2, mesh=mesh)
+    assert buffers() == first
