@@ -470,13 +470,16 @@ def aliasing_of(run) -> Aliasing | None:
     """
     if run.written is None or not any(run.donated):
         return None
-    index, donated = run.program.index, run.donated
+    index, donated, leaves = run.program.index, run.donated, run.program.leaves
     overwritten = {}  # output -> the donated input a storage bound to it held before
     claimed: set = set()
-    for k, (_, storages) in enumerate(run.written):
+    for k, ((node, i), storages) in enumerate(run.written):
         for storage in storages:
             position = index.get(storage.overwrote)
-            if position is not None and donated[position] and position not in claimed:
+            if position is None or not donated[position] or position in claimed:
+                continue
+            leaf, j = leaves[position]
+            if leaf.avals[j] == node.avals[i]:  # not resized or cast since
                 overwritten[k] = position
                 claimed.add(position)
                 break
