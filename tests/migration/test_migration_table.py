@@ -889,6 +889,23 @@ def check_scan(fn):
     assert ys.cpu().tolist() == [[1.0, 2.0], [4.0, 6.0], [9.0, 12.0]]
 
 
+def check_value_and_grad_partitioned(fn):
+    carry, xs = _xla([[1.0, 2.0], [3.0, 4.0]]), _xla([[[1.0, 0.0], [0.0, 2.0]]]).requires_grad_()
+    forward, alias_input, backward = fn(lambda c, x: (c @ x, c @ x), carry, xs)
+    new_carry, (y, partial) = forward(carry, xs[0])
+    assert new_carry.cpu().tolist() == [[1.0, 4.0], [3.0, 8.0]]
+    grad_carry, grad_x = backward(
+        torch.ones_like(y), (torch.ones_like(y), alias_input(partial, xs[0]))
+    )
+    assert grad_carry.cpu().tolist() == [[2.0, 4.0], [2.0, 4.0]]  # (g_carry + g_y) @ x.T
+    assert grad_x.cpu().tolist() == [[8.0, 8.0], [12.0, 12.0]]  # carry.T @ (g_carry + g_y)
+
+
+def check_tree_flatten_none(fn):
+    leaves, unflatten = fn(((1, 2), (None, 3), None))
+    assert leaves == [1, 2, 3] and unflatten([4, 5, 6]) == ((4, 5), (None, 6), None)
+
+
 def check_assume_pure(fn):
     traces = []
 
@@ -1382,6 +1399,8 @@ CHECKS: dict[str, Callable] = {
     "xp.Trace": check_profiler_trace,
     "flash_attention": check_flash_attention,
     "scan": check_scan,
+    "value_and_grad_partitioned": check_value_and_grad_partitioned,
+    "tree_flatten_none": check_tree_flatten_none,
     "assume_pure": check_assume_pure,
     "PureModule": check_pure_module,
     "scan_gru": check_scan_gru,
