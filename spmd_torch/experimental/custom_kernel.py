@@ -8,6 +8,10 @@ grows linearly with the sequence. It computes in float32, as the kernel does, so
 the blockwise form rather than cuDNN's half-precision kernel. Segment ids and ``ab`` enter as a bias
 (``[batch, 1 or heads, q_seq_len, kv_seq_len]``), held whole; causal masking alone needs none.
 
+The grouped matmuls of mixture-of-experts layers (``gmm``, ``tgmm``, ``gmm_backward`` and the
+autograd Function ``GMM``) are ``jax.lax.ragged_dot`` and ``ragged_dot_general`` over the rows of
+each group, one op of the lazy graph each, where PyTorch/XLA calls its Pallas TPU kernels (the
+``tiling`` argument, a tile size of those kernels, is accepted and has no effect).
 ``repeat_with_fixed_output_size`` (the helper of its grouped matmul kernel) is provided too: a
 ``repeat_interleave`` with a static output length, traced without a graph break.
 
@@ -22,8 +26,17 @@ from collections.abc import Sequence
 import torch
 
 import spmd_torch.distributed.spmd as xs
+from spmd_torch.core.xla_builder import call_jax
 
-__all__ = ["DEFAULT_MASK_VALUE", "flash_attention", "repeat_with_fixed_output_size"]
+__all__ = [
+    "DEFAULT_MASK_VALUE",
+    "GMM",
+    "flash_attention",
+    "gmm",
+    "gmm_backward",
+    "repeat_with_fixed_output_size",
+    "tgmm",
+]
 
 DEFAULT_MASK_VALUE = -0.7 * float(torch.finfo(torch.float32).max)
 """What the kernel adds to a masked score: finite, so a row with every key masked stays finite."""
@@ -250,3 +263,131 @@ def repeat_with_fixed_output_size(
     positions = torch.arange(total_repeat_length, device=input.device, dtype=ends.dtype)
     source = torch.searchsorted(ends, positions, right=True).clamp(max=input.shape[0] - 1)
     return input[source]
+
+
+def gmm(
+    lhs: torch.Tensor,
+    rhs: torch.Tensor,
+    group_sizes: torch.Tensor,
+    tiling: tuple[int, int, int] | None = None,
+    group_offset: torch.Tensor | None = None,
+    transpose_rhs: bool = False,
+) -> torch.Tensor:
+    """Each group's rows of ``lhs`` times its matrix: ``lhs[start_i:end_i] @ rhs[i]``, the groups'
+    rows consecutive in ``lhs`` and ``group_sizes[i]`` rows long.
+
+    Args:
+        lhs: ``[m, k]``.
+        rhs: ``[num_groups, k, n]`` (``[num_groups, n, k]`` with ``transpose_rhs``).
+        group_sizes: ``[num_groups]`` int32 row counts; rows past their sum give zeros.
+        tiling: PyTorch/XLA's kernel tile sizes; no effect here.
+        group_offset: not supported (PyTorch/XLA's for ``rhs`` sharded over its groups).
+        transpose_rhs: ``rhs`` holds each group's matrix transposed.
+
+    Returns:
+        ``[m, n]``, in ``lhs``'s dtype.
+    """
+    _check_grouped("gmm", group_offset, group_sizes)
+    if lhs.dim() != 2 or rhs.dim() != 3:
+        raise ValueError(
+            f"gmm: lhs must be [m, k] and rhs [num_groups, k, n], got {tuple(lhs.shape)} and "
+            f"{tuple(rhs.shape)}"
+        )
+    k = rhs.shape[2] if transpose_rhs else rhs.shape[1]
+    if lhs.shape[1] != k or rhs.shape[0] != group_sizes.shape[0]:
+        raise ValueError(
+            f"gmm: lhs {tuple(lhs.shape)}, rhs {tuple(rhs.shape)} (transpose_rhs="
+            f"{transpose_rhs}) and group_sizes {tuple(group_sizes.shape)} do not agree"
+        )
+    return call_jax(_grouped_rows, (lhs, rhs, group_sizes, transpose_rhs), name="gmm")
+
+
+def _grouped_rows(lhs, rhs, group_sizes, transpose_rhs: bool):
+    import jax
+
+    if transpose_rhs:
+        rhs = rhs.swapaxes(1, 2)
+    out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jax.numpy.float32)
+    return out.astype(lhs.dtype)  # summed in float32 and rounded once, as the TPU kernel
+
+
+def tgmm(
+    lhs: torch.Tensor,
+    rhs: torch.Tensor,
+    group_sizes: torch.Tensor,
+    tiling: tuple[int, int, int] = (512, 512, 512),
+    group_offset: torch.Tensor | None = None,
+    num_actual_groups: int | None = None,
+) -> torch.Tensor:
+    """Each group's columns of ``lhs`` times its rows of ``rhs``: ``lhs[:, start_i:end_i] @
+    rhs[start_i:end_i]`` (``gmm``'s gradient for its ``rhs``).
+
+    Args:
+        lhs: ``[k, m]``.
+        rhs: ``[m, n]``.
+        group_sizes: ``[num_groups]`` int32 counts along ``m``.
+        tiling: PyTorch/XLA's kernel tile sizes; no effect here.
+        group_offset, num_actual_groups: not supported (PyTorch/XLA's for sharded groups).
+
+    Returns:
+        ``[num_groups, k, n]``, in ``lhs``'s dtype.
+    """
+    _check_grouped("tgmm", group_offset, group_sizes, num_actual_groups)
+    if lhs.dim() != 2 or rhs.dim() != 2 or lhs.shape[1] != rhs.shape[0]:
+        raise ValueError(
+            f"tgmm: lhs must be [k, m] and rhs [m, n], got {tuple(lhs.shape)} and "
+            f"{tuple(rhs.shape)}"
+        )
+    return call_jax(_grouped_columns, (lhs, rhs, group_sizes), name="tgmm")
+
+
+def _grouped_columns(lhs, rhs, group_sizes):
+    import jax
+
+    numbers = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([1], [0]), ([], [])),  # lhs [k, m] @ rhs [m, n], m ragged
+        lhs_ragged_dimensions=[1],
+        rhs_group_dimensions=[],
+    )
+    out = jax.lax.ragged_dot_general(
+        lhs, rhs, group_sizes, numbers, preferred_element_type=jax.numpy.float32
+    )
+    return out.astype(lhs.dtype)
+
+
+def gmm_backward(
+    grad: torch.Tensor,
+    lhs: torch.Tensor,
+    rhs: torch.Tensor,
+    group_sizes: torch.Tensor,
+    tiling: tuple[int, int, int] = (512, 512, 512),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of ``gmm(lhs, rhs, group_sizes)`` for ``lhs`` and ``rhs``, given ``grad``."""
+    return gmm(grad, rhs, group_sizes, transpose_rhs=True), tgmm(lhs.t(), grad, group_sizes)
+
+
+class GMM(torch.autograd.Function):
+    """``gmm`` with its gradients: ``GMM.apply(lhs, rhs, group_sizes, tiling)``."""
+
+    @staticmethod
+    def forward(ctx, lhs, rhs, group_sizes, tiling=(512, 512, 512)):
+        ctx.save_for_backward(lhs, rhs, group_sizes)
+        return gmm(lhs, rhs, group_sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        lhs, rhs, group_sizes = ctx.saved_tensors
+        return (*gmm_backward(grad, lhs, rhs, group_sizes), None, None)
+
+
+def _check_grouped(api: str, group_offset, group_sizes, num_actual_groups=None) -> None:
+    if group_offset is not None or num_actual_groups is not None:
+        raise NotImplementedError(
+            f"{api}: group_offset and num_actual_groups (groups sharded across devices) are not "
+            "supported; pass every group's matrix with the full group_sizes"
+        )
+    if group_sizes.dim() != 1 or group_sizes.dtype != torch.int32:
+        raise ValueError(
+            f"{api}: group_sizes must be a 1-d int32 tensor, got {group_sizes.dtype} "
+            f"{tuple(group_sizes.shape)}"
+        )

@@ -906,6 +906,12 @@ def check_tree_flatten_none(fn):
     assert leaves == [1, 2, 3] and unflatten([4, 5, 6]) == ((4, 5), (None, 6), None)
 
 
+def check_gmm(fn):
+    lhs, rhs = _xla([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]), _xla([[[1.0]], [[10.0]]])
+    sizes = torch.tensor([1, 2], dtype=torch.int32).to(_device())
+    assert fn(lhs[:, :1], rhs, sizes).cpu().tolist() == [[1.0], [30.0], [50.0]]
+
+
 def check_assume_pure(fn):
     traces = []
 
@@ -1401,6 +1407,7 @@ CHECKS: dict[str, Callable] = {
     "scan": check_scan,
     "value_and_grad_partitioned": check_value_and_grad_partitioned,
     "tree_flatten_none": check_tree_flatten_none,
+    "gmm": check_gmm,
     "assume_pure": check_assume_pure,
     "PureModule": check_pure_module,
     "scan_gru": check_scan_gru,
