@@ -123,7 +123,7 @@ def _constants_first(engine, program, local: set) -> bool:
             continue
         layout = placement.output_sharding(storage, node.avals[index])
         written_since = storage.ref[0] is not node
-        if written_since:  # its new value takes over the fill's buffer (compile.donated_order)
+        if written_since:  # its new value takes over the fill's buffer (compile.aliasing_of)
             storage.overwrote = key
         if written_since and layout is None:
             # Written since, unmarked: replicated, the layout it keeps (placement.remember), so

@@ -55,7 +55,7 @@ class Storage:
         self.sharding = None  # jax Sharding every value written here gets (see placement.py)
         self.from_host = False  # an upload no program wrote since: no sharding spec of its own
         # (id(node), index) of the last computed value a write replaced: the program input whose
-        # buffer the barrier's new value may take over (see compile.donated_order)
+        # buffer the barrier's new value may take over (see compile.aliasing_of)
         self.overwrote = None
         if node.arrays is None or node.arrays[ref[1]] is None:  # pending: inlined is_leaf
             current().pending.append(weakref.ref(self))

@@ -117,7 +117,9 @@ def value_and_grad_partitioned(
     carry = pytree.tree_map(lambda t: torch.empty_like(t, requires_grad=True), init)
     x = pytree.tree_map(lambda t: torch.empty_like(t[0], requires_grad=t.requires_grad), xs)
     key = (id(partition_fn), *(_structure(tree) for tree in (carry, x)))
-    kept = _PARTITIONED.setdefault(fn, {}) if is_fn_pure else {}
+    kept = _kept_for(_PARTITIONED, fn) if is_fn_pure else None
+    if kept is None:  # traced anew at each call
+        kept = {}
     if key in kept:
         return kept[key]
 
@@ -152,6 +154,7 @@ def value_and_grad_partitioned(
     leaf_of = {id(t): k for k, t in enumerate(x_leaves)}
     aliases = {leaf_of[id(a)]: k for k, a in enumerate(activations) if id(a) in leaf_of}
     aliased = set(aliases.values())
+    put_back = sorted(aliases.items(), key=lambda item: item[1])  # (x leaf, position), in order
 
     def forward(carry: Any, x: Any) -> tuple[Any, tuple]:
         results = forward_graph(*pytree.tree_leaves(carry), *pytree.tree_leaves(x))
@@ -162,7 +165,7 @@ def value_and_grad_partitioned(
     def alias_input(partial_activations: tuple, x: Any) -> tuple:
         activations = list(partial_activations)
         leaves = pytree.tree_leaves(x)
-        for leaf, position in sorted(aliases.items(), key=lambda item: item[1]):
+        for leaf, position in put_back:
             activations.insert(position, leaves[leaf])
         return tuple(activations)
 
@@ -290,8 +293,13 @@ def _record(
 
 def _recordings(fn: Callable) -> dict | None:
     """The kept recordings of ``fn`` (None where it cannot be held weakly)."""
+    return _kept_for(_SCAN_COMPUTATION_CACHE, fn)
+
+
+def _kept_for(cache: weakref.WeakKeyDictionary, fn: Callable) -> dict | None:
+    """``cache``'s dict for ``fn`` (None where ``fn`` cannot be held weakly)."""
     try:
-        return _SCAN_COMPUTATION_CACHE.setdefault(fn, {})
+        return cache.setdefault(fn, {})
     except TypeError:
         return None
 
