@@ -19,9 +19,10 @@ import torch
 
 from spmd_torch import config
 
-from . import counters, manual, modes, placement, rng, stacks, views  # noqa: F401  (modes: the default mode)
+from . import counters, manual, modes, placement, rng, stacks, transfer, views  # noqa: F401  (modes: the default mode)
 from .engine import current
 from .graph import DATA, Node, linearize
+from .lowering import factories
 from .record import user_frame
 from .run import unfinished_output
 from .tensor import LazyTensor, live_pending
@@ -103,42 +104,38 @@ def _owners(engine) -> dict:
 
 
 def _constants_first(engine, program, local: set) -> bool:
-    """Compute first, as data, the constant fills that began a live storage's value since the
-    last barrier and that ``program`` uses (AdamW's ``zeros_like`` moments, a fused step's
-    counters); whether there were any. The step's program then reads that state as an input, as
-    every later step's program does: the first step compiles the program the next steps run,
-    where it used to compile one holding the fills and the second step another one. Fills of a
-    pending tensor's shape (``zeros_like`` of a value not yet computed) and fills inside an
-    open manual region (``local``: per-device shards) stay in the program."""
+    """Make first, as data, the constant fills that began a live storage's value since the last
+    barrier and that ``program`` uses (AdamW's ``zeros_like`` moments, a fused step's counters);
+    whether there were any. The step's program then reads that state as an input, as every
+    later step's program does: the first step compiles the program the next steps run, where it
+    used to compile one holding the fills and the second step another one. Each is made on the
+    host and placed (``transfer.constant``), no program compiled for them. Fills of a pending
+    tensor's shape (``zeros_like`` of a value not yet computed) and fills inside an open manual
+    region (``local``: per-device shards) stay in the program."""
     if not engine.mode.runs_side_programs:
         return False
-    layouts: dict = {}
-    refs, storages = [], []
+    landing = engine.mode.landing_on(program.device)
+    made = False
     for weak_storage, weak_node, index in engine.born:
         storage, node = weak_storage(), weak_node()
         if storage is None or node is None or id(node) not in program.index or id(node) in local:
             continue
-        key = (id(node), index)
-        if key in layouts or not all(source.is_leaf(i) for source, i in node.src):
+        if node.is_leaf(index) or not all(source.is_leaf(i) for source, i in node.src):
             continue
         layout = placement.output_sharding(storage, node.avals[index])
         written_since = storage.ref[0] is not node
         if written_since:  # its new value takes over the fill's buffer (compile.aliasing_of)
-            storage.overwrote = key
-        if written_since and layout is None:
-            # Written since, unmarked: replicated, the layout it keeps (placement.remember), so
-            # the step's program writes it back as the next step's does.
-            layout = engine.mode.replicated
-            storages.append((storage, node, index))
-        layouts[key] = layout
-        refs.append((node, index))
-    if refs:
-        engine.mode.read(refs, layouts, sync)
-        for node, _ in refs:
-            node.become_data()
-        for storage, node, index in storages:
+            storage.overwrote = (id(node), index)
+            # Unmarked: replicated, the layout it keeps (placement.remember), so the step's
+            # program writes it back as the next step's does.
+            layout = layout or engine.mode.replicated
+        value = factories.constant_value(node.op, node.args)
+        node.keep(index, transfer.constant(node.avals[index], value, layout or landing))
+        node.become_data()
+        if written_since:
             placement.remember(storage, node.arrays[index])
-    return bool(refs)
+        made = True
+    return made
 
 
 def _still_computed(owners: list) -> list:

@@ -50,22 +50,36 @@ def host_array(t: torch.Tensor) -> np.ndarray:
 def upload(host: np.ndarray, sharding=None) -> jax.Array:
     """A host array on the device, laid out with ``sharding`` (padded if uneven; stacked on a
     replica's device for ``OnReplica``); by default where the engine puts new data."""
-    refuse_in_bad_fork("an upload to the xla device")
     with counters.timed("TransferToDeviceTime"):
-        sharding = sharding or landing()
-        if type(sharding) is OnReplica:
-            array = jax.device_put(host[None], sharding.device)
-        elif sharding is None:
-            array = jax.device_put(host)
-        else:
-            host = padded(host, sharding)
-            if sharding.is_fully_addressable:
-                array = jax.device_put(host, sharding)
-            else:  # other hosts hold the same value and upload their devices' shards of it
-                array = jax.make_array_from_callback(host.shape, sharding, host.__getitem__)
+        array = _placed(host, sharding)
     counters.bump("TransferToDevice")
     counters.record("OutboundData", host.nbytes)
     return array
+
+
+def constant(aval, value, sharding=None) -> jax.Array:
+    """A tensor of ``aval``'s shape and dtype holding ``value`` everywhere, made on the host and
+    placed as an upload is: a first step's fills (AdamW's moments) cost a copy each, where a
+    program of a few hundred fills took longer to compile than their bytes take to copy. Counted
+    apart from transfers: the user's program moved no data."""
+    dtype = to_jax_dtype(aval.dtype)
+    host = np.zeros(aval.shape, dtype) if value == 0 else np.full(aval.shape, value, dtype)
+    counters.bump("ConstantFilledOnHost")
+    return _placed(host, sharding)
+
+
+def _placed(host: np.ndarray, sharding) -> jax.Array:
+    refuse_in_bad_fork("an upload to the xla device")
+    sharding = sharding or landing()
+    if type(sharding) is OnReplica:
+        return jax.device_put(host[None], sharding.device)
+    if sharding is None:
+        return jax.device_put(host)
+    host = padded(host, sharding)
+    if sharding.is_fully_addressable:
+        return jax.device_put(host, sharding)
+    # other hosts hold the same value and upload their devices' shards of it
+    return jax.make_array_from_callback(host.shape, sharding, host.__getitem__)
 
 
 def landing(device: int = 0):

@@ -809,18 +809,23 @@ def test_the_first_step_compiles_the_program_every_later_step_runs(optimizer):
 
 
 def test_a_fill_nothing_wrote_becomes_data_before_the_step():
-    """A live fill the step only reads (a buffer, a mask) is computed first and held as data:
-    the step's program reads it, as the next step's does, and it holds its values."""
+    """A live fill the step only reads (a buffer, a mask) is made first, on the host, and held
+    as data: the step's program reads it, as the next step's does, and it holds its values; no
+    program is compiled or run for the fills."""
     x = torch.randn(3, 4)
     xd = x.to(dev)
     spmd_torch.sync()
     mask = torch.ones(3, 4, device=dev)
     buffer = torch.zeros_like(xd)
+    full = torch.full((2,), -2.5, dtype=torch.bfloat16, device=dev)
     y = xd * mask
     executed = met.counter_value("ExecuteComputation") or 0
-    spmd_torch.sync()  # two programs: the fills', then the step's reading them
-    assert met.counter_value("ExecuteComputation") - executed == 2
+    filled = met.counter_value("ConstantFilledOnHost") or 0
+    spmd_torch.sync()  # one program: the step's, reading the fills
+    assert met.counter_value("ExecuteComputation") - executed == 1
+    assert met.counter_value("ConstantFilledOnHost") - filled == 3
     assert torch.equal(y.cpu(), x) and torch.equal(buffer.cpu(), torch.zeros(3, 4))
+    assert torch.equal(full.cpu(), torch.full((2,), -2.5, dtype=torch.bfloat16))
     with assert_compiles(0):  # the next step's program: the same
         y = xd * mask
         spmd_torch.sync()

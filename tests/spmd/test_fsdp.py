@@ -134,8 +134,8 @@ def test_training_with_adamw_matches_eager_step_by_step(mesh):
         return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01, eps=1e-6)
 
     expected = _train(reference, torch.device("cpu"), 4, adamw)
-    # Step 1 has no optimizer state yet; steps 2-4 are one more graph.
-    with assert_compiles(2):
+    # AdamW's moments, made in step 1, are filled on the host: the four steps run one program.
+    with assert_compiles(1):
         actual = _train(model, dev, 4, adamw, mesh)
     assert_close(torch.tensor(actual), torch.tensor(expected))
     for (name, p_cpu), p_dev in zip(reference.named_parameters(), model.module.parameters()):

@@ -108,6 +108,16 @@ CONSTANT_FILLS = STACKED_LIKE | frozenset(
     + (aten.new_zeros.default, aten.new_ones.default, aten.new_full.default)
     + (aten.new_empty.default,)
 )
+_FILL_ARGUMENT = {aten.full.default: 1, aten.full_like.default: 1, aten.new_full.default: 2}
+_ONES = frozenset((aten.ones.default, aten.ones_like.default, aten.new_ones.default))
+
+
+def constant_value(op, args: tuple) -> bool | int | float:
+    """The number a constant fill (one of ``CONSTANT_FILLS``, as recorded) holds everywhere: its
+    fill value, else 1 or 0 (an empty tensor is zeros)."""
+    position = _FILL_ARGUMENT.get(op)
+    return args[position] if position is not None else int(op in _ONES)
+
 
 register_table(
     {
