@@ -428,9 +428,10 @@ def main() -> int:
 
     if len(losses) > 1 and not losses[-1] < losses[0]:
         failures.append(f"the loss did not fall: {losses[0]:.4f} -> {losses[-1]:.4f}")
-    # Automatic capture (SPMD_TORCH_AUTO_CAPTURE=1) compiles the step once more when it starts,
+    # The layers' stacks, then the step every step runs (AdamW's moments filled on the host);
+    # automatic capture (SPMD_TORCH_AUTO_CAPTURE=1) compiles the step once more when it starts,
     # and one small program stacking the optimizer's step counters.
-    limit = 5 if auto_capture.enabled() else 3
+    limit = 4 if auto_capture.enabled() else 2
     if compiles > limit:
         failures.append(f"{compiles} compilations in the training loop, expected at most {limit}")
     for failure in failures:

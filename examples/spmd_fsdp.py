@@ -165,7 +165,7 @@ def main() -> int:
         print(f"step {step:3d}  loss {losses[-1]:.4f}")
     elapsed = time.perf_counter() - start
     compiles = met.counter_value("UncachedCompile") or 0
-    print(f"{args.steps} steps in {elapsed:.1f}s, {compiles} compilations")
+    print(f"{args.steps} steps in {elapsed:.1f}s, compilations {compiles}")
 
     print(f"batch tokens {tuple(tokens.shape)}: {xs.get_xla_sharding_spec(tokens)}")
     weight = gpt.blocks[0].mlp[0].weight
@@ -176,8 +176,8 @@ def main() -> int:
     failures = []
     if not losses[-1] < losses[0]:
         failures.append(f"the loss did not decrease: {losses[0]:.4f} -> {losses[-1]:.4f}")
-    if compiles > 2:
-        failures.append(f"{compiles} compilations, expected at most 2")
+    if compiles > 1:  # AdamW's moments are filled on the host: every step runs one program
+        failures.append(f"{compiles} compilations, expected 1")
     for failure in failures:
         print(f"FAILED: {failure}", file=sys.stderr)
     return 1 if failures else 0

@@ -51,17 +51,19 @@ class Engine:
 
     def __init__(self, mode=None, cache: CompileCache | None = None):
         self.cache = cache if cache is not None else CompileCache()
-        self.home = mode  # the mode reset() returns to: one device, or a replica's own
+        self.home = self.mode = mode  # the mode reset() returns to: one device, or a replica's own
         self.reset()
 
     def reset(self) -> None:
         """Back to a fresh engine in its home mode, keeping the compile cache."""
+        if self.mode is not self.home and self.mode.replicated is not None:
+            self.home.spmd_ended = True  # SPMD's outputs span the mesh (modes.PerDevice.gather)
         self.mode = self.home
         # Weak references to storages given a pending value, in write order: the barrier computes
         # the live ones. A plain list (no weakref callbacks) keeps the per-op cost low.
         self.pending: list = []
         # (weak refs to a storage and to the node of its first value, that value's index) for
-        # the storages a constant fill made since the last barrier: the barrier computes those
+        # the storages a constant fill made since the last barrier: the barrier makes those
         # starting live state first (execute._constants_first).
         self.born: list = []
         self.rng = None  # the Storage of the device PRNG key; made from ``seed`` on first use

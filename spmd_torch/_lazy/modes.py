@@ -22,7 +22,7 @@ from spmd_torch import config
 
 from . import compile as compiler
 from . import counters, engine, placement, transfer
-from .graph import Program, linearize
+from .graph import DATA, Program, linearize
 from .lowering.collectives import ALONE_AXIS, REPLICA_AXIS
 from .replicas import across_hosts
 from .run import Run, execute
@@ -62,6 +62,7 @@ class PerDevice:
     # the other replicas' (whose fills may differ), and running one would pass its turn to them
     # in the middle of a Dynamo trace, whose "compiling" flag is the process's.
     runs_side_programs = True
+    spmd_ended = False  # set when SPMD ends: its programs' outputs span the mesh (gather)
 
     def __init__(self):
         self.meetings: dict = {}  # tag -> rendezvous held with the other processes so far
@@ -119,11 +120,16 @@ class PerDevice:
 
     def gather(self, program: Program) -> list:
         """The program's inputs on its devices (data still on the host uploaded; data on
-        another xla device copied over, as ``.to('xla:1')`` asked)."""
+        another xla device copied over, as ``.to('xla:1')`` asked, and so is data an SPMD
+        program left over the mesh, once SPMD has ended: the leaf keeps the copy)."""
         arrays = [placement.resolve(node, i) for node, i in program.leaves]
-        if SEVERAL_DEVICES:
+        if SEVERAL_DEVICES or self.spmd_ended:
             target = jax.local_devices()[program.device]
-            arrays = [a if a.devices() == {target} else jax.device_put(a, target) for a in arrays]
+            for k, (a, (node, i)) in enumerate(zip(arrays, program.leaves)):
+                if a.devices() != {target}:
+                    arrays[k] = jax.device_put(a, target)
+                    if self.spmd_ended and node.op == DATA:
+                        node.arrays[i] = arrays[k]
         return arrays
 
     def execute(self, run: Run) -> list:
@@ -360,6 +366,7 @@ def in_spmd() -> bool:
             use_spmd()
         else:
             own.mode = own.home
+            own.mode.spmd_ended = True
     return own.mode.replicated is not None
 
 

@@ -162,7 +162,7 @@ def test_training_matches_unsharded_keeps_shardings_and_compiles_once(make_opt):
         return _sharded(t, mesh, ("data",) + (None,) * (t.dim() - 1))
 
     opt = make_opt(model.parameters(), lr=0.1)
-    with assert_compiles(1 if make_opt is torch.optim.SGD else 2):
+    with assert_compiles(1):  # Adam's moments are filled on the host
         losses = _train(model, opt, batches, shard_batch)
     expected = _train(ref, make_opt(ref.parameters(), lr=0.1), batches, lambda t: t)
     for got, want in zip(losses, expected):
