@@ -278,37 +278,66 @@ def gmm(
 
     Args:
         lhs: ``[m, k]``.
-        rhs: ``[num_groups, k, n]`` (``[num_groups, n, k]`` with ``transpose_rhs``).
-        group_sizes: ``[num_groups]`` int32 row counts; rows past their sum give zeros.
+        rhs: ``[num_groups, k, n]`` (``[num_groups, n, k]`` with ``transpose_rhs``); with
+            ``group_offset``, the matrices of groups ``group_offset`` to ``group_offset +
+            rhs.shape[0] - 1`` only (a device's share of experts sharded over devices).
+        group_sizes: ``[num_groups]`` int32 row counts, every group's; rows past their sum give
+            zeros.
         tiling: PyTorch/XLA's kernel tile sizes; no effect here.
-        group_offset: not supported (PyTorch/XLA's for ``rhs`` sharded over its groups).
+        group_offset: the first group ``rhs`` holds, a 0-d int32 tensor (or an int); the rows
+            of the other groups give zeros, as the TPU kernel's. A group past the last one
+            counts as empty.
         transpose_rhs: ``rhs`` holds each group's matrix transposed.
 
     Returns:
         ``[m, n]``, in ``lhs``'s dtype.
     """
-    _check_grouped("gmm", group_offset, group_sizes)
+    _check_group_sizes("gmm", group_sizes)
     if lhs.dim() != 2 or rhs.dim() != 3:
         raise ValueError(
             f"gmm: lhs must be [m, k] and rhs [num_groups, k, n], got {tuple(lhs.shape)} and "
             f"{tuple(rhs.shape)}"
         )
     k = rhs.shape[2] if transpose_rhs else rhs.shape[1]
-    if lhs.shape[1] != k or rhs.shape[0] != group_sizes.shape[0]:
+    groups_given = group_sizes.shape[0] if group_offset is None else rhs.shape[0]
+    if lhs.shape[1] != k or rhs.shape[0] != groups_given or groups_given > group_sizes.shape[0]:
         raise ValueError(
             f"gmm: lhs {tuple(lhs.shape)}, rhs {tuple(rhs.shape)} (transpose_rhs="
             f"{transpose_rhs}) and group_sizes {tuple(group_sizes.shape)} do not agree"
         )
-    return call_jax(_grouped_rows, (lhs, rhs, group_sizes, transpose_rhs), name="gmm")
+    offset = _group_offset("gmm", group_offset, lhs.device)
+    args = (lhs, rhs, group_sizes, offset, transpose_rhs)
+    return call_jax(_grouped_rows, args, name="gmm")
 
 
-def _grouped_rows(lhs, rhs, group_sizes, transpose_rhs: bool):
+def _grouped_rows(lhs, rhs, group_sizes, offset, transpose_rhs: bool):
     import jax
+    import jax.numpy as jnp
 
     if transpose_rhs:
         rhs = rhs.swapaxes(1, 2)
-    out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jax.numpy.float32)
+    if offset is not None:  # the rows before the window multiply a zero matrix, then are masked
+        before, sizes = _window(group_sizes, offset, rhs.shape[0])
+        group_sizes = jnp.concatenate([before[None], sizes])
+        rhs = jnp.concatenate([jnp.zeros_like(rhs[:1]), rhs])
+    out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
+    if offset is not None:  # an inf or nan before the window times zero is not zero
+        rows = jax.lax.iota(jnp.int32, lhs.shape[0])
+        inside = (rows >= group_sizes[0]) & (rows < jnp.sum(group_sizes))
+        out = jnp.where(inside[:, None], out, 0)
     return out.astype(lhs.dtype)  # summed in float32 and rounded once, as the TPU kernel
+
+
+def _window(group_sizes, offset, count: int):
+    """(the rows before group ``offset``, the sizes of groups ``offset`` to ``offset + count -
+    1``; groups past the last are empty)."""
+    import jax
+    import jax.numpy as jnp
+
+    padded = jnp.concatenate([group_sizes, jnp.zeros(count, group_sizes.dtype)])
+    sizes = jax.lax.dynamic_slice(padded, (offset,), (count,))
+    firsts = jnp.arange(group_sizes.shape[0]) < offset
+    return jnp.sum(jnp.where(firsts, group_sizes, 0)).astype(group_sizes.dtype), sizes
 
 
 def tgmm(
@@ -327,32 +356,45 @@ def tgmm(
         rhs: ``[m, n]``.
         group_sizes: ``[num_groups]`` int32 counts along ``m``.
         tiling: PyTorch/XLA's kernel tile sizes; no effect here.
-        group_offset, num_actual_groups: not supported (PyTorch/XLA's for sharded groups).
+        group_offset: the first group to compute, a 0-d int32 tensor (or an int); default 0.
+        num_actual_groups: how many groups to compute from ``group_offset`` on (a device's share
+            of experts sharded over devices); default all of them. A group past the last one
+            counts as empty.
 
     Returns:
-        ``[num_groups, k, n]``, in ``lhs``'s dtype.
+        ``[num_actual_groups, k, n]``, in ``lhs``'s dtype.
     """
-    _check_grouped("tgmm", group_offset, group_sizes, num_actual_groups)
+    _check_group_sizes("tgmm", group_sizes)
     if lhs.dim() != 2 or rhs.dim() != 2 or lhs.shape[1] != rhs.shape[0]:
         raise ValueError(
             f"tgmm: lhs must be [k, m] and rhs [m, n], got {tuple(lhs.shape)} and "
             f"{tuple(rhs.shape)}"
         )
-    return call_jax(_grouped_columns, (lhs, rhs, group_sizes), name="tgmm")
+    count = group_sizes.shape[0] if num_actual_groups is None else num_actual_groups
+    if not isinstance(count, int) or count < 0:
+        raise ValueError(f"tgmm: num_actual_groups must be an int >= 0, got {num_actual_groups!r}")
+    offset = _group_offset("tgmm", group_offset, lhs.device)
+    if offset is None and count != group_sizes.shape[0]:
+        offset = _group_offset("tgmm", 0, lhs.device)
+    return call_jax(_grouped_columns, (lhs, rhs, group_sizes, offset, count), name="tgmm")
 
 
-def _grouped_columns(lhs, rhs, group_sizes):
+def _grouped_columns(lhs, rhs, group_sizes, offset, count: int):
     import jax
+    import jax.numpy as jnp
 
+    if offset is not None:  # the columns before the window are a group of their own, dropped
+        before, sizes = _window(group_sizes, offset, count)
+        group_sizes = jnp.concatenate([before[None], sizes])
     numbers = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(([1], [0]), ([], [])),  # lhs [k, m] @ rhs [m, n], m ragged
         lhs_ragged_dimensions=[1],
         rhs_group_dimensions=[],
     )
     out = jax.lax.ragged_dot_general(
-        lhs, rhs, group_sizes, numbers, preferred_element_type=jax.numpy.float32
+        lhs, rhs, group_sizes, numbers, preferred_element_type=jnp.float32
     )
-    return out.astype(lhs.dtype)
+    return (out if offset is None else out[1:]).astype(lhs.dtype)
 
 
 def gmm_backward(
@@ -380,14 +422,23 @@ class GMM(torch.autograd.Function):
         return (*gmm_backward(grad, lhs, rhs, group_sizes), None, None)
 
 
-def _check_grouped(api: str, group_offset, group_sizes, num_actual_groups=None) -> None:
-    if group_offset is not None or num_actual_groups is not None:
-        raise NotImplementedError(
-            f"{api}: group_offset and num_actual_groups (groups sharded across devices) are not "
-            "supported; pass every group's matrix with the full group_sizes"
-        )
+def _check_group_sizes(api: str, group_sizes) -> None:
     if group_sizes.dim() != 1 or group_sizes.dtype != torch.int32:
         raise ValueError(
             f"{api}: group_sizes must be a 1-d int32 tensor, got {group_sizes.dtype} "
             f"{tuple(group_sizes.shape)}"
         )
+
+
+def _group_offset(api: str, group_offset, device) -> torch.Tensor | None:
+    """``group_offset`` as a 0-d int32 tensor on ``device`` (None stays None)."""
+    if group_offset is None:
+        return None
+    if isinstance(group_offset, int):
+        return torch.tensor(group_offset, dtype=torch.int32, device=device)
+    if group_offset.numel() != 1 or group_offset.dtype != torch.int32:
+        raise ValueError(
+            f"{api}: group_offset must be one int32 value, got {group_offset.dtype} "
+            f"{tuple(group_offset.shape)}"
+        )
+    return group_offset.reshape(())
