@@ -8,7 +8,7 @@ apart with ``_xla_get_tensor_id``. Device names follow PyTorch/XLA's: ``'xla:0'`
 logical device of the process (as under SPMD), ``'CPU:3'``/``'CUDA:3'``/``'TPU:3'`` a real one.
 
 Calls whose meaning is PyTorch/XLA's own machinery are absent rather than faked: IR and buffer
-internals (``_get_graph_hash``, buffer donation flags, ``_get_tensors_xla_device_data_node``,
+internals (``_get_graph_hash``, ``_get_tensors_xla_device_data_node``,
 ``_run_cached_graph``, ``_replace_xla_tensor``), dynamic shapes (``_xla_mark_dynamic``),
 ``xla::OpSharding`` values (``OpSharding``, ``_xla_mark_sharding``: the calls that take a sharding
 take the ``NamedSharding`` that ``mesh.get_op_sharding`` gives) and TPU custom calls
@@ -16,7 +16,8 @@ take the ``NamedSharding`` that ``mesh.get_op_sharding`` gives) and TPU custom c
 (``debug/lowering_context.py``). The preemption sync manager's calls are the
 distributed checkpoint package's (JAX's preemption service across processes).
 ``_get_xla_tensor_debug_info`` describes this runtime's own state of a tensor (its pending op or
-its device buffer) in PyTorch/XLA's layout.
+its device buffer) in PyTorch/XLA's layout. ``_set_buffer_donation`` gives a live tensor's device
+buffer to the next program that reads it, as PyTorch/XLA's user-configured donation does.
 
 Example:
     >>> import spmd_torch._XLAC as xlac
@@ -42,7 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from spmd_torch import config, runtime
 from spmd_torch._lazy import counters, execute, placement, run, transfer
-from spmd_torch._lazy.graph import Aval
+from spmd_torch._lazy.graph import DATA, Aval
 from spmd_torch._lazy.layout import padded_shape
 from spmd_torch._lazy.lowering.dtypes import to_jax_dtype
 from spmd_torch._lazy.manual import ManualShardingError
@@ -89,6 +90,7 @@ __all__ = [
     "_ensure_xla_coordinator_initialized",
     "_get_executed_fallback_ops",
     "_get_git_revs",
+    "_get_buffer_donation",
     "_get_xla_sharding_spec",
     "_get_xla_sharding_specs",
     "_get_xla_sharding_type",
@@ -96,10 +98,12 @@ __all__ = [
     "_get_xla_tensor_dimension_size",
     "_get_xla_tensor_shape_type",
     "_set_allow_execution",
+    "_set_buffer_donation",
     "_get_xla_tensors_hlo",
     "_get_xla_tensors_text",
     "_global_tensor_from_cpu_shards",
     "_init_computation_client",
+    "_is_placecholder",
     "_on_ready_callback",
     "_short_xla_metrics_report",
     "_spmd_full_to_shard_shape",
@@ -114,6 +118,7 @@ __all__ = [
     "_xla_get_all_runtime_devices",
     "_xla_get_default_device",
     "_xla_get_default_device_ordinal",
+    "_xla_get_enable_alias_with_buffer_donor_config",
     "_xla_get_devices",
     "_xla_get_mat_mul_precision",
     "_xla_get_rng_seed",
@@ -127,6 +132,7 @@ __all__ = [
     "_xla_num_runtime_devices",
     "_xla_real_devices",
     "_xla_runtime_is_initialized",
+    "_xla_set_enable_alias_with_buffer_donor_config",
     "_xla_set_mat_mul_precision",
     "_xla_set_rng_seed",
     "_xla_sync_multi",
@@ -499,9 +505,60 @@ def _xla_sync_multi(
         if isinstance(t, torch.Tensor) and t.device.type == "xla"
     ]
     arrays = execute.materialize(xla) if xla else []
-    if wait:
-        for array in arrays:
-            array.block_until_ready()
+    if wait:  # a donated input's buffer is an output's now (_set_buffer_donation)
+        jax.block_until_ready([a for a in arrays if not a.is_deleted()])
+
+
+def _set_buffer_donation(t: torch.Tensor, should_donate: bool) -> bool:
+    """Give up (or keep) the device buffer of ``t``'s data: the next program that reads it may
+    reuse the buffer for an output, although ``t`` is alive; ``t`` then holds no data
+    (``_is_placecholder``) and a program or read of it raises. Only data can be donated: False,
+    and nothing set, for a pending value or a view. A barrier donates it; a partial read
+    (``_xla_sync_multi``, ``.cpu()``) only with ``_xla_set_enable_alias_with_buffer_donor_config
+    (True)``. Counted as ``XlaSetBufferDonation``.
+
+    Example:
+        >>> _set_buffer_donation(t, True)
+        True
+    """
+    node = _data_of(_xla_tensor(t, "_set_buffer_donation"))
+    if node is None:
+        return False
+    if should_donate:
+        run.DONATED_BY_USER.add(node)
+    else:
+        run.DONATED_BY_USER.discard(node)
+    counters.bump("XlaSetBufferDonation")
+    return True
+
+
+def _get_buffer_donation(t: torch.Tensor) -> bool:
+    """Whether ``t``'s data is donated (``_set_buffer_donation``)."""
+    node = _data_of(_xla_tensor(t, "_get_buffer_donation"))
+    return node is not None and node in run.DONATED_BY_USER
+
+
+def _is_placecholder(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds data whose buffer a program took (``_set_buffer_donation``): PyTorch/
+    XLA's name, spelt as it spells it."""
+    node = _data_of(_xla_tensor(t, "_is_placecholder"))
+    return node is not None and getattr(node.arrays[0], "is_deleted", bool)()
+
+
+def _xla_set_enable_alias_with_buffer_donor_config(enabled: bool) -> None:
+    """Whether every run, a partial read's too, gives up the data donated with
+    ``_set_buffer_donation`` (by default only a barrier does)."""
+    run.DONATE_ON_EVERY_RUN[0] = bool(enabled)
+
+
+def _xla_get_enable_alias_with_buffer_donor_config() -> bool:
+    return run.DONATE_ON_EVERY_RUN[0]
+
+
+def _data_of(t: torch.Tensor):
+    """The data node ``t``'s value is, or None (a pending value, a view)."""
+    node = t._storage.ref[0]
+    return node if t._view is None and node.op == DATA else None
 
 
 def _xla_wait_device_ops(devices: Sequence[str] = ()) -> None:

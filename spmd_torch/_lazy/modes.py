@@ -144,12 +144,20 @@ class PerDevice:
     ) -> list:
         """Compute a linearised graph (``run.Run.of`` says what ``donate`` gives up; ``written``:
         per output, its ref and the storages it will be bound to)."""
-        with counters.timed("GatherTime"):
-            arrays = self.gather(program)
-        if program.device:  # outputs on xla:N even when no input says so (factories)
-            here = self.landing_on(program.device)
-            out_shardings = tuple(s or here for s in out_shardings or [None] * len(program.outputs))
-        return self.execute(Run.of(program, arrays, donate, out_shardings, written))
+        try:
+            with counters.timed("GatherTime"):
+                arrays = self.gather(program)
+            if program.device:  # outputs on xla:N even when no input says so (factories)
+                here = self.landing_on(program.device)
+                out_shardings = tuple(
+                    s or here for s in out_shardings or [None] * len(program.outputs)
+                )
+            return self.execute(Run.of(program, arrays, donate, out_shardings, written))
+        except RuntimeError as error:
+            named = transfer.given_up(error)
+            if named is None:
+                raise
+            raise named from error
 
     def read(self, refs: list, layouts: dict | None, sync: Callable) -> None:
         """Compute the pending ``refs`` (each once), leaving each value on its node; ``layouts``

@@ -28,6 +28,13 @@ from .engine import current, refuse_in_bad_fork
 from .graph import DATA, Program
 from .transfer import ReplicaShard
 
+# Data whose buffer its user gave up (``_XLAC._set_buffer_donation``): the next program reading it
+# may reuse the buffer although a live tensor holds it, which from then on holds no data.
+DONATED_BY_USER: weakref.WeakSet = weakref.WeakSet()
+# PyTorch/XLA's alias-with-buffer-donor config: a run that gives up nothing else (a partial read,
+# ``_xla_sync_multi``) gives up the data its user donated too.
+DONATE_ON_EVERY_RUN = [False]
+
 
 @dataclass
 class Run:
@@ -35,7 +42,7 @@ class Run:
 
     program: Program
     arrays: list  # one per leaf: device arrays (for a replica, its blocks or ReplicaShards)
-    donated: tuple  # per leaf: no live tensor holds it any more
+    donated: tuple  # per leaf: no live tensor holds it any more, or its user donated it
     scalars: np.ndarray  # the lifted Python scalars, packed
     out_shardings: tuple | None = None  # each output's layout (None entries: the partitioner's)
     replicas: Mesh | None = None  # run by each replica of this mesh, inputs stacked over it
@@ -45,10 +52,16 @@ class Run:
     def of(
         cls, program: Program, arrays: list, donate: bool, out_shardings=None, written=None
     ) -> Run:
-        """Donates (with ``donate``) the inputs no live tensor holds any more."""
+        """Donates (with ``donate``) the inputs no live tensor holds any more, and the data its
+        user donated (with ``donate``, or on every run where configured so)."""
         donated = tuple(
             donate and node.op == DATA and node.holders == 0 for node, _ in program.leaves
         )
+        if DONATED_BY_USER and (donate or DONATE_ON_EVERY_RUN[0]):
+            donated = tuple(
+                given or (node.op == DATA and node in DONATED_BY_USER)
+                for given, (node, _) in zip(donated, program.leaves)
+            )
         scalars = program.scalar_values()
         return cls(program, arrays, donated, scalars, out_shardings, written=written)
 

@@ -168,7 +168,13 @@ def to_torch(array: jax.Array, dtype: torch.dtype, shape: tuple | None = None) -
     """Download an array as a CPU tensor of PyTorch ``dtype`` (waits for it to be computed);
     ``shape`` is the logical shape of an array stored padded."""
     with counters.timed("TransferFromDeviceTime"):
-        host = fetch(array)
+        try:
+            host = fetch(array)
+        except RuntimeError as error:
+            named = given_up(error)
+            if named is None:
+                raise
+            raise named from error
         counters.record("InboundData", host.nbytes)  # bytes, as PyTorch/XLA counts them
         if shape is not None:
             host = crop(host, shape)
@@ -181,6 +187,18 @@ def to_torch(array: jax.Array, dtype: torch.dtype, shape: tuple | None = None) -
             out = torch.from_numpy(np.array(host, copy=True)).to(dtype)
     counters.bump("TransferFromDevice")
     return out
+
+
+def given_up(error: RuntimeError) -> RuntimeError | None:
+    """JAX's error for an array whose buffer a program took, with the reason (None for another
+    error): a live tensor's data is given up only when its user donates it (the engine donates
+    only values no tensor holds)."""
+    if "has been deleted" not in str(error):
+        return None
+    return RuntimeError(
+        f"{error} A tensor's device buffer went to an earlier program, donated with "
+        "_XLAC._set_buffer_donation: the tensor holds no data any more (_is_placecholder)"
+    )
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:

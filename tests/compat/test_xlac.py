@@ -492,3 +492,77 @@ def test_forbidden_execution_raises_naming_the_line_and_runs_nothing():
     finally:
         xlac._set_allow_execution(True)
     assert pending.cpu().tolist() == [3.0, 3.0]
+
+
+# ---- buffer donation by the user ---------------------------------------------------------------
+
+
+def test_a_donated_buffer_goes_to_the_next_program_and_leaves_a_placeholder():
+    """``_set_buffer_donation``: the barrier gives the live tensor's buffer to an output of its
+    shape (its address is the output's), the tensor holds no data after, and reading it says
+    why; the engine's own donation (``t1 += 2``) counts beside it."""
+    a, b = torch.randn(4, 2, 7), torch.randn(4, 2, 7)  # shapes no other test compiles
+    t0, t1 = a.to(dev), b.to(dev)
+    spmd_torch.sync()
+    address = xlac._unsafe_buffer_pointer(t0)
+    counted = met.counter_value("XlaSetBufferDonation") or 0
+    assert xlac._set_buffer_donation(t0, True) is True
+    assert xlac._get_buffer_donation(t0) and not xlac._get_buffer_donation(t1)
+    assert met.counter_value("XlaSetBufferDonation") == counted + 1
+    t2 = t0 + t1
+    t1 += 2
+    spmd_torch.sync(wait=True)
+    assert xlac._is_placecholder(t0) and not xlac._is_placecholder(t1)
+    assert met.metric_data("InputOutputAliasCount")[2][-1][1] == 2  # t0's and t1's old buffers
+    assert xlac._unsafe_buffer_pointer(t2) == address
+    assert_close(t2.cpu(), a + b, tol="exact")
+    assert_close(t1.cpu(), b + 2, tol="exact")
+    with pytest.raises(RuntimeError, match="donated with _XLAC._set_buffer_donation"):
+        t0.cpu()
+    with pytest.raises(RuntimeError, match="donated with _XLAC._set_buffer_donation"):
+        (t0 * 2).cpu()
+
+
+def test_only_data_is_donated_and_a_donation_can_be_taken_back():
+    t0 = torch.randn(3).to(dev)
+    pending = t0 + 1
+    counted = met.counter_value("XlaSetBufferDonation") or 0
+    assert xlac._set_buffer_donation(pending, True) is False  # no buffer yet
+    assert xlac._set_buffer_donation(t0[1:], True) is False  # a view's is its base's
+    assert (met.counter_value("XlaSetBufferDonation") or 0) == counted
+    spmd_torch.sync()
+    assert xlac._set_buffer_donation(t0, True) and xlac._set_buffer_donation(t0, False)
+    assert not xlac._get_buffer_donation(t0)
+    out = t0 * 3
+    spmd_torch.sync(wait=True)
+    assert not xlac._is_placecholder(t0)
+    assert_close(out.cpu(), t0.cpu() * 3, tol="exact")
+
+
+def test_a_donation_outlives_syncs_with_nothing_to_run():
+    t0 = torch.randn(5, 5).to(dev)
+    assert xlac._set_buffer_donation(t0, True)
+    spmd_torch.sync()
+    spmd_torch.sync()
+    assert xlac._get_buffer_donation(t0) and not xlac._is_placecholder(t0)
+
+
+@pytest.mark.parametrize("on_every_run", [False, True])
+def test_a_partial_read_gives_up_donated_data_only_when_configured(on_every_run):
+    """``_xla_sync_multi`` (a partial read, where the engine donates nothing) gives up the data
+    its user donated only with the alias-with-buffer-donor config on, as PyTorch/XLA."""
+    assert xlac._xla_get_enable_alias_with_buffer_donor_config() is False
+    t0, t1 = torch.randn(4, 9).to(dev), torch.randn(4, 9).to(dev)
+    spmd_torch.sync()
+    xlac._xla_set_enable_alias_with_buffer_donor_config(on_every_run)
+    try:
+        assert xlac._xla_get_enable_alias_with_buffer_donor_config() is on_every_run
+        xlac._set_buffer_donation(t0, True)
+        want = t0.cpu() + t1.cpu()
+        t2 = t0 + t1
+        xlac._xla_sync_multi([t0, t1, t2], [str(dev)], True, False)
+        assert xlac._is_placecholder(t0) is on_every_run
+        assert met.metric_data("InputOutputAliasCount")[2][-1][1] == int(on_every_run)
+        assert_close(t2.cpu(), want, tol="exact")
+    finally:
+        xlac._xla_set_enable_alias_with_buffer_donor_config(False)

@@ -1044,6 +1044,15 @@ def check_xlac_from_cpu_shards(fn):
     assert t.cpu().tolist() == [[0, 0], [1, 1], [2, 2], [3, 3]]
 
 
+def check_xlac_buffer_donation(fn):
+    t = _xla([1.0, 2.0, 3.0])
+    spmd_torch.sync()
+    assert fn(t, True) and spmd_torch._XLAC._get_buffer_donation(t)
+    out = t * 2
+    spmd_torch.sync(wait=True)
+    assert out.cpu().tolist() == [2.0, 4.0, 6.0] and spmd_torch._XLAC._is_placecholder(t)
+
+
 def check_xlac_manual_region(fn):
     xr.use_spmd()
     mesh = xs.Mesh(np.arange(8), (8,))
@@ -1422,6 +1431,7 @@ CHECKS: dict[str, Callable] = {
     "xlac.allow_execution": check_xlac_allow_execution,
     "builder.module_proto": check_builder_module_proto,
     "xlac.from_cpu_shards": check_xlac_from_cpu_shards,
+    "xlac.buffer_donation": check_xlac_buffer_donation,
     "xlac.manual_region": check_xlac_manual_region,
     "xp.start_server": check_profiler_start_server,
     "xp.trace": check_profiler_capture_from_server,
