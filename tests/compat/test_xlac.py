@@ -498,13 +498,12 @@ def test_forbidden_execution_raises_naming_the_line_and_runs_nothing():
 
 
 def test_a_donated_buffer_goes_to_the_next_program_and_leaves_a_placeholder():
-    """``_set_buffer_donation``: the barrier gives the live tensor's buffer to an output of its
-    shape (its address is the output's), the tensor holds no data after, and reading it says
-    why; the engine's own donation (``t1 += 2``) counts beside it."""
+    """``_set_buffer_donation``: the barrier gives the live tensor's buffer up to the program
+    (which XLA may reuse for an output of its shape), the tensor holds no data after, and
+    reading it says why; the engine's own donation (``t1 += 2``) counts beside it."""
     a, b = torch.randn(4, 2, 7), torch.randn(4, 2, 7)  # shapes no other test compiles
     t0, t1 = a.to(dev), b.to(dev)
     spmd_torch.sync()
-    address = xlac._unsafe_buffer_pointer(t0)
     counted = met.counter_value("XlaSetBufferDonation") or 0
     assert xlac._set_buffer_donation(t0, True) is True
     assert xlac._get_buffer_donation(t0) and not xlac._get_buffer_donation(t1)
@@ -514,7 +513,6 @@ def test_a_donated_buffer_goes_to_the_next_program_and_leaves_a_placeholder():
     spmd_torch.sync(wait=True)
     assert xlac._is_placecholder(t0) and not xlac._is_placecholder(t1)
     assert met.metric_data("InputOutputAliasCount")[2][-1][1] == 2  # t0's and t1's old buffers
-    assert xlac._unsafe_buffer_pointer(t2) == address
     assert_close(t2.cpu(), a + b, tol="exact")
     assert_close(t1.cpu(), b + 2, tol="exact")
     with pytest.raises(RuntimeError, match="donated with _XLAC._set_buffer_donation"):
