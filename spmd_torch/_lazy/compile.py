@@ -63,7 +63,7 @@ def scalar_avals(program: Program) -> list[jax.ShapeDtypeStruct]:
     ]
 
 
-def _scalar_parts(program: Program) -> tuple:
+def scalar_parts_of(program: Program) -> tuple:
     """Where each of ``program``'s lifted scalars lies in its packed vector, and its input's
     dtype and shape (``Executable.scalar_parts``)."""
     parts, start = [], 0
@@ -467,7 +467,7 @@ def lookup_or_compile(run) -> tuple[Executable, bool]:
     devices = {d for s in shardings for d in s.device_set}
     cpu = len(devices) > 1 and next(iter(devices)).platform == "cpu"
     lockstep = cpu and _COLLECTIVE.search(compiled.as_text()) is not None
-    parts = _scalar_parts(program) if run.replicas is None else None
+    parts = scalar_parts_of(program) if run.replicas is None else None
     executable = Executable(
         compiled, digest, len(devices), lockstep, cache.scalars_on_device, aliasing, parts
     )

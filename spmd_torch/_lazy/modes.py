@@ -62,6 +62,9 @@ class PerDevice:
     # the other replicas' (whose fills may differ), and running one would pass its turn to them
     # in the middle of a Dynamo trace, whose "compiling" flag is the process's.
     runs_side_programs = True
+    # Whether its programs take the lifted scalars packed in one vector (a replicas' program,
+    # whose inputs are the replicas' values stacked), or one input each (compile.scalar_avals).
+    packs_scalars = False
     spmd_ended = False  # set when SPMD ends: its programs' outputs span the mesh (gather)
 
     def __init__(self):
@@ -265,6 +268,7 @@ class Replica(PerDevice):
     # their programs, which run as one (with collectives, nothing else may run).
     shares_equal_scalars = False
     runs_side_programs = False
+    packs_scalars = True
 
     def __init__(self, world, ordinal: int, cpu_rng, named_by_ordinal: bool = False):
         super().__init__()

@@ -5,9 +5,9 @@ Custom-op and export code reads a graph through it: ``build`` the tensors, take 
 serialized ``HloModuleProto``) or its text and JSON forms, and ``parameter_id_tensor_mapping`` for
 the values the module's parameters take. The module is the one the next sync would hand XLA for
 these tensors (our lowering, with the inputs' shardings), so its parameters are the graph's device
-data in first-use order, then the vector the lifted Python scalars travel in, when there are any.
-In a replica of ``launch`` it is the one program every replica runs, each parameter the replicas'
-values stacked; the mappings give this replica's.
+data in first-use order, then the lifted Python scalars, one each, when there are any. In a
+replica of ``launch`` it is the one program every replica runs, each parameter the replicas'
+values stacked (the scalars in one vector); the mappings give this replica's.
 
 Example:
     >>> ctx = torch_xla._XLAC.lowering.LoweringContext("MyGraph")
@@ -22,8 +22,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
+from spmd_torch._lazy import compile as _compile
 from spmd_torch._lazy import placement as _placement
 from spmd_torch._lazy.engine import current
 from spmd_torch._lazy.tensor import on_xla, wrap
@@ -37,7 +39,7 @@ class LoweringContext:
         self._name = name
         self._module = None  # the HloModuleProto message, once built
         self._leaves: list = []  # per parameter: the leaf (node, index) it reads
-        self._scalars = None  # the lifted scalars' values (the last parameter), if any
+        self._scalars: list = []  # the lifted scalars' values (the last parameters)
 
     def build(self, tensors: Sequence[torch.Tensor]) -> None:
         """Lower the graph computing ``tensors`` (its outputs, in order); nothing runs."""
@@ -53,7 +55,11 @@ class LoweringContext:
         self._module.name = self._name
         self._leaves = list(program.leaves)
         values = program.scalar_values()
-        self._scalars = values if len(values) else None
+        if current().mode.packs_scalars:
+            self._scalars = [values] if len(values) else []
+        else:
+            parts = _compile.scalar_parts_of(program)
+            self._scalars = [values[a:b].astype(kind).reshape(shape) for a, b, kind, shape in parts]
 
     def hlo(self) -> bytes:
         """The serialized ``HloModuleProto``."""
@@ -75,9 +81,9 @@ class LoweringContext:
         """Parameter number -> an xla tensor of the value it takes; nothing is transferred."""
         self._built()
         mapping = {k: wrap(leaf, leaf[0].avals[leaf[1]]) for k, leaf in enumerate(self._leaves)}
-        if self._scalars is not None:
-            device = current().mode.use_device(None)
-            mapping[len(mapping)] = torch.from_numpy(self._scalars).to(device)
+        device = current().mode.use_device(None)
+        for value in self._scalars:
+            mapping[len(mapping)] = torch.from_numpy(np.asarray(value)).to(device)
         return mapping
 
     def tensor_parameter_id(self, tensor: torch.Tensor) -> int:

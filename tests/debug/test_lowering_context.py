@@ -58,15 +58,15 @@ def test_the_module_reads_each_input_once_and_nothing_runs():
     torch.testing.assert_close(z.cpu(), a_cpu * b_cpu)
 
 
-def test_lifted_python_scalars_are_the_last_parameter():
+def test_lifted_python_scalars_are_the_last_parameters():
     x_cpu = torch.randn(5)
     x = x_cpu.to(dev)
     ctx = _built([x * 2.5 - 0.75])
     mapping = ctx.parameter_id_tensor_mapping()
     module = json.loads(ctx.hlo_json())
-    assert len(mapping) == len(module["hostProgramShape"]["parameters"]) == 2
+    assert len(mapping) == len(module["hostProgramShape"]["parameters"]) == 3
     torch.testing.assert_close(mapping[ctx.tensor_parameter_id(x)], x_cpu, rtol=0, atol=0)
-    assert mapping[1].tolist() == [2.5, 0.75]
+    assert mapping[1].item() == 2.5 and mapping[2].item() == 0.75  # one parameter each
 
 
 def test_the_device_mapping_transfers_nothing():
