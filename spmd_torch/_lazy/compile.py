@@ -57,10 +57,7 @@ def scalar_avals(program: Program) -> list[jax.ShapeDtypeStruct]:
     vector). Sliced out of one packed vector, every fusion reading a number had its own slice,
     reshape and conversion of it (XLA copies cheap producers into each consumer): 3,600 more
     instructions for a 32-layer AdamW step, and 7% more of XLA's compile CPU time."""
-    return [
-        jax.ShapeDtypeStruct(node.avals[0].shape, _SCALAR_KINDS[node.avals[0].dtype])
-        for node in program.scalars
-    ]
+    return [jax.ShapeDtypeStruct(shape, kind) for _, _, kind, shape in scalar_parts_of(program)]
 
 
 def scalar_parts_of(program: Program) -> tuple:
@@ -109,6 +106,9 @@ class Executable:
     # Where each lifted scalar lies in the packed vector, (start, stop, dtype, shape), for a
     # program taking one input per scalar (``scalar_avals``); None: it takes the packed vector.
     scalar_parts: tuple | None = None
+    # Where those inputs are placed (None: the default device); read once here, since
+    # ``compiled.input_shardings`` rebuilds the whole tree of them at each read (48 µs at 600).
+    scalars_at: Any = None
 
     def __call__(self, arrays: list, donated: tuple, scalars) -> list:
         """Run on ``arrays`` (the donated ones given up) and the packed scalars."""
@@ -127,10 +127,9 @@ class Executable:
     def _scalar_inputs(self, packed: np.ndarray) -> list:
         """One input per scalar, from the packed host vector: the device cache's for the same
         values, else each number uploaded by one call."""
-        parts = self.scalar_parts
+        parts, where = self.scalar_parts, self.scalars_at
         if not parts:
             return []
-        where = self.compiled.input_shardings[0][2][0]
         if where is not None and not where.is_fully_addressable:
             # on a pod JAX's device_put checks that every host has the same values, a
             # collective per upload: there the call takes them as they are
@@ -160,7 +159,7 @@ def _uploader(avals: tuple, where) -> Callable:
     return jax.jit(lambda *values: values, in_shardings=layouts, out_shardings=layouts)
 
 
-_SCALARS_KEPT = 64  # lifted scalars' values kept on the device per compile cache
+_SCALARS_KEPT = 64  # packed vectors' worth of lifted scalars kept on the device per cache
 
 
 class CacheKey(NamedTuple):
@@ -461,13 +460,22 @@ def lookup_or_compile(run) -> tuple[Executable, bool]:
             compiled = _compiled(jitted.lower(given, kept, scalars))
     counters.record(COMPILE_TIME[current().eager], time.perf_counter_ns() - start)
     counters.record("InputOutputAliasCount", sum(donated))  # buffers given to outputs, per compile
-    shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
+    inputs = compiled.input_shardings
+    shardings = jax.tree.leaves((inputs, compiled.output_shardings))
     devices = {d for s in shardings for d in s.device_set}
     cpu = len(devices) > 1 and next(iter(devices)).platform == "cpu"
     lockstep = cpu and _COLLECTIVE.search(compiled.as_text()) is not None
     parts = scalar_parts_of(program) if run.replicas is None else None
+    scalars_at = inputs[0][2][0] if parts else None
     executable = Executable(
-        compiled, digest, len(devices), lockstep, cache.scalars_on_device, aliasing, parts
+        compiled,
+        digest,
+        len(devices),
+        lockstep,
+        cache.scalars_on_device,
+        aliasing,
+        parts,
+        scalars_at,
     )
     cache.executables[key] = executable
     while len(cache.executables) > max(config.COMPILATION_CACHE_SIZE.value, 1):

@@ -157,10 +157,8 @@ class PerDevice:
                 )
             return self.execute(Run.of(program, arrays, donate, out_shardings, written))
         except RuntimeError as error:
-            named = transfer.given_up(error)
-            if named is None:
-                raise
-            raise named from error
+            transfer.raise_if_given_up(error)
+            raise
 
     def read(self, refs: list, layouts: dict | None, sync: Callable) -> None:
         """Compute the pending ``refs`` (each once), leaving each value on its node; ``layouts``

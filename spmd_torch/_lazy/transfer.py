@@ -171,10 +171,8 @@ def to_torch(array: jax.Array, dtype: torch.dtype, shape: tuple | None = None) -
         try:
             host = fetch(array)
         except RuntimeError as error:
-            named = given_up(error)
-            if named is None:
-                raise
-            raise named from error
+            raise_if_given_up(error)
+            raise
         counters.record("InboundData", host.nbytes)  # bytes, as PyTorch/XLA counts them
         if shape is not None:
             host = crop(host, shape)
@@ -189,16 +187,15 @@ def to_torch(array: jax.Array, dtype: torch.dtype, shape: tuple | None = None) -
     return out
 
 
-def given_up(error: RuntimeError) -> RuntimeError | None:
-    """JAX's error for an array whose buffer a program took, with the reason (None for another
-    error): a live tensor's data is given up only when its user donates it (the engine donates
-    only values no tensor holds)."""
-    if "has been deleted" not in str(error):
-        return None
-    return RuntimeError(
-        f"{error} A tensor's device buffer went to an earlier program, donated with "
-        "_XLAC._set_buffer_donation: the tensor holds no data any more (_is_placecholder)"
-    )
+def raise_if_given_up(error: RuntimeError) -> None:
+    """Raise JAX's error for an array whose buffer a program took again, with the reason (any
+    other error: return): a live tensor's data is given up only when its user donates it (the
+    engine donates only values no tensor holds)."""
+    if "has been deleted" in str(error):
+        raise RuntimeError(
+            f"{error} A tensor's device buffer went to an earlier program, donated with "
+            "_XLAC._set_buffer_donation: the tensor holds no data any more (_is_placecholder)"
+        ) from error
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
