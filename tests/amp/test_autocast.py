@@ -41,6 +41,10 @@ SHARED = {
         lambda: (_randn(2, 4, 6), _randn(2, 6, 3)),
     ),
     "prelu": (F.prelu, lambda: (_randn(2, 3, 4), _randn(3))),
+    "scaled_dot_product_attention": (  # float32 q and k (rotary products) with a bfloat16 v
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        lambda: (_randn(1, 2, 8, 4), _randn(1, 2, 8, 4), _randn(1, 2, 8, 4, dtype=BF16)),
+    ),
     "mse_loss": (F.mse_loss, lambda: (_randn(4, 5, dtype=BF16), _randn(4, 5, dtype=BF16))),
     "l1_loss": (F.l1_loss, lambda: (_randn(4, 5, dtype=BF16), _randn(4, 5, dtype=BF16))),
     "smooth_l1_loss": (
