@@ -60,14 +60,24 @@ Workloads:
       (``implementation='cudnn'``; a skipped row, saying why, where JAX has no CUDA device) and
       ``jax_plain`` with XLA's plain attention. Only with --gpu (refused otherwise); ``--tiny``
       runs a small config (2 layers, d_model 64, seq 64, batch 2) on any device, CPU included, as
-      a smoke test of every implementation. Not in the default workloads without --gpu.
+      a smoke test of every implementation. Not in the default workloads without --gpu. The
+      report reads off issue 32's GPU targets (pipelined tokens/s): spmd_capture at least 0.9x
+      jax and 1.0x inductor, spmd_compile at least 1.0x inductor, the lazy loop twice 132f57f's
+      lazy figure on an H100, peak memory at most JAX's.
+  Wlong  a Llama trained at a sequence plain attention cannot fit (tools/bench/long.py): W6's
+      model at 8 layers, d_model 2048, 32 heads / 8 kv heads, SwiGLU 5632, vocab 32000, seq
+      8192, batch 4 (about 490M params), bf16 autocast, AdamW. Implementations eager (CUDA), jax
+      (cuDNN attention), jax_plain (XLA's plain attention: its probabilities take 137 GB, so its
+      row reads "out of memory"), spmd_torch and spmd_capture. As W7gpu: ms/step, tokens/s, peak
+      memory, and the loss before and after (it trains). Only with --gpu; ``--tiny``: 2 layers,
+      d_model 64, seq 128.
   spmd_compile  (W2, W3, W6, W7cpu, W7gpu; tools/bench/compiled.py) the spmd_torch
       implementation with the model's forward under ``torch.compile(model,
       backend='spmd_torch')`` (--compile-backend picks another name) and backward, optimizer
       step and sync lazy as usual. Opt-in: it runs
       only where --impls names it; where that backend is not registered, its child fails before
       its first step (a reported error row).
-  spmd_capture  (W2, W3, W6, W7cpu) the spmd_torch implementation, unchanged, with automatic
+  spmd_capture  (W2, W3, W6, W7cpu, W7gpu, Wlong) the spmd_torch implementation, unchanged, with automatic
       capture on (SPMD_TORCH_AUTO_CAPTURE=1: once the step repeats, the model's forward and the
       optimizer's step run through the spmd_torch backend by themselves); at least 5 warm-up
       steps, so the timed ones are captured. Opt-in, as spmd_compile.
@@ -122,6 +132,7 @@ Usage (from the repository root):
   python -m tools.bench --workloads W5               # checkpoints vs orbax directly
   python -m tools.bench --workloads W6 --impls eager,jax,spmd_torch,spmd_compile
   python -m tools.bench --workloads W7gpu --gpu      # GPT-2 small on one GPU
+  python -m tools.bench --workloads Wlong --gpu      # a Llama at seq 8192 that plain attention cannot fit
   python -m tools.bench --workloads W7gpu --tiny     # its small config on CPU: a smoke test
   python -m tools.bench --workloads W7cpu --against /tmp/base-132f57f  # host work vs 132f57f
   python -m tools.bench --workloads Wattn            # seq 4096 fp32 on CPU (--gpu: 8192 bf16)

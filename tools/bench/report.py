@@ -18,6 +18,8 @@ from .cpu import config as w7cpu_config
 from .gpu import GPT2Config
 from .gpu import config as gpt2_config
 from .llama import LLAMA_CFG
+from .long import config as long_config
+from .long import sizes as long_sizes
 from .models import CHAIN, FSDP, GPT_W4_CFG
 from .mp import W2MP_BATCH, W2MP_WINDOWS
 from .workloads import (
@@ -82,17 +84,22 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+# Why a run has no figures: it failed, was skipped (no cuDNN where JAX has no GPU), or its device
+# ran out of memory (plain attention at Wlong's size).
+_NO_FIGURES = ("error", "skipped", "out_of_memory")
+
+
 def _print_errors(results: Results) -> None:
     """Why each run that failed or was skipped has no figures."""
     for label, r in results.items():
-        for what in ("error", "skipped"):
+        for what in _NO_FIGURES:
             if what in r:
-                print(f"  {label} {what}: {r[what]}")
+                print(f"  {label} {what.replace('_', ' ')}: {r[what]}")
 
 
 def _ok(results: Results) -> Results:
     """The runs with figures: neither failed nor skipped (a cuDNN row where JAX has no GPU)."""
-    return {label: r for label, r in results.items() if "error" not in r and "skipped" not in r}
+    return {label: r for label, r in results.items() if not any(w in r for w in _NO_FIGURES)}
 
 
 def _rows(results: Results, columns: int, cells: Callable[[dict[str, Any]], list[str]]) -> list:
@@ -100,8 +107,11 @@ def _rows(results: Results, columns: int, cells: Callable[[dict[str, Any]], list
     or skipped) why it has none."""
     rows = []
     for label, r in results.items():
-        why = next((what for what in ("error", "skipped") if what in r), None)
-        rows.append([label, *cells(r)] if why is None else [label, why] + [""] * (columns - 2))
+        why = next((what for what in _NO_FIGURES if what in r), None)
+        if why is None:
+            rows.append([label, *cells(r)])
+        else:
+            rows.append([label, why.replace("_", " ")] + [""] * (columns - 2))
     return rows
 
 
@@ -283,23 +293,25 @@ def _print_targets(workload: str, results: Results) -> None:
             )
 
 
-def report_w7gpu(results: Results, gpu: bool) -> dict[str, Any]:
-    """W7gpu: ms/step and tokens/s (blocked steps' median, then pipelined), compiles, peak device
-    memory; spmd_torch's speed against each other implementation and its memory against JAX's."""
-    headers = [
-        "impl",
-        "device",
-        "ms/step",
-        "tokens/s",
-        "pipelined tokens/s",
-        "first step s",
-        "compiles (timed)",
-        "peak mem",
-        "loss first→last",
-    ]
+_TOKENS_HEADERS = [
+    "impl",
+    "device",
+    "ms/step",
+    "tokens/s",
+    "pipelined tokens/s",
+    "first step s",
+    "compiles (timed)",
+    "peak mem",
+    "loss first→last",
+]
+
+
+def _tokens_table(results: Results, gpu: bool) -> str:
+    """W7gpu's and Wlong's table: ms/step and tokens/s (blocked steps' median, then pipelined),
+    compiles, peak device memory, the loss before and after."""
     rows = _rows(
         results,
-        len(headers),
+        len(_TOKENS_HEADERS),
         lambda r: [
             r["device"],
             fmt(r["median_step_s"] * 1e3, ".1f"),
@@ -311,24 +323,99 @@ def report_w7gpu(results: Results, gpu: bool) -> dict[str, Any]:
             f"{r['loss_first']:.4f}→{r['loss_last']:.4f}",
         ],
     )
+    return _table(_TOKENS_HEADERS, rows)
+
+
+def _pipelined_tokens(results: Results) -> dict[str, float | None]:
+    ok = _ok(results)
+    return {label: r["tokens_per_step"] * r["pipelined_steps_per_s"] for label, r in ok.items()}
+
+
+# Issue 32's GPU targets for GPT-2 small, pipelined tokens/s: (numerator, denominator, at least).
+W7GPU_TARGETS = (
+    ("spmd_capture", "jax", 0.9),  # an unchanged lazy loop, capture on, against cuDNN JAX
+    ("spmd_capture", "inductor", 1.0),
+    ("spmd_compile", "inductor", 1.0),
+)
+# Lazy GPT-2 small at 132f57f (the commit before issue 32) on an H100, pipelined tokens/s
+# (docs/performance.md, 2026-11-26): the lazy loop's target is twice it. Another machine's
+# figure: side by side needs --against a 132f57f checkout.
+LAZY_BEFORE_H100 = 51_835
+
+
+def _print_w7gpu_targets(results: Results) -> dict[str, float | None]:
+    """Issue 32's GPU targets, each met or not where both of its runs have figures."""
+    tokens, ratios = _pipelined_tokens(results), {}
+    for a, b, least in W7GPU_TARGETS:
+        ratios[f"{a}_over_{b}_pipelined"] = value = ratio(tokens.get(a), tokens.get(b))
+        verdict = "" if value is None else f": {_met(value >= least)}"
+        print(
+            f"  pipelined tokens/s {a}/{b}: {fmt(value, '.2f', 'x')} (target ≥ {least}x){verdict}"
+        )
+    lazy = ratio(tokens.get("spmd_torch"), LAZY_BEFORE_H100)
+    ratios["spmd_torch_over_lazy_before"] = lazy
+    print(
+        f"  pipelined tokens/s spmd_torch (lazy, no capture) over 132f57f's lazy on an H100 "
+        f"({LAZY_BEFORE_H100:,}): {fmt(lazy, '.2f', 'x')} (target ≥ 2x, on the same machine)"
+    )
+    return ratios
+
+
+def report_w7gpu(results: Results, gpu: bool) -> dict[str, Any]:
+    """W7gpu: its table; spmd_torch's speed against each other implementation, issue 32's
+    targets, and spmd_torch's memory against JAX's."""
     ok = _ok(results)
     tiny = any(r.get("config") == "tiny" for r in ok.values())
     sizes = _gpt2_sizes(gpt2_config(tiny), ok)
     print(f"\nW7gpu GPT-2 {'tiny (--tiny)' if tiny else 'small'}: {sizes}, bf16 autocast, AdamW")
-    print(_table(headers, rows))
+    print(_tokens_table(results, gpu))
     _print_errors(results)
     print("  attention: jax through cuDNN's fused kernel, jax_plain XLA's plain attention")
     ratios = _speed_ratios("W7gpu", results, "tokens/s")
+    ratios.update(_print_w7gpu_targets(results))
     peak = {label: r.get("peak_bytes") for label, r in results.items()}
     for jax in ("jax", "jax_plain"):
         ratios[f"spmd_peak_over_{jax}"] = ratio(peak.get("spmd_torch"), peak.get(jax))
     if gpu:
+        most = ratios["spmd_peak_over_jax"]
         print(
-            f"  peak memory spmd_torch/jax: {fmt(ratios['spmd_peak_over_jax'], '.2f', 'x')} "
-            f"(target ≤ 1.1x), spmd_torch/jax_plain: "
-            f"{fmt(ratios['spmd_peak_over_jax_plain'], '.2f', 'x')}"
+            f"  peak memory spmd_torch/jax: {fmt(most, '.2f', 'x')} (target ≤ 1.0x)"
+            + ("" if most is None else f": {_met(most <= 1.0)}")
+            + f", spmd_torch/jax_plain: {fmt(ratios['spmd_peak_over_jax_plain'], '.2f', 'x')}"
         )
     _print_targets("W7gpu", results)
+    _print_host_lines(ok)
+    return ratios
+
+
+def report_wlong(results: Results, gpu: bool) -> dict[str, Any]:
+    """Wlong: its table; whether spmd_torch trains where plain attention runs out of memory, and
+    its speed and memory against cuDNN JAX's."""
+    ok = _ok(results)
+    tiny = any(r.get("config") == "tiny" for r in ok.values())
+    params = next((r["params"] for r in ok.values() if "params" in r), None)
+    sizes = long_sizes(long_config(tiny), params)
+    print(f"\nWlong Llama{' (--tiny)' if tiny else ''}: {sizes}, bf16 autocast, AdamW")
+    print(_tokens_table(results, gpu))
+    _print_errors(results)
+    print("  attention: jax through cuDNN's fused kernel, jax_plain XLA's plain attention")
+    tokens, ratios = _pipelined_tokens(results), {}
+    for label in ("spmd_torch", "spmd_capture"):
+        r = ok.get(label)
+        if r is None:
+            continue
+        trains = r["loss_last"] < r["loss_first"]
+        plain = "out of memory" if "out_of_memory" in results.get("jax_plain", {}) else "fits"
+        print(f"  {label} trains (loss falls): {_met(trains)}; plain attention: {plain}")
+        ratios[f"{label}_over_jax_pipelined"] = ratio(tokens.get(label), tokens.get("jax"))
+        ratios[f"{label}_peak_over_jax"] = ratio(
+            r.get("peak_bytes"), ok.get("jax", {}).get("peak_bytes")
+        )
+        print(
+            f"  {label}/jax pipelined tokens/s {fmt(ratios[f'{label}_over_jax_pipelined'], '.2f', 'x')}, "
+            f"peak memory {fmt(ratios[f'{label}_peak_over_jax'], '.2f', 'x')}"
+        )
+    _print_targets("Wlong", results)
     _print_host_lines(ok)
     return ratios
 
@@ -777,7 +864,7 @@ def report_check(workload: str, results: Results) -> dict[str, Any]:
         if "losses" in r:
             shown = ", ".join(f"{v:.6f}" for v in r["losses"])
         else:
-            shown = next(f"{what}: {r[what]}" for what in ("error", "skipped") if what in r)
+            shown = next(f"{what}: {r[what]}" for what in _NO_FIGURES if what in r)
         print(f"  {label:<{width}} {shown}")
     for name, p in pairs.items():
         print(f"  max |diff| {name}: {p['max_abs_diff']:.3g} {'OK' if p['ok'] else 'MISMATCH'}")
@@ -800,6 +887,8 @@ def report_round(workload: str, results: Results, check: bool, gpu: bool) -> dic
         entry["ratios"] = report_w1(results)
     elif workload == "W2mp":
         entry["ratios"] = report_w2mp(results)
+    elif workload == "Wlong":
+        entry["ratios"] = report_wlong(results, gpu)
     elif workload in GPU_WORKLOADS:
         entry["ratios"] = report_w7gpu(results, gpu)
     elif workload == "W7cpu":

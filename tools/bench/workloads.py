@@ -6,14 +6,27 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from . import attention, chain, checkpoint, compiled, cpu, gpu, llama, mp, pods, scan, training
+from . import (
+    attention,
+    chain,
+    checkpoint,
+    compiled,
+    cpu,
+    gpu,
+    llama,
+    long,
+    mp,
+    pods,
+    scan,
+    training,
+)
 from .models import FSDP
 
 # Workloads run as jobs of spmd_torch.distributed.run (tools/bench/pods.py): always on the
 # launcher's CPU devices, and this checkout's only (--against does not apply).
 POD_WORKLOADS = ("W4pod", "W2mppod", "PodStart", "PodFault")
 # Workloads sized for a GPU: refused without --gpu, except in their --tiny config (CPU smoke test).
-GPU_WORKLOADS = ("W7gpu",)
+GPU_WORKLOADS = ("W7gpu", "Wlong")
 # Workloads with a small config under --tiny (what tests run); Wattn's other forms: --gpu or not.
 TINY_WORKLOADS = GPU_WORKLOADS + ("W7cpu", "Wattn")
 # Workloads that run only where --workloads names them: depth against compile time (scan.py),
@@ -46,8 +59,17 @@ WORKLOAD_IMPLS = {
     "W3": ("eager", "jax", "spmd_torch", "spmd_compile", "spmd_capture"),
     "W6": ("eager", "jax", "spmd_torch", "spmd_compile", "spmd_capture"),
     "W7cpu": ("eager", "jax", "spmd_torch", "spmd_compile", "spmd_capture"),
-    "W7gpu": ("eager", "inductor", "jax", "jax_plain", "spmd_torch", "spmd_compile"),
+    "W7gpu": (
+        "eager",
+        "inductor",
+        "jax",
+        "jax_plain",
+        "spmd_torch",
+        "spmd_compile",
+        "spmd_capture",
+    ),
     "Wattn": ("eager", "inductor", "jax", "jax_plain", "spmd_torch"),
+    "Wlong": ("eager", "jax", "jax_plain", "spmd_torch", "spmd_capture"),
     "W3amp": ("eager", "spmd_torch"),
     "W4": ("jax", "spmd_torch"),
     "W2mp": ("mp", "spmd_torch"),
@@ -89,6 +111,7 @@ DEFAULT_STEPS = {
     "W7cpu": (3, 10),
     "Wattn": (1, 2),
     "W7gpu": (3, 10),
+    "Wlong": (2, 5),
     "W4pod": (3, 10),
     "W2mppod": (5, 50),
     "PodStart": (0, 3),
@@ -100,7 +123,7 @@ CHECK_STEPS = 3
 CHECK_RTOL = 1e-4
 # bfloat16 workloads (Wattn: its --gpu form): one bf16 ulp (2**-8 to 2**-7 of a value) between
 # two implementations' roundings.
-CHECK_RTOL_OF = {"W3amp": 8e-3, "W7gpu": 8e-3, "Wattn": 8e-3}
+CHECK_RTOL_OF = {"W3amp": 8e-3, "W7gpu": 8e-3, "Wattn": 8e-3, "Wlong": 8e-3}
 # At most this many programs compiled over a whole run, where a workload sets a target.
 MAX_COMPILES = {"W6": 2}
 
@@ -135,6 +158,7 @@ RUNNERS: dict[tuple[str, str], Runner] = {
     ("W7gpu", "jax_plain"): gpu.w7_jax_plain,
     ("W7gpu", "spmd_torch"): gpu.w7_spmd,
     ("W7gpu", "spmd_compile"): gpu.w7_spmd_compile,
+    ("W7gpu", "spmd_capture"): gpu.w7_spmd,
     ("W7cpu", "eager"): cpu.w7cpu_eager,
     ("W7cpu", "jax"): cpu.w7cpu_jax,
     ("W7cpu", "spmd_torch"): cpu.w7cpu_spmd,
@@ -148,6 +172,11 @@ RUNNERS: dict[tuple[str, str], Runner] = {
     ("Wattn", "jax"): attention.wattn_jax,
     ("Wattn", "jax_plain"): attention.wattn_jax_plain,
     ("Wattn", "spmd_torch"): attention.wattn_spmd,
+    ("Wlong", "eager"): long.wlong_eager,
+    ("Wlong", "jax"): long.wlong_jax,
+    ("Wlong", "jax_plain"): long.wlong_jax_plain,
+    ("Wlong", "spmd_torch"): long.wlong_spmd,
+    ("Wlong", "spmd_capture"): long.wlong_spmd,
     ("W4pod", "spmd_torch"): pods.w4pod,
     ("W2mppod", "mp"): pods.w2mppod,
     ("PodStart", "spmd_torch"): pods.pod_start,
@@ -175,7 +204,7 @@ def refuse_gpu_only(names: list[str], gpu: bool, tiny: bool) -> None:
     refused = [w for w in names if w in GPU_WORKLOADS]
     if refused and not (gpu or tiny):
         raise SystemExit(
-            f"{', '.join(refused)} runs only with --gpu (GPT-2 small on CUDA); --tiny runs its "
+            f"{', '.join(refused)} runs only with --gpu (sized for one GPU); --tiny runs its "
             f"small config on CPU as a smoke test"
         )
 
