@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import assert_matches_eager
+import spmd_torch
+from tests.helpers import assert_matches_eager, matches_eager
 
 
 def test_scatter_add_on_bool_is_a_logical_or():
@@ -290,3 +291,31 @@ def test_segment_reduce_with_empty_segments_ties_and_zeros(reduce, initial):
         offsets,
         grad=True,
     )
+
+
+def test_pow_reads_a_python_exponent_by_value_and_type():
+    """The exponent is static in the node, and a program's structure compares it by value (2 ==
+    2.0): an integral base with a float exponent is cast first, so ``x ** 2.0`` is not run as
+    the int64 program ``x ** 2`` compiled (3037000500 ** 2 overflows int64, not float32), and a
+    floating base gives one program per value, whatever its type."""
+    big = torch.tensor([3037000500, 7])
+    for exponent in (2, 2.0, 3, 3.0, True):  # products: eager's own bits on any CPU
+        matches_eager(lambda x, e=exponent: x**e, big, tol="exact", eager_bits=True)()
+    assert_matches_eager(lambda x: x**2.5, big)
+    y = torch.rand(64) * 10 + 0.01
+    for exponent in (-2.0, -2, 3.0, 3, 1, 0.0, False, -1):
+        matches_eager(lambda x, e=exponent: x**e, y, tol="exact", eager_bits=True)()
+
+
+def test_pow_by_half_is_sqrt_and_rsqrt():
+    """As ATen's kernels compute ``x ** 0.5`` and ``x ** -0.5``: the same values as torch.sqrt and
+    torch.rsqrt here, with sqrt's edge values (-0.0 stays -0.0, -inf gives NaN)."""
+    x = torch.tensor([0.25, 2.0, 9.0, 1e-30, -0.0, float("-inf"), float("inf"), -1.0])
+    on_device = spmd_torch.device()
+    for exponent, op in ((0.5, torch.sqrt), (-0.5, torch.rsqrt)):
+        got = (x.to(on_device) ** exponent).cpu()
+        assert torch.equal(got.isnan(), op(x).isnan())
+        finite = ~got.isnan()
+        assert torch.equal(got[finite], op(x.to(on_device)).cpu()[finite])
+        assert torch.equal(got[finite].signbit(), op(x)[finite].signbit())
+    assert_matches_eager(lambda t: t**0.5, x)

@@ -232,11 +232,21 @@ def _pow(base, exponent):
 
 _POW = arithmetic(_pow)
 _STATIC_POW = arithmetic(lambda x, *, exponent: jnp.power(x, exponent))
+# Exponents of a floating base that ATen's pow kernels (CPU and CUDA) compute by another op.
+_POWERS_BY_OP = {0.5: floating(jnp.sqrt), -0.5: floating(lax.rsqrt), -1.0: floating(jnp.reciprocal)}
 
 
 @lowers(aten.pow.Tensor_Scalar, static_scalars=True)
 def _pow_tensor_scalar(x, exponent):
-    """A Python exponent stays static, so x**2 is x*x as in ATen, not exp(2 log x)."""
+    """A Python exponent stays static, as in ATen: a floating base's exponent is read by value
+    (2 and 2.0 alike), the integral ones up to 3 in magnitude as products (x**2 is x*x, not
+    exp(2 log x)), 0.5, -0.5 and -1 as sqrt, rsqrt and reciprocal, the others as pow."""
+    if jnp.issubdtype(x.dtype, jnp.floating) and type(exponent) in (int, float, bool):
+        exponent = float(exponent)
+        if exponent in _POWERS_BY_OP:
+            return _POWERS_BY_OP[exponent](x)
+        if exponent.is_integer() and abs(exponent) <= 3:
+            return _STATIC_POW(x, exponent=int(exponent))
     if type(exponent) is not int:
         return _POW(x, exponent)
     return _STATIC_POW(x, exponent=exponent)
