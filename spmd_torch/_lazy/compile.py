@@ -574,8 +574,9 @@ def _collector_paused():
 
 
 def _named(rows: tuple, ops: dict) -> list:
-    """Structure rows with each op id replaced by the op (ids differ between processes)."""
-    return [(ops[row[0]],) + row[1:] for row in rows]
+    """Structure rows with each op id replaced by the op, without the signature numbers: ids
+    and numbers differ between processes (a pod's hosts name one program alike)."""
+    return [(ops[row[0]],) + row[1:5] for row in rows]
 
 
 # The parts of a CacheKey, as a recompilation's reason names them.
@@ -614,7 +615,14 @@ def explain_last_miss() -> str:
     return "unknown"
 
 
-_ROW_PARTS = ("op/args", "op/args", "op/args", "inputs", "profiler scope")
+_ROW_PARTS = (
+    "op/args",
+    "op/args",
+    "op/args",
+    "inputs",
+    "profiler scope",
+    "op/args (a Python number's type: 2 is not 2.0)",
+)
 
 
 def explain_graph_change(old: tuple, new: tuple, ops: dict) -> str:

@@ -58,13 +58,27 @@ class Node:
         "where",
         "scope",
         "device",
+        "signature",
         "__weakref__",
     )
 
-    def __init__(self, op: Any, src: tuple, args: tuple, kwargs: dict, avals: tuple[Aval, ...]):
+    def __init__(
+        self,
+        op: Any,
+        src: tuple,
+        args: tuple,
+        kwargs: dict,
+        avals: tuple[Aval, ...],
+        signature: int = 0,
+    ):
         self.op = op
         self.src = src  # tuple of (Node, output index)
         self.args = args
+        # The number of the op, static values and their types record.emit recorded it with (0:
+        # built otherwise). A structure compares static values by value, where 2 == 2.0 ==
+        # True: this tells x_int // 2 from x_int // 2.0 (else the int64 program of one ran for
+        # the other), full(s, 7) from full(s, 7.0).
+        self.signature = signature
         self.kwargs = kwargs
         self.avals = avals
         self.arrays: list | None = None  # per-output jax arrays once known
@@ -114,6 +128,7 @@ def _input(op: str, args: tuple, avals: tuple, arrays: list | None, device: int 
     node = _new_node(Node)
     node.op, node.src, node.args, node.kwargs, node.avals = op, (), args, _NO_KWARGS, avals
     node.arrays, node.holders, node.where, node.scope, node.device = arrays, 0, None, None, device
+    node.signature = 0
     return node
 
 
@@ -145,7 +160,7 @@ class Program:
     scalars: list[Node]  # lifted Python scalars, in first-use order
     outputs: list[Ref]
     index: dict  # id(node) -> position among nodes; leaves: (id(node), i) -> input position
-    rows: list  # per node: (id(op), args, kwargs, wiring, scope), built by the walk itself
+    rows: list  # per node: (id(op), args, kwargs, wiring, scope, signature), built by the walk
     located: tuple  # per output, where it comes from (``locate``'s answer), found by the walk
     _identity: int | None = None
     device: int = 0  # the xla:N it runs on (outside SPMD a process may use each of its devices)
@@ -259,7 +274,7 @@ def linearize(outputs: list[Ref], device: int = 0) -> Program:
                 wiring = tuple(wiring)
                 index[id(node)] = len(nodes)
                 nodes.append(node)
-                rows.append((id(node.op), node.args, kwargs, wiring, node.scope))
+                rows.append((id(node.op), node.args, kwargs, wiring, node.scope, node.signature))
                 continue
             stack.append((node, True))
             for source, i in reversed(node.src):  # inlined: a computed source not yet placed

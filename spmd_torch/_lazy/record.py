@@ -34,8 +34,11 @@ _TORCH_ROOT = os.path.dirname(os.path.abspath(torch.__file__))
 _ARGS = [Arg(i) for i in range(4096)]  # shared placeholders: no allocation per traced argument
 
 _OPS = counters.OPS  # cleared in place, never replaced
-# (op, argument signature) -> (output avals, output structure)
+# (op, argument signature) -> (output avals, output structure, its static part's number)
 _META_CACHE: dict[tuple, tuple] = {}
+# A signature less its tensors' avals (the op, its static values and their types) -> a number
+# from 1 (0: a node built otherwise): ``Node.signature``.
+_STATIC_NUMBERS: dict[tuple, int] = {}
 
 
 NESTED = "nested"  # an op's output structure that is lists of tensors, by their lengths
@@ -92,13 +95,15 @@ def emit(
     signature = tuple(signature)
     meta = _META_CACHE.get(signature)
     if meta is None:
-        meta = _META_CACHE[signature] = _infer(func, args, kwargs)
+        static = tuple(entry for entry in signature if type(entry) is not Aval)
+        number = _STATIC_NUMBERS.setdefault(static, len(_STATIC_NUMBERS) + 1)
+        meta = _META_CACHE[signature] = (*_infer(func, args, kwargs), number)
         counters.OP_NAMES[signature[0]] = f"xla::{func.overloadpacket.__name__}"
     _OPS[signature[0]] += 1
-    avals, structure = meta
+    avals, structure, signature_number = meta
     if key is not None:
         static_args = (Arg(0),) + static_args
-    node = Node(func, tuple(src), static_args, static_kwargs, avals)
+    node = Node(func, tuple(src), static_args, static_kwargs, avals, signature_number)
     if SEVERAL_DEVICES:
         node.device = _device_of(func, src[0 if key is None else 1 :], kwargs)
     if config.IR_DEBUG.value:  # a traceback costs ~0.1 us: only when debugging

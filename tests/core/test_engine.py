@@ -170,6 +170,24 @@ def test_int_scalars_stay_constants_where_the_lowering_builds_on_them():
     )
 
 
+def test_a_static_numbers_type_is_part_of_the_program():
+    """2 == 2.0 == True in Python, so a structure comparing static values by value ran the int64
+    program of ``full(s, 16777217) // 1 - 16777216`` for its float32 twin, whose full rounds to
+    16777216 first (1 instead of 0); then the reason names the type."""
+    big = torch.tensor([16777217])
+    cases = [
+        lambda d: torch.full((1,), 16777217, device=d) // 1 - 16777216,
+        lambda d: torch.full((1,), 16777217.0, device=d) // 1 - 16777216,
+        lambda d: torch.floor_divide(big.to(d), 1) - 16777216,
+        lambda d: torch.floor_divide(big.to(d), 1.0) - 16777216,
+    ]
+    with assert_compiles(4):
+        for make in cases:
+            got, want = make(dev).cpu(), make("cpu")
+            assert got.dtype == want.dtype and torch.equal(got, want), (got, want)
+    assert "a Python number's type" in compile_module.explain_last_miss()
+
+
 def test_same_step_traced_again_hits_the_cache():
     w = torch.randn(4, 4).to(dev)
     spmd_torch.sync()
