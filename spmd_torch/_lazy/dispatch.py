@@ -632,17 +632,6 @@ def _mm(func, args: tuple, kwargs: dict) -> LazyTensor:
     return _wrap_outputs(node, structure)
 
 
-def _pow_tensor_scalar(func, args: tuple, kwargs: dict) -> LazyTensor:
-    """``x ** e`` with a Python ``e``, static in the node: a program's structure compares it by
-    value (2 == 2.0), so an integral ``x`` with a float ``e`` is cast to the result's dtype
-    first, as ATen computes it: ``x ** 2`` and ``x ** 2.0`` are then two programs, not one
-    compiled for the first and run for both (an int64 result read as float32)."""
-    x, exponent = args
-    if type(exponent) is float and not (x.dtype.is_floating_point or x.dtype.is_complex):
-        x = dispatch(aten._to_copy.default, (x,), {"dtype": torch.result_type(x, exponent)})
-    return _record(func, (x, exponent), kwargs)
-
-
 def _local_scalar_dense(func, args: tuple, kwargs: dict) -> Any:
     """``.item()``: counted under PyTorch/XLA's name, which its troubleshooting guide finds host
     syncs by, though the value is computed on the device and only the scalar transferred."""
@@ -753,7 +742,6 @@ SPECIALS: dict = {
     aten._to_copy.default: _to_copy,
     aten._local_scalar_dense.default: _local_scalar_dense,
     aten.mm.default: _mm,
-    aten.pow.Tensor_Scalar: _pow_tensor_scalar,
     aten.set_.source_Tensor: _set_,
     aten.equal.default: _materialising,
     aten.allclose.default: _allclose,

@@ -294,10 +294,9 @@ def test_segment_reduce_with_empty_segments_ties_and_zeros(reduce, initial):
 
 
 def test_pow_reads_a_python_exponent_by_value_and_type():
-    """The exponent is static in the node, and a program's structure compares it by value (2 ==
-    2.0): an integral base with a float exponent is cast first, so ``x ** 2.0`` is not run as
-    the int64 program ``x ** 2`` compiled (3037000500 ** 2 overflows int64, not float32), and a
-    floating base gives one program per value, whatever its type."""
+    """The exponent is static in the node: ``x ** 2.0`` is not run as the int64 program ``x ** 2``
+    compiled (3037000500 ** 2 overflows int64, not float32), and a floating base's exponent is
+    read by value, as ATen's kernels read it (-2 and -2.0 are both 1 / (x * x))."""
     big = torch.tensor([3037000500, 7])
     for exponent in (2, 2.0, 3, 3.0, True):  # products: eager's own bits on any CPU
         matches_eager(lambda x, e=exponent: x**e, big, tol="exact", eager_bits=True)()
