@@ -7,6 +7,7 @@ signature: a training step traced again never calls them.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import warnings
@@ -234,7 +235,9 @@ def _walk(x: Any, src: list, key: list, lift_floats: bool, lift_ints: bool = Fal
         # on xla:0..N-1 under the torch_xla face), so replicas trace one program.
         x = XLA_DEVICES[current().mode.index_of(x.index)]
     key.append(x)
-    key.append(cls)  # 1, 1.0 and True are equal keys but give different result dtypes
+    # 1, 1.0 and True are equal keys but give different result dtypes; 0.0 and -0.0 are equal
+    # keys but give different signs (where(mask, x, -0.0))
+    key.append(cls if cls is not float or x != 0.0 else math.copysign(1.0, x))
     return x
 
 

@@ -188,6 +188,15 @@ def test_a_static_numbers_type_is_part_of_the_program():
     assert "a Python number's type" in compile_module.explain_last_miss()
 
 
+def test_a_static_zeros_sign_is_part_of_the_program():
+    """0.0 == -0.0 too: ``where(mask, x, -0.0)`` is not run as the ``0.0`` program."""
+    mask, x = torch.tensor([True, False]), torch.tensor([1.0, 2.0])
+    with assert_compiles(2):
+        for zero in (0.0, -0.0):
+            got = 1 / torch.where(mask.to(dev), x.to(dev), zero)
+            assert torch.equal(got.cpu(), 1 / torch.where(mask, x, zero))
+
+
 def test_same_step_traced_again_hits_the_cache():
     w = torch.randn(4, 4).to(dev)
     spmd_torch.sync()
