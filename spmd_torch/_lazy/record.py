@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import struct
 import sys
 import warnings
 from typing import Any
@@ -181,6 +182,7 @@ class Where:
         return "<unknown>"
 
 
+_NANS: dict[bytes, float] = {}  # a static NaN's bits -> the one object standing for it
 _LIFTED_INTS = range(-(2**53), 2**53 + 1)  # exact in the float64 vector scalars travel in
 
 
@@ -234,6 +236,8 @@ def _walk(x: Any, src: list, key: list, lift_floats: bool, lift_ints: bool = Fal
         # The device as the graph knows it: a replica's is 0 whatever its name (CPU's replicas
         # on xla:0..N-1 under the torch_xla face), so replicas trace one program.
         x = XLA_DEVICES[current().mode.index_of(x.index)]
+    if cls is float and x != x:  # NaN: one object per bit pattern, else no key holding it
+        x = _NANS.setdefault(struct.pack("<d", x), x)  # equals another (its hash is its id)
     key.append(x)
     # 1, 1.0 and True are equal keys but give different result dtypes; 0.0 and -0.0 are equal
     # keys but give different signs (where(mask, x, -0.0))

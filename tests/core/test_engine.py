@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 import spmd_torch
 import spmd_torch.core.xla_model as xm
@@ -195,6 +196,19 @@ def test_a_static_zeros_sign_is_part_of_the_program():
         for zero in (0.0, -0.0):
             got = 1 / torch.where(mask.to(dev), x.to(dev), zero)
             assert torch.equal(got.cpu(), 1 / torch.where(mask, x, zero))
+
+
+def test_a_static_nan_does_not_recompile():
+    """NaN != NaN, and a NaN's hash is its object's id: a step writing ``float('nan')`` where an
+    op keeps its number static (``where``'s other value, ``pad``'s fill) compiled again at every
+    step, each NaN a new key."""
+    mask, x = torch.tensor([True, False], device=dev), torch.tensor([1.0, 2.0], device=dev)
+    spmd_torch.sync()
+    with assert_compiles(1):
+        for _ in range(3):
+            got = torch.where(mask, x, float("nan")) + F.pad(x, (0, 0), value=float("nan"))
+            spmd_torch.sync()
+    torch.testing.assert_close(got.cpu(), torch.tensor([2.0, float("nan")]), equal_nan=True)
 
 
 def test_same_step_traced_again_hits_the_cache():
