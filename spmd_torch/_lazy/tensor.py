@@ -35,6 +35,8 @@ XLA_DEVICES = _Devices({None: DEVICE})
 SEVERAL_DEVICES: list = []
 
 
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+_STRIDED = torch.strided
 _STORAGES = counters.STORAGES  # [made, freed]: not atomic across threads (a loader's upload
 # racing a traced op may go uncounted), as a lock would cost every op more
 
@@ -108,7 +110,9 @@ class LazyTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, storage: Storage, aval: Aval, view: tuple | None = None) -> LazyTensor:
         device = current().mode.names[storage.ref[0].device] if SEVERAL_DEVICES else DEVICE
-        t = torch.Tensor._make_wrapper_subclass(cls, aval.shape, dtype=aval.dtype, device=device)
+        # positionally (strides, storage offset, memory format, dtype, layout, device): parsing
+        # keywords cost every traced op 0.28 µs more (1.10 against 0.81 µs)
+        t = _make_wrapper(cls, aval.shape, None, None, None, aval.dtype, _STRIDED, device)
         t._storage = storage
         if view is not None:
             t._view = view
