@@ -405,7 +405,14 @@ def report_wlong(results: Results, gpu: bool) -> dict[str, Any]:
         if r is None:
             continue
         trains = r["loss_last"] < r["loss_first"]
-        plain = "out of memory" if "out_of_memory" in results.get("jax_plain", {}) else "fits"
+        plain = results.get("jax_plain")
+        plain = (
+            "not run here"
+            if plain is None
+            else "out of memory"
+            if "out_of_memory" in plain
+            else "fits"
+        )
         print(f"  {label} trains (loss falls): {_met(trains)}; plain attention: {plain}")
         ratios[f"{label}_over_jax_pipelined"] = ratio(tokens.get(label), tokens.get("jax"))
         ratios[f"{label}_peak_over_jax"] = ratio(
