@@ -7,6 +7,7 @@ signature: a training step traced again never calls them.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import struct
@@ -39,8 +40,10 @@ _OPS = counters.OPS  # cleared in place, never replaced
 # (op, argument signature) -> (output avals, output structure, its static part's number)
 _META_CACHE: dict[tuple, tuple] = {}
 # A signature less its tensors' avals (the op, its static values and their types) -> a number
-# from 1 (0: a node built otherwise): ``Node.signature``.
+# from 1 (0: a node built otherwise): ``Node.signature``. Drawn from a counter, so that replica
+# threads meeting two new signatures at once never give them one number.
 _STATIC_NUMBERS: dict[tuple, int] = {}
+_NEXT_NUMBER = itertools.count(1)
 
 
 NESTED = "nested"  # an op's output structure that is lists of tensors, by their lengths
@@ -98,7 +101,7 @@ def emit(
     meta = _META_CACHE.get(signature)
     if meta is None:
         static = tuple(entry for entry in signature if type(entry) is not Aval)
-        number = _STATIC_NUMBERS.setdefault(static, len(_STATIC_NUMBERS) + 1)
+        number = _STATIC_NUMBERS.setdefault(static, next(_NEXT_NUMBER))
         meta = _META_CACHE[signature] = (*_infer(func, args, kwargs), number)
         counters.OP_NAMES[signature[0]] = f"xla::{func.overloadpacket.__name__}"
     _OPS[signature[0]] += 1
