@@ -194,9 +194,18 @@ def _lowered_handler(func) -> Callable | None:
         return _record_random
     if lowering.random:
         return partial(_record_random_when, lowering.random)
-    if torch.Tag.pointwise not in func.tags or lowering.static_scalars:
+    lifted = torch.Tag.pointwise in func.tags or func in _LIFTED_UNTAGGED
+    if not lifted or lowering.static_scalars:
         return _record
     return _record_pointwise if _lifts_ints(func) else _record_pointwise_floats
+
+
+# Ops ATen does not tag pointwise whose Python numbers are program inputs too, as PyTorch/XLA
+# makes them device data: ``torch.where(mask, value, x)`` wraps its number in ``scalar_tensor``,
+# so a new value each step is one program, not one per value.
+_LIFTED_UNTAGGED = frozenset(
+    (aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar, aten.scalar_tensor.default)
+)
 
 
 def _lifts_ints(func) -> bool:

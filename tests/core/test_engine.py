@@ -190,12 +190,26 @@ def test_a_static_numbers_type_is_part_of_the_program():
 
 
 def test_a_static_zeros_sign_is_part_of_the_program():
-    """0.0 == -0.0 too: ``where(mask, x, -0.0)`` is not run as the ``0.0`` program."""
-    mask, x = torch.tensor([True, False]), torch.tensor([1.0, 2.0])
+    """0.0 == -0.0 too: ``F.pad(x, value=-0.0)``, whose number stays in the program, is not run
+    as the ``0.0`` program."""
+    x = torch.tensor([1.0, 2.0])
     with assert_compiles(2):
         for zero in (0.0, -0.0):
-            got = 1 / torch.where(mask.to(dev), x.to(dev), zero)
-            assert torch.equal(got.cpu(), 1 / torch.where(mask, x, zero))
+            got = 1 / F.pad(x.to(dev), (1, 0), value=zero)
+            assert torch.equal(got.cpu(), 1 / F.pad(x, (1, 0), value=zero))
+
+
+def test_where_with_a_new_number_each_step_compiles_once():
+    """``torch.where(mask, value, x)`` wraps its number in ``scalar_tensor``: a program input, as
+    PyTorch/XLA's device data, not a number kept in the program (one compile per value)."""
+    x = torch.tensor([1.0, -2.0, 3.0], device=dev)
+    spmd_torch.sync()
+    with assert_compiles(1):
+        for step in range(1, 4):
+            got = torch.where(x > 0, float(step), x) + torch.where(x > 0, x, step)
+            spmd_torch.sync()
+    xc = x.cpu()
+    assert torch.equal(got.cpu(), torch.where(xc > 0, 3.0, xc) + torch.where(xc > 0, xc, 3))
 
 
 def test_a_static_nan_does_not_recompile():
