@@ -201,10 +201,12 @@ def _lowered_handler(func) -> Callable | None:
 
 
 # Ops ATen does not tag pointwise whose Python numbers are program inputs too, as PyTorch/XLA
-# makes them device data: ``torch.where(mask, value, x)`` wraps its number in ``scalar_tensor``,
-# so a new value each step is one program, not one per value.
+# makes them device data, so a new value each step is one program, not one per value:
+# ``torch.where(mask, value, x)`` wraps its number in ``scalar_tensor``, and an LR scheduler
+# writes a tensor learning rate with ``lr.fill_(value)``.
 _LIFTED_UNTAGGED = frozenset(
-    (aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar, aten.scalar_tensor.default)
+    (aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar)
+    + (aten.scalar_tensor.default, aten.fill.Scalar)
 )
 
 

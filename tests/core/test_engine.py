@@ -212,6 +212,22 @@ def test_where_with_a_new_number_each_step_compiles_once():
     assert torch.equal(got.cpu(), torch.where(xc > 0, 3.0, xc) + torch.where(xc > 0, xc, 3))
 
 
+def test_a_device_learning_rate_written_with_fill_compiles_once():
+    """``lr.fill_(value)`` (how an LR scheduler writes a tensor learning rate) takes its number
+    as a program input, as PyTorch/XLA's device data: a new value each step, one program."""
+    lr, w = torch.tensor(0.01, device=dev), torch.ones(4, device=dev)
+    spmd_torch.sync()
+    with assert_compiles(1):
+        for step in range(1, 5):
+            lr.fill_(1.0 / (1 + step))
+            w.sub_(w * lr)
+            spmd_torch.sync()
+    want = torch.ones(4)
+    for step in range(1, 5):
+        want.sub_(want * (1.0 / (1 + step)))
+    assert_close(w, want)
+
+
 def test_a_static_nan_does_not_recompile():
     """NaN != NaN, and a NaN's hash is its object's id: a step writing ``float('nan')`` where an
     op keeps its number static (``where``'s other value, ``pad``'s fill) compiled again at every
