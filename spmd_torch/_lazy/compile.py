@@ -72,6 +72,12 @@ def scalar_parts_of(program: Program) -> tuple:
     return tuple(parts)
 
 
+def unpacked(packed: np.ndarray, parts: tuple) -> list[np.ndarray]:
+    """The packed host vector's scalars, one array each, in their dtypes and shapes (``parts``:
+    ``scalar_parts_of``'s)."""
+    return [packed[a:b].astype(kind).reshape(shape) for a, b, kind, shape in parts]
+
+
 def stacked(replicas: Mesh) -> NamedSharding:
     """How the replicas' values travel: stacked along the replica axis, one block per device."""
     return NamedSharding(replicas, PartitionSpec(REPLICA_AXIS))
@@ -133,12 +139,12 @@ class Executable:
         if where is not None and not where.is_fully_addressable:
             # on a pod JAX's device_put checks that every host has the same values, a
             # collective per upload: there the call takes them as they are
-            return [packed[a:b].astype(kind).reshape(shape) for a, b, kind, shape in parts]
+            return unpacked(packed, parts)
         key = (packed.tobytes(), parts, where)
         cache = self.scalars_on_device
         inputs = cache.pop(key, None)
         if inputs is None:
-            values = [packed[a:b].astype(kind).reshape(shape) for a, b, kind, shape in parts]
+            values = unpacked(packed, parts)
             counters.bump("DeviceDataCacheMiss")
             with counters.timed("TransferToDeviceTime"):
                 inputs = list(_uploader(tuple((v.dtype, v.shape) for v in values), where)(*values))

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from spmd_torch._lazy import compile as _compile
@@ -58,8 +57,7 @@ class LoweringContext:
         if current().mode.packs_scalars:
             self._scalars = [values] if len(values) else []
         else:
-            parts = _compile.scalar_parts_of(program)
-            self._scalars = [values[a:b].astype(kind).reshape(shape) for a, b, kind, shape in parts]
+            self._scalars = _compile.unpacked(values, _compile.scalar_parts_of(program))
 
     def hlo(self) -> bytes:
         """The serialized ``HloModuleProto``."""
@@ -83,7 +81,7 @@ class LoweringContext:
         mapping = {k: wrap(leaf, leaf[0].avals[leaf[1]]) for k, leaf in enumerate(self._leaves)}
         device = current().mode.use_device(None)
         for value in self._scalars:
-            mapping[len(mapping)] = torch.from_numpy(np.asarray(value)).to(device)
+            mapping[len(mapping)] = torch.from_numpy(value).to(device)
         return mapping
 
     def tensor_parameter_id(self, tensor: torch.Tensor) -> int:

@@ -230,8 +230,8 @@ def test_a_device_learning_rate_written_with_fill_compiles_once():
 
 def test_a_static_nan_does_not_recompile():
     """NaN != NaN, and a NaN's hash is its object's id: a step writing ``float('nan')`` where an
-    op keeps its number static (``where``'s other value, ``pad``'s fill) compiled again at every
-    step, each NaN a new key."""
+    op keeps its number in the program (``pad``'s fill) compiled again at every step, each NaN a
+    new key; ``where``'s, a program input, beside it."""
     mask, x = torch.tensor([True, False], device=dev), torch.tensor([1.0, 2.0], device=dev)
     spmd_torch.sync()
     with assert_compiles(1):
