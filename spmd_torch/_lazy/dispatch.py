@@ -29,9 +29,11 @@ from .graph import Aval, Node, Value
 from .lowering import LOWERINGS, amp, ctc, factories, optim
 from .lowering.foreach import element_overload, element_packet
 from .record import (
+    LIFTED_INTS,
     NESTED,
     TENSOR,
     DeviceMismatchError,
+    Lifted,
     NoStaticShape,
     emit,
     emit_value,
@@ -186,6 +188,12 @@ def _lowered_handler(func) -> Callable | None:
     lowering = LOWERINGS.get(func)
     if lowering is None:
         return None
+    handler = _recorder(func, lowering)
+    position = _LIFTED_AT.get(func)
+    return handler if position is None else partial(_lifting, position, handler)
+
+
+def _recorder(func, lowering) -> Callable:
     if func is aten.as_strided.default:
         return _as_strided
     if func.is_view:
@@ -208,6 +216,30 @@ _LIFTED_UNTAGGED = frozenset(
     (aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar)
     + (aten.scalar_tensor.default, aten.fill.Scalar)
 )
+
+
+# Ops whose number at one argument position is a program input, where their other arguments
+# (a size, a dim, an index) shape the program: PyTorch/XLA makes these numbers device data, so
+# ``torch.full(size, value)``, ``index_fill`` or a dropout rate changing each step (a schedule)
+# compiles once (dropout's backward, tagged pointwise, lifts its scale already). A bool, a
+# complex or an int beyond 2**53 there stays in the program.
+_LIFTED_AT = {
+    aten.full.default: 1,
+    aten.full_like.default: 1,
+    aten.new_full.default: 2,
+    aten.index_fill.int_Scalar: 3,
+    aten.scatter.value: 3,
+    aten.scatter.value_reduce: 3,
+    aten.native_dropout.default: 1,
+}
+
+
+def _lifting(position: int, handler: Callable, func, args: tuple, kwargs: dict) -> Any:
+    value = args[position]
+    cls = type(value)
+    if cls is float or (cls is int and value in LIFTED_INTS):
+        args = (*args[:position], Lifted(value), *args[position + 1 :])
+    return handler(func, args, kwargs)
 
 
 def _lifts_ints(func) -> bool:

@@ -21,7 +21,7 @@ from spmd_torch import config
 
 from . import counters, manual, modes, placement, rng, stacks, transfer, views  # noqa: F401  (modes: the default mode)
 from .engine import current
-from .graph import DATA, Node, linearize
+from .graph import DATA, Arg, Node, linearize
 from .lowering import factories
 from .record import user_frame
 from .run import unfinished_output
@@ -120,7 +120,7 @@ def _constants_first(engine, program, local: set) -> bool:
         storage, node = weak_storage(), weak_node()
         if storage is None or node is None or id(node) not in program.index or id(node) in local:
             continue
-        if node.is_leaf(index) or not all(source.is_leaf(i) for source, i in node.src):
+        if node.is_leaf(index) or not all(source.is_known(i) for source, i in node.src):
             continue
         layout = placement.output_sharding(storage, node.avals[index])
         written_since = storage.ref[0] is not node
@@ -130,6 +130,8 @@ def _constants_first(engine, program, local: set) -> bool:
             # program writes it back as the next step's does.
             layout = layout or engine.mode.replicated
         value = factories.constant_value(node.op, node.args)
+        if type(value) is Arg:  # a lifted fill value (dispatch._LIFTED_AT): its scalar's number
+            value = node.src[value.index][0].args[0]
         node.keep(index, transfer.constant(node.avals[index], value, layout or landing))
         node.become_data()
         if written_since:

@@ -105,6 +105,10 @@ class Node:
     def is_leaf(self, index: int) -> bool:
         return self.arrays is not None and self.arrays[index] is not None
 
+    def is_known(self, index: int) -> bool:
+        """Whether its value is there before any program runs: data, or a lifted number."""
+        return self.op == SCALAR or self.is_leaf(index)
+
     def keep(self, index: int, array: Any) -> None:
         """Leave a computed value on the node: references to it read it from there."""
         if self.arrays is None:

@@ -54,6 +54,17 @@ class DeviceMismatchError(RuntimeError):
     pass
 
 
+class Lifted:
+    """A Python number that an op not tagged pointwise takes as a program input (the fill value
+    of ``full``, dropout's p: ``dispatch._LIFTED_AT``), so a new value each step is one program;
+    its meta kernel sees the number itself."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: float | int):
+        self.value = value
+
+
 class NoStaticShape(Exception):
     """The op's output shape depends on data (boolean masks, nonzero): it cannot be traced."""
 
@@ -186,7 +197,7 @@ class Where:
 
 
 _NANS: dict[bytes, float] = {}  # a static NaN's bits -> the one object standing for it
-_LIFTED_INTS = range(-(2**53), 2**53 + 1)  # exact in the float64 vector scalars travel in
+LIFTED_INTS = range(-(2**53), 2**53 + 1)  # exact in the float64 vector scalars travel in
 
 
 def _walk(x: Any, src: list, key: list, lift_floats: bool, lift_ints: bool = False) -> Any:
@@ -204,9 +215,13 @@ def _walk(x: Any, src: list, key: list, lift_floats: bool, lift_ints: bool = Fal
         src.append((Node.scalar(x), 0))
         key.append(float)
         return Arg(len(src) - 1)
-    if cls is int and lift_ints and x in _LIFTED_INTS:
+    if cls is int and lift_ints and x in LIFTED_INTS:
         src.append((Node.scalar(x), 0))
         key.append(int)
+        return Arg(len(src) - 1)
+    if cls is Lifted:
+        src.append((Node.scalar(x.value), 0))
+        key.append(type(x.value))
         return Arg(len(src) - 1)
     if cls is list or cls is tuple:
         if x and lift_floats and _lifted_as_one(x, lift_ints):  # a foreach op's Scalar[]
@@ -254,7 +269,7 @@ def _lifted_as_one(values, lift_ints: bool) -> bool:
     kind = type(values[0])
     if kind is float:
         return all(type(v) is float for v in values)
-    return kind is int and lift_ints and all(type(v) is int and v in _LIFTED_INTS for v in values)
+    return kind is int and lift_ints and all(type(v) is int and v in LIFTED_INTS for v in values)
 
 
 def _upload_cpu_tensor(t: torch.Tensor) -> LazyTensor:
@@ -316,6 +331,8 @@ def _to_meta(x: Any) -> Any:
         return torch.empty(x.shape, dtype=x.dtype, device=_META_DEVICE)
     if type(x) is Value:
         return torch.empty(x.aval.shape, dtype=x.aval.dtype, device=_META_DEVICE)
+    if type(x) is Lifted:
+        return x.value
     if isinstance(x, torch.device):
         return _META_DEVICE if x.type == DEVICE.type else x
     if isinstance(x, (list, tuple)):

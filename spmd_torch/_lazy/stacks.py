@@ -168,15 +168,15 @@ def holds_data(tensors: list) -> bool:
 
 def holds_constants(tensors: list) -> bool:
     """Whether each of ``tensors`` is a plain xla tensor whose value the step does not compute:
-    data, or a constant fill (``zeros``, ``full_like`` of a parameter) of data, nothing written
-    since. A stack of them can be computed before the step (``execute.compute_now``) as a stack
+    data, or a constant fill (``zeros``, ``full_like`` of a parameter) of data or numbers,
+    nothing written since. A stack of them can be computed before the step (``execute.compute_now``) as a stack
     of data is, so that the step's program is the one every later step runs."""
     for t in tensors:
         if type(t) is not LazyTensor or t._view is not None:
             return False
         node, index = t._storage.ref
         if not node.is_leaf(index) and not (
-            node.op in CONSTANT_FILLS and all(src.is_leaf(i) for src, i in node.src)
+            node.op in CONSTANT_FILLS and all(src.is_known(i) for src, i in node.src)
         ):
             return False
     return True

@@ -174,7 +174,8 @@ def test_int_scalars_stay_constants_where_the_lowering_builds_on_them():
 def test_a_static_numbers_type_is_part_of_the_program():
     """2 == 2.0 == True in Python, so a structure comparing static values by value ran the int64
     program of ``full(s, 16777217) // 1 - 16777216`` for its float32 twin, whose full rounds to
-    16777216 first (1 instead of 0); then the reason names the type."""
+    16777216 first (1 instead of 0). ``full`` lifts its number now (an int64 or a float64 input),
+    ``floor_divide`` keeps its own: for it, the reason names the type."""
     big = torch.tensor([16777217])
     cases = [
         lambda d: torch.full((1,), 16777217, device=d) // 1 - 16777216,
@@ -239,6 +240,90 @@ def test_a_static_nan_does_not_recompile():
             got = torch.where(mask, x, float("nan")) + F.pad(x, (0, 0), value=float("nan"))
             spmd_torch.sync()
     torch.testing.assert_close(got.cpu(), torch.tensor([2.0, float("nan")]), equal_nan=True)
+
+
+_NUMBERS = (0.5, -1.25, -0.0, 3, -7, 2**24 + 1, float("inf"), float("nan"))
+_INDEX = torch.tensor([[0], [2], [1]])
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda x, v: x * torch.full((3, 4), v, device=x.device),
+        lambda x, v: torch.full((3,), v, dtype=torch.int32, device=x.device) + 1,
+        lambda x, v: torch.full((2,), v, dtype=torch.bfloat16, device=x.device) * 2,
+        lambda x, v: x + torch.full_like(x, v),
+        lambda x, v: 1 / x.new_full((2, 4), v),
+        lambda x, v: 1 / x.index_fill(1, torch.tensor([0, 2], device=x.device), v),
+        lambda x, v: 1 / x.scatter(1, _INDEX.to(x.device), v),
+        lambda x, v: x.scatter(1, _INDEX.to(x.device), v, reduce="multiply"),
+    ],
+    ids="full full_int32 full_bf16 full_like new_full index_fill scatter scatter_multiply".split(),
+)
+def test_a_fill_number_is_a_program_input(make):
+    """``full`` and its kin, ``index_fill`` and ``scatter`` with a number take it as a program
+    input, as PyTorch/XLA makes it device data: a value that changes each step is one program
+    per type (int or float), not one per value. Each value equals eager's, to the sign of zero
+    and through the casts (an int past float32's precision, -0.0 into bfloat16)."""
+    x = torch.randn(3, 4)
+    xd = x.to(dev)
+    spmd_torch.sync()
+    with assert_compiles(2):  # one for the floats, one for the ints
+        for value in _NUMBERS:
+            try:
+                want = make(x, value)
+            except RuntimeError:  # eager refuses a number the dtype cannot hold (inf in int32)
+                continue
+            got = make(xd, value).cpu()
+            assert got.dtype == want.dtype
+            torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+            assert torch.equal(got.float().signbit(), want.float().signbit()), value
+
+
+def test_a_dropout_rate_schedule_compiles_once():
+    """Dropout's p, changing each step as a schedule changes it, is a program input: one
+    program, and each step keeps about 1-p of the elements, scaled by 1/(1-p), with the
+    gradient through the same mask."""
+    x = torch.rand(64, 64, device=dev) + 1
+    spmd_torch.sync()
+    with assert_compiles(1):
+        for p in (0.1, 0.5, 0.9):
+            w = x.clone().requires_grad_()
+            y = F.dropout(w, p, training=True)
+            y.sum().backward()
+            spmd_torch.sync()
+            kept, yc, xc = y.cpu() != 0, y.detach().cpu(), x.cpu()
+            assert abs(kept.float().mean().item() - (1 - p)) < 0.05, p
+            assert_close(yc[kept], xc[kept] / (1 - p))
+            assert_close(w.grad.cpu(), kept.float() / (1 - p))
+
+
+def test_a_lifted_fill_kept_as_state_is_made_on_the_host():
+    """Adagrad's ``full_like(p, initial_accumulator_value)`` state is made as data before the
+    first step's program (its number, a program input, is known there), so the first step
+    compiles the program every later step runs; the losses are eager's."""
+
+    def train(device, steps=3):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(5, 3).to(device)
+        opt = torch.optim.Adagrad(model.parameters(), lr=0.1, initial_accumulator_value=0.25)
+        data = torch.randn(4, 5).to(device)
+        losses = []
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = model(data).square().mean()
+            loss.backward()
+            opt.step()
+            if device != "cpu":
+                spmd_torch.sync()
+            losses.append(loss.item())
+        return losses
+
+    filled = met.counter_value("ConstantFilledOnHost") or 0
+    with assert_compiles(1):
+        got = train(dev)
+    assert met.counter_value("ConstantFilledOnHost") - filled == 2  # the weight's and bias' sums
+    assert_close(torch.tensor(got), torch.tensor(train("cpu")), tol="training")
 
 
 def test_same_step_traced_again_hits_the_cache():
