@@ -91,6 +91,7 @@ __all__ = [
     "_get_executed_fallback_ops",
     "_get_git_revs",
     "_get_buffer_donation",
+    "_get_tensors_handle",
     "_get_xla_sharding_spec",
     "_get_xla_sharding_specs",
     "_get_xla_sharding_type",
@@ -543,6 +544,32 @@ def _is_placecholder(t: torch.Tensor) -> bool:
     XLA's name, spelt as it spells it."""
     node = _data_of(_xla_tensor(t, "_is_placecholder"))
     return node is not None and getattr(node.arrays[0], "is_deleted", bool)()
+
+
+def _get_tensors_handle(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """A number per tensor naming the data it holds: equal for tensors holding the same device
+    data, distinct for different data (placeholders included) while they live. A pending value
+    or a view has none, nor does data a program took (``_set_buffer_donation``): RuntimeError.
+
+    Example:
+        >>> h1, h2 = _get_tensors_handle([t1, t2])
+    """
+    handles = []
+    for k, t in enumerate(tensors):
+        node = _data_of(_xla_tensor(t, "_get_tensors_handle"))
+        if node is None:
+            raise RuntimeError(
+                f"_get_tensors_handle: tensors[{k}] of shape {tuple(t.shape)} holds no device data "
+                "yet (a pending value or a view): sync first"
+            )
+        array = node.arrays[0]
+        if type(array) is not transfer.Placeholder and array.is_deleted():
+            raise RuntimeError(
+                f"_get_tensors_handle: the device buffer of tensors[{k}] (shape {tuple(t.shape)}) "
+                "is deleted: a program took it (_set_buffer_donation)"
+            )
+        handles.append(id(array))
+    return handles
 
 
 def _xla_set_enable_alias_with_buffer_donor_config(enabled: bool) -> None:

@@ -26,7 +26,7 @@ from .lowering import factories
 from .record import user_frame
 from .run import unfinished_output
 from .tensor import LazyTensor, live_pending
-from .transfer import to_torch
+from .transfer import PLACEHOLDERS, Placeholder, to_torch
 
 _COMPACT_PENDING_AT = 100_000
 
@@ -55,13 +55,15 @@ def _run(engine, owners: list, device: int, donate: bool, start: tuple) -> None:
     counters.record("LinearizeTime", time.perf_counter_ns() - start[0])
     counters.record("LinearizeCpuTime", time.thread_time_ns() - start[1])
     _check_may_run(engine)
-    local = manual.local_nodes(program)
-    if local:  # per-device shards stay pending until disable_manual_sharding
-        owners = [entry for entry in owners if id(entry[0][0]) not in local]
+    # per-device shards stay pending until disable_manual_sharding, values read from a
+    # placeholder's (its staged-out graph) for good
+    kept = manual.local_nodes(program) | _reading_placeholders(program)
+    if kept:
+        owners = [entry for entry in owners if id(entry[0][0]) not in kept]
         if not owners:
             return
         program = linearize([ref for ref, _ in owners], device)
-    if engine.born and _constants_first(engine, program, local):
+    if engine.born and _constants_first(engine, program, kept):
         owners = _still_computed(owners)
         if not owners:
             return
@@ -103,22 +105,45 @@ def _owners(engine) -> dict:
     return owners
 
 
-def _constants_first(engine, program, local: set) -> bool:
+def _refuse_placeholders(refs: list) -> None:
+    """A read that needs a placeholder tensor's value raises before anything runs."""
+    for node, index in linearize(refs).leaves:
+        if type(node.arrays[index]) is Placeholder:
+            raise RuntimeError(node.arrays[index].unreadable())
+
+
+def _reading_placeholders(program) -> set[int]:
+    """ids of ``program``'s nodes whose values depend on a placeholder tensor's, which no program
+    can read (xla_builder.create_placeholder_tensor)."""
+    if not PLACEHOLDERS:
+        return set()
+    reading: set[int] = set()
+    for node in program.nodes:
+        for source, i in node.src:
+            if id(source) in reading or (
+                source.arrays is not None and type(source.arrays[i]) is Placeholder
+            ):
+                reading.add(id(node))
+                break
+    return reading
+
+
+def _constants_first(engine, program, kept: set) -> bool:
     """Make first, as data, the constant fills that began a live storage's value since the last
     barrier and that ``program`` uses (AdamW's ``zeros_like`` moments, a fused step's counters);
     whether there were any. The step's program then reads that state as an input, as every
     later step's program does: the first step compiles the program the next steps run, where it
     used to compile one holding the fills and the second step another one. Each is made on the
     host and placed (``transfer.constant``), no program compiled for them. Fills of a pending
-    tensor's shape (``zeros_like`` of a value not yet computed) and fills inside an open manual
-    region (``local``: per-device shards) stay in the program."""
+    tensor's shape (``zeros_like`` of a value not yet computed) and the fills the barrier leaves
+    pending (``kept``: per-device shards inside an open manual region) stay in the program."""
     if not engine.mode.runs_side_programs:
         return False
     landing = engine.mode.landing_on(program.device)
     made = False
     for weak_storage, weak_node, index in engine.born:
         storage, node = weak_storage(), weak_node()
-        if storage is None or node is None or id(node) not in program.index or id(node) in local:
+        if storage is None or node is None or id(node) not in program.index or id(node) in kept:
             continue
         if node.is_leaf(index) or not all(source.is_known(i) for source, i in node.src):
             continue
@@ -227,6 +252,8 @@ def materialize_refs(refs: list, layouts: dict | None = None) -> list[jax.Array]
     missing = list({(id(n), i): (n, i) for n, i in refs if not n.is_leaf(i)}.values())
     if missing:
         _check_may_run(engine)
+        if PLACEHOLDERS:
+            _refuse_placeholders(missing)
         held = _held_on_the_way(missing)
         if held:
             missing += [storage.ref for storage in held]

@@ -203,6 +203,11 @@ def _place(array: jax.Array, aval: Aval, sharding: NamedSharding) -> jax.Array:
     """``array`` laid out with ``sharding``; through the host when the layout needs padding."""
     if type(array) is transfer.HostData:  # never uploaded: each device receives its shard only
         return transfer.upload(array.host, sharding)
+    if type(array) is transfer.Placeholder:
+        shape = padded_shape(aval.shape, sharding)
+        placed = transfer.Placeholder(shape, array.dtype, sharding, aval.shape)
+        transfer.PLACEHOLDERS.add(placed)
+        return placed
     if padded_shape(aval.shape, sharding) == array.shape:
         return jax.device_put(array, sharding)
     return jax.device_put(padded(crop(np.asarray(array), aval.shape), sharding), sharding)

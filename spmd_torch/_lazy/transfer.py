@@ -151,6 +151,38 @@ class HostData:
         return self.host
 
 
+class Placeholder:
+    """The data of a placeholder tensor (``xla_builder.create_placeholder_tensor``): a shape and a
+    dtype, no device buffer. Graphs are traced on it and lowered (their HLO staged out), never
+    run; like a donated buffer it reads as deleted (``_XLAC._is_placecholder``)."""
+
+    __slots__ = ("shape", "dtype", "sharding", "logical", "__weakref__")
+
+    def __init__(self, shape: tuple, dtype: np.dtype, sharding=None, logical: tuple = ()):
+        self.shape = shape  # as the device would hold it: padded to an uneven sharding's
+        self.dtype = dtype
+        self.sharding = sharding  # a mark_sharding's: the staged-out graph's input layout
+        self.logical = logical or shape
+
+    def is_deleted(self) -> bool:
+        return True
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        raise RuntimeError(self.unreadable())
+
+    def unreadable(self) -> str:
+        """Why no program can read it."""
+        return (
+            f"a placeholder tensor of shape {list(self.logical)} and dtype {self.dtype} holds no "
+            "data (xla_builder.create_placeholder_tensor): trace with it and read the graph's "
+            "HLO (_get_xla_tensors_hlo, LoweringContext), but no program can read its value"
+        )
+
+
+# The data of the live placeholder tensors: while any lives, a read checks that it needs none.
+PLACEHOLDERS: weakref.WeakSet = weakref.WeakSet()
+
+
 def fetch(array: jax.Array) -> np.ndarray:
     """The array's values on this host (waits for them); an array spanning other hosts' devices
     is gathered from them, so every host must read it, as in PyTorch/XLA."""

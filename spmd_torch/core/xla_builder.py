@@ -9,7 +9,8 @@ A built :class:`Computation` is a pure function of JAX arrays; called on xla ten
 (``xla_op_registry.Op``, :func:`xla_computation_as_func`) it becomes one node of the lazy graph,
 lowered inside the step's program like any aten op, and cached by its structure (an identical
 computation built again reuses the compiled program). :func:`call_jax` records a JAX function on
-xla tensors the same way.
+xla tensors the same way. :func:`create_placeholder_tensor` makes a tensor of a shape and dtype
+with no data, to trace a function on and stage out its HLO.
 
 What differs from PyTorch/XLA: shapes are static (``DynamicReshape``, ``SetDimensionSize`` raise
 NotImplementedError); ``Sort`` takes the ascending ``Lt(p0, p1)`` comparator, ``Scatter`` a
@@ -38,7 +39,8 @@ from spmd_torch._lazy.graph import Node as _GraphNode
 from spmd_torch._lazy.lowering import LOWERINGS, EngineOp, lowers
 from spmd_torch._lazy.lowering.dtypes import to_jax_dtype, to_torch_dtype
 from spmd_torch._lazy.lowering.xla_ops import JAX_DTYPES, OPS, jax_dtype
-from spmd_torch._lazy.tensor import LazyTensor, on_xla, wrap
+from spmd_torch._lazy.tensor import LazyTensor, on_xla, wrap, wrap_data
+from spmd_torch._lazy.transfer import PLACEHOLDERS, Placeholder
 from spmd_torch.debug import hlo_proto
 from spmd_torch.debug.graph import hlo_text, module_text
 
@@ -55,6 +57,7 @@ __all__ = [
     "call_jax",
     "create_builder",
     "create_computation",
+    "create_placeholder_tensor",
     "get_computation_hlo",
     "mkleaf",
     "mkop",
@@ -1126,6 +1129,22 @@ def tensor_shape(tensor: torch.Tensor | Sequence[torch.Tensor], device: str = ""
     if isinstance(tensor, (list, tuple)):
         return [tensor_shape(t) for t in tensor]
     return Shape.create(Op.from_torch_type(tensor.dtype), tuple(tensor.shape))
+
+
+def create_placeholder_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """An xla tensor of ``shape`` and ``dtype`` that holds no data and allocates nothing: a
+    function traced on it records a graph whose HLO can be staged out (``_get_xla_tensors_hlo``,
+    ``LoweringContext``, where it is a parameter), but reading it, or running a program that
+    reads it, raises. ``_XLAC._is_placecholder`` is True for it.
+
+    Example:
+        >>> p = create_placeholder_tensor((2, 3), torch.bfloat16)
+        >>> hlo = torch_xla._XLAC._get_xla_tensors_hlo([p.sin()])
+    """
+    aval = Aval(tuple(shape), dtype)
+    data = Placeholder(aval.shape, to_jax_dtype(dtype, "create_placeholder_tensor"))
+    PLACEHOLDERS.add(data)
+    return wrap_data(data, aval)
 
 
 def create_computation(name: str, fn: Callable, shapes: Sequence[Shape], **kwargs: Any):

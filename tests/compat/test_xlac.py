@@ -4,6 +4,7 @@ seed, the matmul precision, and the metric names PyTorch/XLA reads under other n
 
 from __future__ import annotations
 
+import re
 import threading
 import warnings
 
@@ -15,6 +16,7 @@ import torch
 import spmd_torch
 import spmd_torch._XLAC as xlac
 import spmd_torch.backends
+import spmd_torch.core.xla_builder as xb
 import spmd_torch.debug.graph as graph
 import spmd_torch.debug.metrics as met
 import spmd_torch.distributed.spmd as xs
@@ -543,6 +545,74 @@ def test_a_donation_outlives_syncs_with_nothing_to_run():
     spmd_torch.sync()
     spmd_torch.sync()
     assert xlac._get_buffer_donation(t0) and not xlac._is_placecholder(t0)
+
+
+# ---- placeholder tensors ----------------------------------------------------------------------
+
+
+def test_a_placeholder_tensor_is_traced_and_staged_out_never_read():
+    """``xla_builder.create_placeholder_tensor``: a shape and a dtype, no data, nothing uploaded.
+    A graph traced on placeholders lowers with each one a parameter (read twice, still one); a
+    read of one, or of a value computed from one, raises naming it; a barrier computes everything
+    else and leaves the values read from placeholders pending, their reads raising as before."""
+    met.clear_all()
+    shapes = ((1, 2), (2, 3, 4), (3, 4, 5, 6))
+    for shape, dtype in zip(shapes, (torch.float32, torch.bfloat16, torch.int8)):
+        p = xb.create_placeholder_tensor(shape, dtype)
+        assert p.device == dev and p.dtype == dtype and p.shape == shape
+        assert xlac._is_placecholder(p)
+    p1 = xb.create_placeholder_tensor((2, 3), torch.bfloat16)
+    p2 = xb.create_placeholder_tensor((3, 4), torch.bfloat16)
+    b = (torch.sin(p1) @ p2) @ p2.T
+    assert xlac._get_xla_tensors_text([b]).count("xla::device_data") == 2
+    entry = re.search(r"ENTRY .*\((.*)\) -> (\S+) \{", xlac._get_xla_tensors_hlo([b]))
+    assert re.findall(r": (\w+\[[\d,]*\])", entry[1]) == ["bf16[2,3]", "bf16[3,4]"]
+    assert entry[2] == "bf16[2,3]"
+    context = xlac.lowering.LoweringContext()
+    context.build([b])
+    assert (context.tensor_parameter_id(p1), context.tensor_parameter_id(p2)) == (0, 1)
+    assert not met.metric_data("TransferToDeviceTime")
+    for read in (p1.cpu, b.cpu):
+        with pytest.raises(RuntimeError, match=r"placeholder tensor of shape \[2, 3\] and dtype"):
+            read()
+    x = torch.arange(3.0, device=dev)
+    y = x * 2
+    spmd_torch.sync()
+    assert torch.equal(y.cpu(), torch.arange(3.0) * 2)
+    with pytest.raises(RuntimeError, match="holds no data"):
+        b.cpu()
+
+
+def test_a_marked_placeholder_stages_out_its_sharding(spmd_mode):
+    """Under SPMD a placeholder takes a ``mark_sharding`` as data does (uneven sizes padded), and
+    the staged-out graph reads it as a parameter in that layout; no program runs."""
+    p = xb.create_placeholder_tensor((6, 4), torch.float32)
+    xs.mark_sharding(p, xs.Mesh(np.arange(8), (8, 1)), (0, None))
+    assert xlac._get_xla_sharding_spec(p) == "{devices=[8,1]0,1,2,3,4,5,6,7}"
+    hlo = xlac._get_xla_tensors_hlo([p * 2])
+    assert re.search(r"parameter\(0\), sharding=\{devices=\[8,1\]0,1,2,3,4,5,6,7\}", hlo)
+    with pytest.raises(RuntimeError, match=r"placeholder tensor of shape \[6, 4\]"):
+        (p * 2).cpu()
+
+
+def test_tensor_handles_name_their_data():
+    """``_get_tensors_handle``: one number per tensor's data, equal for tensors sharing it,
+    distinct for placeholders; none for a pending value or a buffer a program took."""
+    t0, t1 = torch.randn(4, 3).to(dev), torch.randn(4, 3).to(dev)
+    spmd_torch.sync()
+    alias = t0.detach()
+    h0, h1, h_alias = xlac._get_tensors_handle([t0, t1, alias])
+    assert h0 != h1 and h0 == h_alias
+    p1, p2 = (xb.create_placeholder_tensor((1,), torch.bfloat16) for _ in range(2))
+    assert len(set(xlac._get_tensors_handle([p1, p2]))) == 2
+    with pytest.raises(RuntimeError, match="pending value"):
+        xlac._get_tensors_handle([t0 + 1])
+    assert xlac._set_buffer_donation(t0, True)
+    _ = t0 + t1
+    spmd_torch.sync(wait=True)
+    assert xlac._is_placecholder(t0)
+    with pytest.raises(RuntimeError, match="is deleted"):
+        xlac._get_tensors_handle([t0])
 
 
 @pytest.mark.parametrize("on_every_run", [False, True])
