@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import spmd_torch
 import spmd_torch.core.xla_model as xm
@@ -284,7 +285,7 @@ def test_spmd_inside_a_replica_is_refused():
 
 
 def _constant_differs(index):
-    x = torch.full((2,), float(index), device=xm.xla_device())  # a factory's fill is a constant
+    x = F.pad(torch.ones(2, device=xm.xla_device()), (0, 1), value=float(index))  # kept number
     xm.all_reduce(xm.REDUCE_SUM, [x])
     xm.mark_step()
 
@@ -295,7 +296,7 @@ def test_a_graph_that_differs_by_ordinal_names_the_first_difference():
         spmd_torch.launch(_constant_differs)
     message = str(raised.value)
     assert re.search(
-        r"^.*: replica 0's and replica 1's programs part at .*aten.full.default.*0\.0"
+        r"^.*: replica 0's and replica 1's programs part at .*aten.constant_pad_nd.default.*0\.0"
         r".*-> .*1\.0",
         message,
     ), message
@@ -307,8 +308,14 @@ def _scaled_by_ordinal(index):
     return xm.all_reduce(xm.REDUCE_SUM, x).cpu()
 
 
-def test_an_ordinal_scaled_tensor_before_a_collective_runs_as_one_program():
+def _filled_by_ordinal(index):
+    x = torch.full((2,), float(xm.get_ordinal()), device=xm.xla_device())  # a lifted fill
+    return xm.all_reduce(xm.REDUCE_SUM, x).cpu()
+
+
+@pytest.mark.parametrize("replica_step", [_scaled_by_ordinal, _filled_by_ordinal])
+def test_an_ordinal_scaled_tensor_before_a_collective_runs_as_one_program(replica_step):
     before = met.counter_value("UncachedCompile") or 0
-    results = spmd_torch.launch(_scaled_by_ordinal)
+    results = spmd_torch.launch(replica_step)
     assert all(torch.equal(r, torch.full((2,), 28.0)) for r in results.values())
     assert (met.counter_value("UncachedCompile") or 0) - before == 1
