@@ -10,7 +10,7 @@ of the step; a fused kernel keeps one float32 log-sum-exp per row instead (4 MB 
 Implementations: eager PyTorch on CUDA (its SDPA picks its own kernel), hand-written JAX twice
 (``jax``: cuDNN's fused attention; ``jax_plain``: XLA's plain attention, whose row says "out of
 memory" where the device runs out), spmd_torch lazy and with automatic capture (``spmd_capture``,
-opt-in), whose attention lowers to cuDNN's kernel on NVIDIA GPUs (docs/performance.md, "Attention
+opt-in), whose attention lowers to cuDNN's kernel on NVIDIA GPUs (docs/performance-log.md, "Attention
 as one op each way").
 Figures: ms/step, tokens/s, peak device memory, the loss before and after (it trains).
 

@@ -6,7 +6,7 @@ with ``--sample``, the main thread's stack sampled every millisecond.
     python -m tools.bench.pipeline_probe [--tiny] [--lazy] [--sample]
 
 Found with it (H200, torch 2.11, jax 0.11.2): one step in ten took 440-550 ms against ~40, a
-full collection walking ~780k objects; see docs/performance.md.
+full collection walking ~780k objects; see docs/performance-log.md, "The pipelined anomaly".
 """
 
 from __future__ import annotations

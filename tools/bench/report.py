@@ -338,7 +338,7 @@ W7GPU_TARGETS = (
     ("spmd_compile", "inductor", 1.0),
 )
 # Lazy GPT-2 small at 132f57f (the commit before issue 32) on an H100, pipelined tokens/s
-# (docs/performance.md, 2026-11-26): the lazy loop's target is twice it. Another machine's
+# (docs/performance-log.md, "On an NVIDIA H100"): the lazy loop's target is twice it. Another machine's
 # figure: side by side needs --against a 132f57f checkout.
 LAZY_BEFORE_H100 = 51_835
 
