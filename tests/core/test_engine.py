@@ -255,11 +255,16 @@ _INDEX = torch.tensor([[0], [2], [1]])
         lambda x, v: x + torch.full_like(x, v),
         lambda x, v: 1 / x.new_full((2, 4), v),
         lambda x, v: 1 / x.index_fill(1, torch.tensor([0, 2], device=x.device), v),
+        lambda x, v: x.int().index_fill(1, torch.tensor([0, 2], device=x.device), v),
         lambda x, v: 1 / x.scatter(1, _INDEX.to(x.device), v),
         lambda x, v: x.scatter(1, _INDEX.to(x.device), v, reduce="multiply"),
     ],
-    ids="full full_int32 full_bf16 full_like new_full index_fill scatter scatter_multiply".split(),
+    ids=(
+        "full full_int32 full_bf16 full_like new_full index_fill index_fill_int32 scatter "
+        "scatter_multiply"
+    ).split(),
 )
+@pytest.mark.filterwarnings("error::FutureWarning")  # JAX's scatter refusing to cast a number
 def test_a_fill_number_is_a_program_input(make):
     """``full`` and its kin, ``index_fill`` and ``scatter`` with a number take it as a program
     input, as PyTorch/XLA makes it device data: a value that changes each step is one program

@@ -420,7 +420,9 @@ def _put(x, index, source, accumulate=False):
 @lowers(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor)
 @_scalar_as_vector
 def _index_fill(x, dim, index, value):
-    return x.at[_at(x.ndim, dim, index)].set(value)
+    """The value cast to self's dtype first, as PyTorch does (2.7 fills an int tensor with 2):
+    a lifted number arrives as a float64 or int64 array, which JAX's scatter will not cast."""
+    return x.at[_at(x.ndim, dim, index)].set(jnp.asarray(value).astype(x.dtype))
 
 
 @lowers(aten.masked_scatter.default)
