@@ -17,6 +17,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 
+import pytest
 import torch
 import torch.utils._pytree as pytree
 
@@ -356,6 +357,28 @@ def matches_eager(
 
 
 # --- metrics -------------------------------------------------------------------------------------
+
+
+def lowered_for_nvidia_gpu(tensors: list, monkeypatch):
+    """The pending program that computes ``tensors``, lowered for CUDA as on an NVIDIA GPU, with
+    no GPU here: JAX's check of the cuDNN version is answered (9.3) and the attention lowering
+    is told the platform. JAX's real lowerings run, cuDNN's fused attention included."""
+    import jax
+
+    from spmd_torch._lazy import compile as compile_module
+    from spmd_torch._lazy import placement
+    from spmd_torch._lazy.lowering import attention
+    from spmd_torch.debug import graph
+
+    fused = pytest.importorskip("jax._src.cudnn.fused_attention_stablehlo")
+    monkeypatch.setattr(fused, "check_cudnn_version", lambda: 90300)
+    monkeypatch.setattr(attention, "_platform", lambda: "cuda")
+    program = graph.pending_program(tensors)
+    arrays = [placement.resolve(node, i) for node, i in program.leaves]
+    inputs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
+    function = compile_module.build_function(program, (False,) * len(arrays), packed=False)
+    traced = jax.jit(function).trace([], inputs, compile_module.scalar_avals(program))
+    return traced.lower(lowering_platforms=("cuda",))
 
 
 @contextlib.contextmanager

@@ -18,8 +18,16 @@ import spmd_torch.distributed.spmd as xs
 import spmd_torch.runtime as xr
 from spmd_torch._lazy import counters
 from spmd_torch._lazy.lowering import attention
+from spmd_torch._lazy.lowering.dtypes import to_jax_dtype
 from spmd_torch.debug import graph
-from tests.helpers import assert_close, assert_compiles, assert_matches_eager, to_cpu, tolerance
+from tests.helpers import (
+    assert_close,
+    assert_compiles,
+    assert_matches_eager,
+    lowered_for_nvidia_gpu,
+    to_cpu,
+    tolerance,
+)
 
 dev = spmd_torch.device()
 FUSED = "aten._scaled_dot_product_fused_attention_overrideable.default("
@@ -321,6 +329,36 @@ def test_fused_kernels_are_wired_as_the_op_expects(monkeypatch, kernel):
     )
     assert counters.COUNTERS.get(f"Attention::{kernel}", 0) > before
     assert counters.COUNTERS.get(f"AttentionBackward::{kernel}", 0) > 0
+
+
+@pytest.mark.parametrize(
+    "q_shape, kv_shape, dtype, causal",
+    [
+        ((2, 8, 256, 64), (2, 2, 256, 64), torch.bfloat16, True),  # GPT-style, grouped heads
+        ((1, 4, 128, 128), (1, 4, 192, 128), torch.float16, False),  # cross attention
+    ],
+)
+def test_a_step_lowers_to_cudnns_kernels_for_nvidia_gpus(
+    monkeypatch, q_shape, kv_shape, dtype, causal
+):
+    """The cuDNN path against JAX's real cuDNN API, with no GPU here: JAX's check of the cuDNN
+    version is answered for it, and a training step's pending program (attention forward and
+    backward) lowers for CUDA with cuDNN's fused forward and backward kernels; the lowered
+    program's outputs have the shapes and dtypes the op promises (the output, the gradients)."""
+    q, k, v = (t.to(dev).requires_grad_() for t in _qkv(q_shape, kv_shape, dtype))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    out.float().square().sum().backward()
+    wanted = [out, q.grad, k.grad, v.grad]
+    before = counters.COUNTERS.get("Attention::cudnn", 0)
+    lowered = lowered_for_nvidia_gpu(wanted, monkeypatch)
+    text = lowered.as_text()
+    assert "__cudnn$fmhaSoftmax(" in text and "__cudnn$fmhaSoftmaxBackward(" in text
+    assert counters.COUNTERS.get("Attention::cudnn", 0) > before
+    assert counters.COUNTERS.get("AttentionBackward::cudnn", 0) > 0
+    results = jax.tree.leaves(lowered.out_info)
+    assert [(r.shape, r.dtype) for r in results] == [
+        (tuple(t.shape), to_jax_dtype(t.dtype)) for t in wanted
+    ]
 
 
 # --- SPMD ----------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """tools/bench: W7cpu and Wattn end to end in their tiny forms (a parent run each, its children on
-the CPU), their report fields read back from BENCH_JSON, and the reports' n/a and skipped rows."""
+the CPU), their report fields read back from BENCH_JSON, and the reports' n/a and skipped rows;
+the GPU workloads' steps lowered for CUDA before a GPU runs them."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 
 import pytest
 
+from tests.helpers import lowered_for_nvidia_gpu
 from tools.bench import attention, gpu, harness, report
 
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -211,3 +213,34 @@ def test_wlong_tiny_trains_under_autocast(tmp_path):
         assert entry[impl]["loss_last"] < entry[impl]["loss_first"], impl
         assert entry[impl]["tokens_per_step"] == 2 * 128
     assert "spmd_torch trains (loss falls): met; plain attention: fits" in out
+
+
+@pytest.mark.parametrize("workload", ["W7gpu", "Wlong"])
+def test_the_gpu_workloads_steps_lower_for_cuda(monkeypatch, workload):
+    """What ``gpu_run.sh`` runs first on a lent GPU, checked without one: a lazy training step of
+    W7gpu's GPT-2 and of Wlong's Llama (their model code at tiny widths, bf16 autocast, AdamW)
+    lowers for CUDA through JAX's real lowerings, each layer's attention to cuDNN's fused kernel
+    forward and backward (Wlong's with grouped key/value heads)."""
+    import torch
+
+    import spmd_torch
+    import spmd_torch.amp as amp
+    from tools.bench import llama, long, models
+
+    if workload == "W7gpu":
+        cfg, model, data = gpu.GPT2_TINY, gpu.new_gpt2(gpu.GPT2_TINY), gpu.gpt2_data(gpu.GPT2_TINY)
+    else:
+        cfg = long.LONG_TINY
+        model, data = long.new_model(cfg), llama.llama_data(cfg)
+    dev = spmd_torch.device()
+    model.to(dev)
+    batch = [torch.from_numpy(a).to(dev) for a in data]
+    opt = models.new_adamw(model)
+    spmd_torch.sync()
+    with amp.autocast(dev, dtype=torch.bfloat16):
+        loss = models.gpt_loss(model, *batch)
+    loss.backward()
+    opt.step()
+    text = lowered_for_nvidia_gpu([loss, *model.parameters()], monkeypatch).as_text()
+    assert text.count("__cudnn$fmhaSoftmaxBackward(") == cfg.layers
+    assert text.count("__cudnn$fmhaSoftmax(") >= cfg.layers
