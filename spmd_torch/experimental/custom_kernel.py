@@ -4,9 +4,10 @@ PyTorch/XLA runs a Pallas TPU kernel here. This one is the fused op that
 ``F.scaled_dot_product_attention`` becomes (``_scaled_dot_product_fused_attention_overrideable``,
 one node forward and one backward), lowered per platform as that is (``lowering/attention.py``):
 the Pallas flash kernel on TPU where no bias is needed, elsewhere blockwise attention, whose memory
-grows linearly with the sequence. It computes in float32, as the kernel does, so an NVIDIA GPU runs
-the blockwise form rather than cuDNN's half-precision kernel. Segment ids and ``ab`` enter as a bias
-(``[batch, 1 or heads, q_seq_len, kv_seq_len]``), held whole; causal masking alone needs none.
+grows linearly with the sequence. Half-precision inputs without a bias reach cuDNN's kernel on an
+NVIDIA GPU (products accumulated in float32, as the TPU kernel does); with one, or in float32, the
+attention computes in float32. Segment ids and ``ab`` enter as a bias (``[batch, 1 or heads,
+q_seq_len, kv_seq_len]``), held whole; causal masking alone needs none.
 
 The grouped matmuls of mixture-of-experts layers (``gmm``, ``tgmm``, ``gmm_backward`` and the
 autograd Function ``GMM``) are ``jax.lax.ragged_dot`` and ``ragged_dot_general`` over the rows of
@@ -40,6 +41,7 @@ __all__ = [
 
 DEFAULT_MASK_VALUE = -0.7 * float(torch.finfo(torch.float32).max)
 """What the kernel adds to a masked score: finite, so a row with every key masked stays finite."""
+_HALF = (torch.bfloat16, torch.float16)
 
 
 def flash_attention(
@@ -60,9 +62,11 @@ def flash_attention(
     Scripts written for TPU (Llama, FSDPv2 recipes) call this kernel; here it is the engine's
     fused attention, one node each way on every backend, with gradients for ``q``, ``k``, ``v``
     and ``ab``. Its memory grows linearly with the sequence, as the kernel's does (a bias of
-    segment ids or ``ab`` is held whole). The scores, softmax and products are computed in
-    float32 (float64 for float64 inputs) and the result is cast to ``q``'s dtype, as the kernel
-    accumulates.
+    segment ids or ``ab`` is held whole). Products accumulate and the softmax runs in float32
+    (float64 for float64 inputs), as in the kernel, and the result has ``q``'s dtype. bfloat16 or
+    float16 inputs without segment ids or ``ab`` enter the fused op as they are, which runs cuDNN's
+    kernel on an NVIDIA GPU; ``sm_scale`` is then a constant of the program (a new value compiles
+    anew), where otherwise it is a program input.
 
     A masked score gets :data:`DEFAULT_MASK_VALUE` added, as in the kernel: a query whose every
     key is masked (segment ids, with ``causal`` or not) attends to all keys evenly, i.e. its output
@@ -137,15 +141,23 @@ def _attention(
     sm_scale: float,
     ab: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The kernel's arithmetic as the fused attention op: ``(q k^T + ab) * sm_scale + mask`` is
-    ``(q * sm_scale) k^T + bias``, in float32 or wider. ``sm_scale`` scales ``q`` (a program input,
-    not a constant of the program); a bias holds ``ab`` and the segment mask, the causal mask too
-    when a query may lose every key (its row then averages them all, as the kernel's does)."""
+    """The kernel's arithmetic as the fused attention op. Half-precision inputs without a bias
+    go in as they are, ``sm_scale`` as the op's scale (a constant of the program), so that an
+    NVIDIA GPU runs cuDNN's kernel: its products accumulate in float32 as the TPU kernel's do.
+    Otherwise ``(q k^T + ab) * sm_scale + mask`` is ``(q * sm_scale) k^T + bias`` in float32 or
+    wider, ``sm_scale`` a program input; a bias holds ``ab`` and the segment mask, the causal mask
+    too when a query may lose every key (its row then averages them all, as the kernel's does)."""
+    heads, q_len, kv_len = q.shape[-3], q.shape[-2], k.shape[-2]
+    visible = _visible(q, k, causal and q_segment_ids is not None, q_segment_ids, kv_segment_ids)
+    if ab is None and visible is None and q.dtype in _HALF and q.dtype == k.dtype == v.dtype:
+        flat = [t.reshape(-1, heads, t.shape[-2], t.shape[-1]) for t in (q, k, v)]
+        out = torch.ops.aten._scaled_dot_product_fused_attention_overrideable(
+            *flat, None, 0.0, causal, scale=sm_scale
+        )[0]
+        return out.reshape(q.shape)
     wide = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     wide = torch.promote_types(wide, torch.float32)
-    heads, q_len, kv_len = q.shape[-3], q.shape[-2], k.shape[-2]
     bias = None if ab is None else ab.to(wide) * sm_scale
-    visible = _visible(q, k, causal and q_segment_ids is not None, q_segment_ids, kv_segment_ids)
     if visible is not None:
         mask = torch.where(visible, 0.0, DEFAULT_MASK_VALUE).to(wide)
         bias = mask if bias is None else bias + mask

@@ -11,8 +11,16 @@ import spmd_torch
 import spmd_torch.distributed.spmd as xs
 import spmd_torch.runtime as xr
 from spmd_torch._lazy import counters
+from spmd_torch.debug import graph
 from spmd_torch.experimental.custom_kernel import DEFAULT_MASK_VALUE, flash_attention
-from tests.helpers import assert_close, assert_compiles, reference, to_cpu, tolerance
+from tests.helpers import (
+    assert_close,
+    assert_compiles,
+    lowered_for_nvidia_gpu,
+    reference,
+    to_cpu,
+    tolerance,
+)
 
 dev = spmd_torch.device()
 
@@ -159,6 +167,38 @@ def test_bfloat16_output_is_the_float64_result_rounded_once():
         lambda *args: attention_float64(*args).to(q.dtype), q, k, v, True, ids, ids, 0.5
     )
     assert_close(out, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_without_a_bias_enters_the_fused_op_as_it_is(dtype):
+    """bfloat16/float16 q, k, v with no segment ids or ``ab`` reach the fused op in their dtype,
+    ``sm_scale`` as its scale (what cuDNN's kernel takes on a GPU): the output and gradients
+    are the float64 attention's within the dtype's tolerance, and the op reads no float32 copy."""
+    q, k, v = (t.to(dtype) for t in _qkv(shape=(2, 4, 32, 16)))
+    leaves = [t.to(dev).requires_grad_() for t in (q, k, v)]
+    out = flash_attention(*leaves, causal=True, sm_scale=0.3)
+    text = graph.pending_text([out])
+    call = next(line for line in text.splitlines() if "fused_attention_overrideable" in line)
+    half = {torch.bfloat16: "bf16", torch.float16: "f16"}[dtype]
+    assert call.startswith("%") and f":{half}[2,4,32,16]" in call and "scale=0.3" in call
+    cotangent = _randn(*q.shape, seed=9)
+    grads = torch.autograd.grad(out, leaves, cotangent.to(dev, dtype))
+    leaves64 = [t.double().requires_grad_() for t in (q, k, v)]
+    expected = attention_float64(*leaves64, causal=True, sm_scale=0.3)
+    grads64 = torch.autograd.grad(expected, leaves64, cotangent.double())
+    assert out.dtype == dtype
+    assert_close(out, expected.to(dtype), **tolerance(dtype))
+    assert_close(list(grads), [g.to(dtype) for g in grads64], tol="attention", kind="grad")
+
+
+def test_half_precision_flash_attention_lowers_to_cudnn_for_nvidia_gpus(monkeypatch):
+    """PyTorch/XLA scripts that call the TPU kernel get cuDNN's on an NVIDIA GPU: checked by
+    lowering for CUDA without one (``lowered_for_nvidia_gpu``)."""
+    q, k, v = (t.to(torch.bfloat16).to(dev).requires_grad_() for t in _qkv((1, 4, 96, 32)))
+    out = flash_attention(q, k, v, causal=True, sm_scale=32**-0.5)
+    out.float().sum().backward()
+    text = lowered_for_nvidia_gpu([out, q.grad, k.grad, v.grad], monkeypatch).as_text()
+    assert "__cudnn$fmhaSoftmax(" in text and "__cudnn$fmhaSoftmaxBackward(" in text
 
 
 def test_a_new_sm_scale_reuses_the_compiled_program():
