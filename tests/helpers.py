@@ -362,10 +362,11 @@ def matches_eager(
 # --- metrics -------------------------------------------------------------------------------------
 
 
-def lowered_for_nvidia_gpu(tensors: list, monkeypatch):
-    """The pending program that computes ``tensors``, lowered for CUDA as on an NVIDIA GPU, with
-    no GPU here: JAX's check of the cuDNN version is answered (9.3) and the attention lowering
-    is told the platform. JAX's real lowerings run, cuDNN's fused attention included."""
+def lowered_as_on(platform: str, tensors: list, monkeypatch):
+    """The pending program that computes ``tensors``, lowered for ``platform`` (``'cuda'``: an
+    NVIDIA GPU, ``'tpu'``) with no such device here, through JAX's real lowerings: cuDNN's fused
+    attention (JAX's check of the cuDNN version answered: 9.3) and the Pallas TPU kernels. The
+    attention lowering is told the platform."""
     import jax
 
     from spmd_torch._lazy import compile as compile_module
@@ -373,15 +374,16 @@ def lowered_for_nvidia_gpu(tensors: list, monkeypatch):
     from spmd_torch._lazy.lowering import attention
     from spmd_torch.debug import graph
 
-    fused = pytest.importorskip("jax._src.cudnn.fused_attention_stablehlo")
-    monkeypatch.setattr(fused, "check_cudnn_version", lambda: 90300)
-    monkeypatch.setattr(attention, "_platform", lambda: "cuda")
+    if platform == "cuda":
+        fused = pytest.importorskip("jax._src.cudnn.fused_attention_stablehlo")
+        monkeypatch.setattr(fused, "check_cudnn_version", lambda: 90300)
+    monkeypatch.setattr(attention, "_platform", lambda: platform)
     program = graph.pending_program(tensors)
     arrays = [placement.resolve(node, i) for node, i in program.leaves]
     inputs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
     function = compile_module.build_function(program, (False,) * len(arrays), packed=False)
     traced = jax.jit(function).trace([], inputs, compile_module.scalar_avals(program))
-    return traced.lower(lowering_platforms=("cuda",))
+    return traced.lower(lowering_platforms=(platform,))
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ from spmd_torch.experimental.custom_kernel import DEFAULT_MASK_VALUE, flash_atte
 from tests.helpers import (
     assert_close,
     assert_compiles,
-    lowered_for_nvidia_gpu,
+    lowered_as_on,
     reference,
     to_cpu,
     tolerance,
@@ -193,11 +193,11 @@ def test_half_precision_without_a_bias_enters_the_fused_op_as_it_is(dtype):
 
 def test_half_precision_flash_attention_lowers_to_cudnn_for_nvidia_gpus(monkeypatch):
     """PyTorch/XLA scripts that call the TPU kernel get cuDNN's on an NVIDIA GPU: checked by
-    lowering for CUDA without one (``lowered_for_nvidia_gpu``)."""
+    lowering for CUDA without one (``lowered_as_on``)."""
     q, k, v = (t.to(torch.bfloat16).to(dev).requires_grad_() for t in _qkv((1, 4, 96, 32)))
     out = flash_attention(q, k, v, causal=True, sm_scale=32**-0.5)
     out.float().sum().backward()
-    text = lowered_for_nvidia_gpu([out, q.grad, k.grad, v.grad], monkeypatch).as_text()
+    text = lowered_as_on("cuda", [out, q.grad, k.grad, v.grad], monkeypatch).as_text()
     assert "__cudnn$fmhaSoftmax(" in text and "__cudnn$fmhaSoftmaxBackward(" in text
 
 

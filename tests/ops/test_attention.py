@@ -24,7 +24,7 @@ from tests.helpers import (
     assert_close,
     assert_compiles,
     assert_matches_eager,
-    lowered_for_nvidia_gpu,
+    lowered_as_on,
     to_cpu,
     tolerance,
 )
@@ -350,11 +350,30 @@ def test_a_step_lowers_to_cudnns_kernels_for_nvidia_gpus(
     out.float().square().sum().backward()
     wanted = [out, q.grad, k.grad, v.grad]
     before = counters.COUNTERS.get("Attention::cudnn", 0)
-    lowered = lowered_for_nvidia_gpu(wanted, monkeypatch)
+    lowered = lowered_as_on("cuda", wanted, monkeypatch)
     text = lowered.as_text()
     assert "__cudnn$fmhaSoftmax(" in text and "__cudnn$fmhaSoftmaxBackward(" in text
     assert counters.COUNTERS.get("Attention::cudnn", 0) > before
     assert counters.COUNTERS.get("AttentionBackward::cudnn", 0) > 0
+    results = jax.tree.leaves(lowered.out_info)
+    assert [(r.shape, r.dtype) for r in results] == [
+        (tuple(t.shape), to_jax_dtype(t.dtype)) for t in wanted
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_step_lowers_to_the_pallas_kernel_for_tpus(monkeypatch, dtype):
+    """The TPU path against JAX's real Pallas flash kernel, with no TPU here: a training step's
+    causal attention over grouped heads (repeated for the kernel) lowers for TPU to the kernel's
+    Mosaic calls forward and backward, the outputs shaped and typed as the op promises."""
+    q, k, v = (t.to(dev).requires_grad_() for t in _qkv((1, 4, 256, 64), (1, 2, 256, 64), dtype))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    out.float().square().sum().backward()
+    wanted = [out, q.grad, k.grad, v.grad]
+    before = counters.COUNTERS.get("Attention::pallas", 0)
+    lowered = lowered_as_on("tpu", wanted, monkeypatch)
+    assert lowered.as_text().count("tpu_custom_call") >= 2  # the forward and the backward's
+    assert counters.COUNTERS.get("Attention::pallas", 0) > before
     results = jax.tree.leaves(lowered.out_info)
     assert [(r.shape, r.dtype) for r in results] == [
         (tuple(t.shape), to_jax_dtype(t.dtype)) for t in wanted

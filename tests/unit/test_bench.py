@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.helpers import lowered_for_nvidia_gpu
+from tests.helpers import lowered_as_on
 from tools.bench import attention, gpu, harness, report
 
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -241,6 +241,6 @@ def test_the_gpu_workloads_steps_lower_for_cuda(monkeypatch, workload):
         loss = models.gpt_loss(model, *batch)
     loss.backward()
     opt.step()
-    text = lowered_for_nvidia_gpu([loss, *model.parameters()], monkeypatch).as_text()
+    text = lowered_as_on("cuda", [loss, *model.parameters()], monkeypatch).as_text()
     assert text.count("__cudnn$fmhaSoftmaxBackward(") == cfg.layers
     assert text.count("__cudnn$fmhaSoftmax(") >= cfg.layers

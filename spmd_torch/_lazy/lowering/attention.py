@@ -27,6 +27,7 @@ draw the same masks again. Each lowering bumps ``Attention::<impl>`` (forward) o
 
 from __future__ import annotations
 
+import contextlib
 import math
 from functools import partial
 
@@ -379,7 +380,15 @@ def _pallas(q, k, v, causal: bool, scale: float):
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
-    return _pallas_flash()(q, k, v, causal=causal, sm_scale=scale)
+    with _kernel_types("pallas"):
+        return _pallas_flash()(q, k, v, causal=causal, sm_scale=scale)
+
+
+def _kernel_types(impl: str):
+    """Where a fused kernel is traced, and differentiated: JAX's Pallas kernels are written for
+    32-bit types, and under spmd_torch's ``jax_enable_x64`` their grid indices become int64 and
+    they fail to trace (the TPU flash kernel's ``lax.select`` of an index and a literal 0)."""
+    return jax.enable_x64(False) if impl == "pallas" else contextlib.nullcontext()
 
 
 def _kernel(impl: str, causal: bool, scale: float):
@@ -464,8 +473,9 @@ def _attention_backward(
     counters.bump(f"AttentionBackward::{impl}")
     scale = _scale(q, scale)
     if impl in ("cudnn", "pallas"):
-        primal, pullback = jax.vjp(_kernel(impl, is_causal, scale), q, k, v)
-        return *pullback(grad.astype(primal.dtype)), None
+        with _kernel_types(impl):
+            primal, pullback = jax.vjp(_kernel(impl, is_causal, scale), q, k, v)
+            return *pullback(grad.astype(primal.dtype)), None
     key = wrap_key(lax.bitcast_convert_type(philox_seed, jnp.uint32))
     dq, dk, dv, dbias = _traced_backward(
         grad,
