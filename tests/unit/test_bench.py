@@ -215,12 +215,14 @@ def test_wlong_tiny_trains_under_autocast(tmp_path):
     assert "spmd_torch trains (loss falls): met; plain attention: fits" in out
 
 
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
 @pytest.mark.parametrize("workload", ["W7gpu", "Wlong"])
-def test_the_gpu_workloads_steps_lower_for_cuda(monkeypatch, workload):
+def test_the_gpu_workloads_steps_lower_for_gpus_and_tpus(monkeypatch, workload, platform):
     """What ``gpu_run.sh`` runs first on a lent GPU, checked without one: a lazy training step of
     W7gpu's GPT-2 and of Wlong's Llama (their model code at tiny widths, bf16 autocast, AdamW)
-    lowers for CUDA through JAX's real lowerings, each layer's attention to cuDNN's fused kernel
-    forward and backward (Wlong's with grouped key/value heads)."""
+    lowers for CUDA and for TPU through JAX's real lowerings. On CUDA each layer's attention is
+    cuDNN's fused kernel forward and backward (Wlong's with grouped key/value heads); on TPU
+    Wlong's (seq 128) is the Pallas flash kernel."""
     import torch
 
     import spmd_torch
@@ -241,6 +243,9 @@ def test_the_gpu_workloads_steps_lower_for_cuda(monkeypatch, workload):
         loss = models.gpt_loss(model, *batch)
     loss.backward()
     opt.step()
-    text = lowered_as_on("cuda", [loss, *model.parameters()], monkeypatch).as_text()
-    assert text.count("__cudnn$fmhaSoftmaxBackward(") == cfg.layers
-    assert text.count("__cudnn$fmhaSoftmax(") >= cfg.layers
+    text = lowered_as_on(platform, [loss, *model.parameters()], monkeypatch).as_text()
+    if platform == "cuda":
+        assert text.count("__cudnn$fmhaSoftmaxBackward(") == cfg.layers
+        assert text.count("__cudnn$fmhaSoftmax(") >= cfg.layers
+    elif workload == "Wlong":
+        assert text.count("tpu_custom_call") >= 2 * cfg.layers
