@@ -253,6 +253,53 @@ def test_sharded_attention_takes_the_global_mesh():
     xr.reset()
 
 
+def test_a_partition_spec_runs_the_kernel_on_each_devices_shards(monkeypatch):
+    """As PyTorch/XLA runs its kernel under a ``partition_spec``: the fused op works on each
+    device's batch and heads inside a manual region each way, so on a TPU the Pallas kernel (which
+    the partitioner cannot split) never sees gathered inputs. Checked by lowering for TPU: every
+    kernel call is on (2, 2, 128, 64) shards of the (8, 4, 128, 64) inputs. The values and
+    gradients are the float64 attention's."""
+    xr.use_spmd()
+    try:
+        mesh = xs.Mesh(np.arange(8), (4, 2), ("fsdp", "tensor"))
+        q, k, v = (t.to(torch.bfloat16) for t in _qkv((8, 4, 128, 64)))
+        leaves = [t.to(dev).requires_grad_() for t in (q, k, v)]
+        spec = ("fsdp", "tensor", None, None)
+        out = flash_attention(*leaves, causal=True, sm_scale=0.125, partition_spec=spec, mesh=mesh)
+        cotangent = _randn(*q.shape, seed=9).to(torch.bfloat16)
+        grads = torch.autograd.grad(out, leaves, cotangent.to(dev))
+        text = lowered_as_on("tpu", [out, *grads], monkeypatch).as_text()
+        calls = [line for line in text.splitlines() if "@tpu_custom_call(" in line]
+        assert len(calls) >= 2 and all("tensor<8x4x128x64" not in line for line in calls)
+        assert all("tensor<2x2x128x64xbf16>" in line for line in calls)
+        monkeypatch.undo()  # lowered for this host again
+        leaves64 = [t.double().requires_grad_() for t in (q, k, v)]
+        expected = attention_float64(*leaves64, causal=True, sm_scale=0.125)
+        grads64 = torch.autograd.grad(expected, leaves64, cotangent.double())
+        assert_close(out, expected.to(torch.bfloat16), **tolerance(torch.bfloat16))
+        assert_close(
+            list(grads), [g.to(torch.bfloat16) for g in grads64], tol="attention", kind="grad"
+        )
+    finally:
+        xr.reset()
+
+
+def test_an_uneven_partition_spec_is_left_to_the_partitioner():
+    """A batch the mesh axis does not divide cannot be split into even shards: the attention is
+    the partitioner's, with the same values."""
+    xr.use_spmd()
+    try:
+        mesh = xs.Mesh(np.arange(8), (8,), ("data",))
+        q, k, v = _qkv((6, 2, 16, 4))
+        out = flash_attention(
+            *(t.to(dev) for t in (q, k, v)), partition_spec=("data", None, None, None), mesh=mesh
+        )
+        assert "full_to_shard" not in graph.pending_text([out])
+        assert_close(out, attention_float64(q, k, v).float())
+    finally:
+        xr.reset()
+
+
 def test_forward_and_backward_are_one_program_without_cpu_fallback():
     q, k, v = (t.to(dev).requires_grad_() for t in _qkv())
     ids = _padding_ids(2, 16, [5, 16]).to(dev)
