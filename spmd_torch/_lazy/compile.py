@@ -37,7 +37,7 @@ from . import counters, manual
 from .engine import current
 from .graph import STRUCTURES, Program, substitute
 from .layout import crop, padded
-from .lowering import LOWERINGS
+from .lowering import LOWERINGS, attention
 from .lowering.collectives import REPLICA_AXIS
 from .lowering.dtypes import to_jax_dtype
 from .lowering.random import wrap_key
@@ -238,8 +238,14 @@ def build_function(
     outputs = program.located
 
     parts = scalar_parts_of(program)
+    replicated = current().mode.replicated
+    split = replicated is not None and replicated.num_devices > 1  # by XLA's partitioner
 
     def run(donated_inputs, kept_inputs, scalar_inputs):
+        with attention.partitioned(split):
+            return interpreted(donated_inputs, kept_inputs, scalar_inputs)
+
+    def interpreted(donated_inputs, kept_inputs, scalar_inputs):
         groups = (kept_inputs, donated_inputs)
         if packed:
             scalar_inputs = [
@@ -324,8 +330,9 @@ def _region_step(program: Program, region: manual.Region) -> _Step:
     shards = [program.wiring(program.nodes[k])[0] for k in region.exits]
 
     def local(*values):
-        value = _interpret(steps, lambda location: values[slot_of[location]])
-        return [value(location) for location in shards]
+        with attention.partitioned(False):  # each device's own shards
+            value = _interpret(steps, lambda location: values[slot_of[location]])
+            return [value(location) for location in shards]
 
     call = jax.shard_map(
         local,

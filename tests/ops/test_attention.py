@@ -408,6 +408,27 @@ def test_sharded_attention_is_one_program_and_matches_eager(mesh_shape, spec):
     xr.reset()
 
 
+def test_a_program_the_partitioner_splits_keeps_attention_off_the_pallas_kernel(monkeypatch):
+    """Under SPMD the partitioner splits the step's program, and it cannot split the Pallas TPU
+    kernel (a custom call: every device would run it on gathered inputs), so attention there
+    lowers for TPU to the blockwise form, which it splits; outside SPMD the same step reaches
+    the kernel (``test_a_step_lowers_to_the_pallas_kernel_for_tpus``)."""
+    xr.use_spmd()
+    try:
+        mesh = xs.Mesh(np.arange(8), (8,), ("data",))
+        q, k, v = (t.to(dev).requires_grad_() for t in _qkv((8, 2, 256, 32), (8, 2, 256, 32)))
+        for t in (q, k, v):
+            xs.mark_sharding(t, mesh, ("data", None, None, None))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.sum().backward()
+        before = counters.COUNTERS.get("Attention::blockwise", 0)
+        text = lowered_as_on("tpu", [out, q.grad, k.grad, v.grad], monkeypatch).as_text()
+        assert "tpu_custom_call" not in text
+        assert counters.COUNTERS.get("Attention::blockwise", 0) > before
+    finally:
+        xr.reset()
+
+
 def test_inference_mode_records_the_fused_op_and_no_dropout_call_keeps_the_random_stream():
     q, k, v = (torch.randn(1, 2, 8, 4).to(spmd_torch.device()) for _ in range(3))
     with torch.inference_mode():

@@ -8,7 +8,9 @@ dropout, which forward and backward share, so both halves of one attention use o
   NVIDIA GPUs, for bf16/fp16 without a mask tensor or dropout, head dims a multiple of 8 up to 128,
   causal only for square attention (where cuDNN's diagonal is PyTorch's);
 - ``pallas``: the Pallas flash kernel on TPU, without a mask tensor or dropout, sequence lengths a
-  multiple of 128 (grouped key/value heads are repeated);
+  multiple of 128 (grouped key/value heads are repeated), where each device holds its own data
+  (one device, ``launch``'s replicas, a manual region), not where the partitioner splits the
+  program: it cannot split the kernel;
 - ``plain``: the scores materialised and softmaxed whole, which XLA fuses: up to
   ``PLAIN_MAX_KEYS`` keys on CPU, where it is as fast as the blockwise form or faster;
 - ``blockwise``: everywhere else, an online softmax over blocks of ``BLOCK`` keys (``lax.scan``)
@@ -28,6 +30,7 @@ draw the same masks again. Each lowering bumps ``Attention::<impl>`` (forward) o
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 from functools import partial
 
@@ -94,6 +97,24 @@ def choose(
     return "blockwise"
 
 
+# Whether the program being traced is split by XLA's partitioner over several devices (SPMD),
+# outside its manual regions: set by compile while it traces one. The Pallas kernel is a custom
+# call the partitioner cannot split (it would run on inputs gathered on every device), so there
+# attention takes the blockwise form, which it splits; inside a manual region each device runs the
+# kernel on its own shards (``custom_kernel.flash_attention`` with a ``partition_spec``).
+_PARTITIONED = contextvars.ContextVar("attention_partitioned", default=False)
+
+
+@contextlib.contextmanager
+def partitioned(value: bool):
+    """Trace attention as in a program the partitioner splits (``value``) or not."""
+    token = _PARTITIONED.set(value)
+    try:
+        yield
+    finally:
+        _PARTITIONED.reset(token)
+
+
 def _platform() -> str:
     """The platform programs compile for; a GPU named by its vendor (cuDNN is NVIDIA's)."""
     backend = jax.default_backend()
@@ -130,7 +151,7 @@ def _implementation(q, k, v, bias, causal: bool, dropout_p: float) -> str:
         _mask_kind(bias),
         causal,
         dropout_p > 0,
-        has_pallas=platform != "tpu" or _pallas_flash() is not None,
+        has_pallas=platform != "tpu" or (_pallas_flash() is not None and not _PARTITIONED.get()),
     )
 
 
