@@ -5,6 +5,7 @@ blockwise form against the plain one; the implementation chosen per platform; SP
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -406,6 +407,24 @@ def test_sharded_attention_is_one_program_and_matches_eager(mesh_shape, spec):
     grads = to_cpu([t.grad for t in leaves])
     assert_close(grads, [t.grad.float() for t in wide], kind="grad")
     xr.reset()
+
+
+@pytest.mark.parametrize("attend", ["sdpa", "dropout_then_sdpa"])
+def test_dropout_draws_and_seeds_have_no_64_bit_bitcast(monkeypatch, attend):
+    """TPUs run 64-bit types by rewriting them as 32-bit pairs, and XLA's rewrite has no bitcast
+    between 64-bit and 32-bit words: a dropout's uniforms are drawn in float32 (a Python rate is a
+    float64 under jax_enable_x64, and JAX drew in its dtype: 64-bit bits, bitcast to float64),
+    and the PRNG key a dropout attention hands its backward (``philox_seed``) is packed with
+    shifts. Lowered for TPU, a step with both has no bitcast of a 64-bit type; the masks the
+    backward draws again are the forward's (the dropout tests above)."""
+    q, k, v = (t.to(dev).requires_grad_() for t in _qkv((1, 2, 128, 16), (1, 2, 128, 16)))
+    if attend == "dropout_then_sdpa":
+        q = F.dropout(q, 0.1)
+    out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.25)
+    out.sum().backward()
+    text = lowered_as_on("tpu", [out, k.grad, v.grad], monkeypatch).as_text()
+    casts = [line for line in text.splitlines() if "bitcast_convert" in line]
+    assert casts and not [line for line in casts if re.search(r"x(u?i|f)64>", line)], casts
 
 
 def test_a_program_the_partitioner_splits_keeps_attention_off_the_pallas_kernel(monkeypatch):

@@ -43,7 +43,7 @@ from jax.extend import backend as jax_backend
 from .. import counters
 from ._helpers import traced_once
 from .linalg import accumulation_dtype, precision
-from .random import wrap_key
+from .random import draw_dtype, wrap_key
 from .registry import lowers
 
 aten = torch.ops.aten
@@ -221,7 +221,8 @@ class _Problem:
         # Drawn flat: XLA:CPU takes up to tens of seconds to compile a 5-d draw; a flat one
         # compiles in a fraction of a second and shards alike.
         flat = (math.prod(shape),)
-        keep = jax.random.bernoulli(jax.random.fold_in(self.key, j), 1 - self.dropout_p, flat)
+        rate = jnp.asarray(1 - self.dropout_p, draw_dtype(self.wide))
+        keep = jax.random.bernoulli(jax.random.fold_in(self.key, j), rate, flat)
         return keep.reshape(shape).astype(self.wide) / (1 - self.dropout_p)
 
 
@@ -427,6 +428,20 @@ def _block(impl: str, k) -> int:
     return k.shape[2] if impl == "plain" else BLOCK
 
 
+def _seed_of(key) -> jax.Array:
+    """The PRNG key's two words as the one int64 ``philox_seed`` (high word first), packed by
+    shifts, not a bitcast: TPUs run 64-bit integers by rewriting them as 32-bit pairs, and
+    XLA's rewrite has no bitcast from 32-bit words to a 64-bit integer."""
+    high, low = jax.random.key_data(key).astype(jnp.int64)
+    return (high << 32) | low
+
+
+def _key_of(seed) -> jax.Array:
+    """``_seed_of``'s inverse: the key whose words the seed holds."""
+    words = jnp.stack([seed >> 32, seed & 0xFFFFFFFF]).astype(jnp.uint32)
+    return wrap_key(words)
+
+
 def _drops_out(args: tuple, kwargs: dict) -> bool:
     """Whether a call draws dropout masks (one without leaves the random stream as it was)."""
     return (args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)) > 0
@@ -465,8 +480,7 @@ def _attention(
         out, lse = _traced_forward(
             q, k, v, attn_bias, is_causal, scale, dropout_p, key, _block(impl, k)
         )
-    seed = lax.bitcast_convert_type(jax.random.key_data(key), jnp.int64)
-    return out, lse, seed, jnp.zeros((), jnp.int64)
+    return out, lse, _seed_of(key), jnp.zeros((), jnp.int64)
 
 
 @lowers(aten._scaled_dot_product_fused_attention_overrideable_backward.default)
@@ -497,7 +511,7 @@ def _attention_backward(
         with _kernel_types(impl):
             primal, pullback = jax.vjp(_kernel(impl, is_causal, scale), q, k, v)
             return *pullback(grad.astype(primal.dtype)), None
-    key = wrap_key(lax.bitcast_convert_type(philox_seed, jnp.uint32))
+    key = _key_of(philox_seed)
     dq, dk, dv, dbias = _traced_backward(
         grad,
         q,

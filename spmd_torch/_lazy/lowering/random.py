@@ -101,7 +101,15 @@ def _bernoulli(key, x, **_):
 
 @lowers(aten.bernoulli.p, aten.bernoulli.Tensor, random=True)
 def _bernoulli_p(key, x, p, **_):
-    return jax.random.bernoulli(key, p, x.shape).astype(x.dtype)
+    return jax.random.bernoulli(key, jnp.asarray(p, draw_dtype(x.dtype)), x.shape).astype(x.dtype)
+
+
+def draw_dtype(dtype) -> np.dtype:
+    """The float a probability is drawn in: float32, float64 only for float64 tensors. A Python
+    rate is a float64 under spmd_torch's ``jax_enable_x64``, and JAX draws in the rate's dtype:
+    64-bit random bits, twice the work, and a bitcast of 64-bit words to float64 that TPUs,
+    which run 64-bit types by rewriting them as 32-bit pairs, cannot rewrite."""
+    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
 
 
 @lowers(aten.rand.default, random=True)
@@ -155,7 +163,7 @@ def _native_dropout(key, x, p, train):
     inf*0), p=0 keeps all. train=None trains, as PyTorch's kernels do; eval keeps everything."""
     if train is False:
         return x, jnp.ones(x.shape, jnp.bool_)
-    keep = jax.random.uniform(key, x.shape) >= p
+    keep = jax.random.uniform(key, x.shape, draw_dtype(x.dtype)) >= p
     return jnp.where(keep, x / (1 - p), 0), keep
 
 
