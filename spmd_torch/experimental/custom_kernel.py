@@ -117,9 +117,7 @@ def flash_attention(
             "flash_attention: partition_spec given but no mesh (pass mesh= or xs.set_global_mesh)"
         )
     segment_spec = spec[:-3] + (spec[-2],)
-    fused = None
-    if _per_shard(spec, mesh, q, k, ab):
-        fused = lambda *args: _ShardedAttention.apply(*args, spec, mesh)  # noqa: E731
+    fused = _on_shards(spec, mesh) if _per_shard(spec, mesh, q, k, ab) else None
 
     def shard(t: torch.Tensor | None, t_spec: tuple) -> torch.Tensor | None:
         return None if t is None else xs.mark_sharding_with_gradients(t, mesh, t_spec)
@@ -154,14 +152,20 @@ def _per_shard(spec: tuple, mesh: xs.Mesh, q: torch.Tensor, k: torch.Tensor, ab)
     return True
 
 
+def _on_shards(spec: tuple, mesh: xs.Mesh):
+    """``_attention``'s call of the fused op, run by each device on its own shards."""
+    return lambda *args: _ShardedAttention.apply(*args, spec, mesh)
+
+
 class _ShardedAttention(torch.autograd.Function):
     """The fused attention op on each device's shards, as PyTorch/XLA runs its kernel under a
     ``partition_spec`` (sequences and head dim unsplit): a kernel the partitioner cannot split
-    (Pallas's, on TPU) then works on each device's batch and heads, not on gathered inputs.
-    It runs inside a manual region of its own each way. Forward and backward
-    each enter the full tensors they read and leave with full results (the forward saves its
-    full output and log-sum-exp): a backward reading the forward's shards would join its region,
-    which the loss computed from that region's output then feeds, a cycle."""
+    (Pallas's, on TPU) works on each device's batch and heads, not on gathered inputs.
+
+    Forward and backward each run in a manual region of their own, entering the full tensors
+    they read and leaving with full results (the forward saves its full output and log-sum-exp):
+    a backward reading the forward's shards would join the forward's region, which the loss
+    computed from that region's output feeds back into."""
 
     @staticmethod
     def forward(ctx, q, k, v, bias, causal, scale, spec, mesh):
