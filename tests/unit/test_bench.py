@@ -249,3 +249,46 @@ def test_the_gpu_workloads_steps_lower_for_gpus_and_tpus(monkeypatch, workload, 
         assert text.count("__cudnn$fmhaSoftmax(") >= cfg.layers
     elif workload == "Wlong":
         assert text.count("tpu_custom_call") >= 2 * cfg.layers
+
+
+def test_w7gpus_captured_step_lowers_for_cuda(monkeypatch):
+    """W7gpu's headline row, checked without a GPU: with automatic capture on, once GPT-2's
+    forward and AdamW's step are captured (Dynamo's graphs, recorded as templates on this host),
+    the step lowers for CUDA with each layer's attention on cuDNN's kernels both ways. JAX's
+    caches are cleared first, so the templates' lowerings are traced again for CUDA."""
+    import jax
+    import torch
+
+    import spmd_torch
+    import spmd_torch.amp as amp
+    from spmd_torch.core import auto_capture
+    from tools.bench import models
+
+    cfg = gpu.GPT2_TINY
+    dev = spmd_torch.device()
+    model = gpu.new_gpt2(cfg).to(dev)
+    batch = [torch.from_numpy(a).to(dev) for a in gpu.gpt2_data(cfg)]
+    opt = models.new_adamw(model)
+    spmd_torch.sync()
+
+    def step() -> torch.Tensor:
+        with amp.autocast(dev, dtype=torch.bfloat16):
+            loss = models.gpt_loss(model, *batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    spmd_torch.auto_capture(True)
+    try:
+        for _ in range(4):
+            step()
+            spmd_torch.sync()
+        assert auto_capture.callables() == {"captured": ["GPT2.forward", "AdamW.step"]}
+        loss = step()
+        jax.clear_caches()
+        text = lowered_as_on("cuda", [loss, *model.parameters()], monkeypatch).as_text()
+    finally:
+        spmd_torch.auto_capture(False)
+    assert text.count("__cudnn$fmhaSoftmaxBackward(") == cfg.layers
+    assert text.count("__cudnn$fmhaSoftmax(") >= cfg.layers
