@@ -508,12 +508,20 @@ def _compiled(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
     that walk each one; merged beforehand, its compile of that step took 3.8-4.0 s instead of
     4.4 s (hand-written JAX's, whose hyperparameters are literals: 3.4-3.7 s). The pass itself
     takes 20 ms there. The module is the one ``compile`` reads, changed in place."""
-    module = lowered.compiler_ir("stablehlo")
-    if module is None:  # a backend whose lowering keeps no MLIR module
-        return lowered.compile()
-    with module.context:
-        passmanager.PassManager.parse("builtin.module(cse)").run(module.operation)
+    merge_equal_ops(lowered)
     return lowered.compile()
+
+
+def merge_equal_ops(lowered: jax.stages.Lowered):
+    """``lowered``'s StableHLO module with equal computations merged (MLIR's ``cse``), in place;
+    None for a backend whose lowering keeps no MLIR module. It also merges the fused attention
+    kernel a backward differentiates with the forward's own call (cuDNN's: one forward kernel
+    per attention)."""
+    module = lowered.compiler_ir("stablehlo")
+    if module is not None:
+        with module.context:
+            passmanager.PassManager.parse("builtin.module(cse)").run(module.operation)
+    return module
 
 
 class Aliasing(NamedTuple):

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import spmd_torch
 import spmd_torch.distributed.spmd as xs
 import spmd_torch.runtime as xr
+from spmd_torch._lazy import compile as compile_module
 from spmd_torch._lazy import counters
 from spmd_torch._lazy.lowering import attention
 from spmd_torch._lazy.lowering.dtypes import to_jax_dtype
@@ -355,6 +356,9 @@ def test_a_step_lowers_to_cudnns_kernels_for_nvidia_gpus(
     text = lowered.as_text()
     assert "__cudnn$fmhaSoftmax(" in text and "__cudnn$fmhaSoftmaxBackward(" in text
     assert counters.COUNTERS.get("Attention::cudnn", 0) > before
+    # The backward differentiates the kernel (jax.vjp), calling it again; merged before XLA:
+    merged = str(compile_module.merge_equal_ops(lowered))
+    assert merged.count("__cudnn$fmhaSoftmax(") == 1
     assert counters.COUNTERS.get("AttentionBackward::cudnn", 0) > 0
     results = jax.tree.leaves(lowered.out_info)
     assert [(r.shape, r.dtype) for r in results] == [
