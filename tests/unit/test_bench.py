@@ -255,11 +255,13 @@ def test_the_gpu_workloads_steps_lower_for_gpus_and_tpus(monkeypatch, workload, 
         assert text.count("tpu_custom_call") >= 2 * cfg.layers
 
 
-def test_w7gpus_captured_step_lowers_for_cuda(monkeypatch):
-    """W7gpu's headline row, checked without a GPU: with automatic capture on, once GPT-2's
-    forward and AdamW's step are captured (Dynamo's graphs, recorded as templates on this host),
-    the step lowers for CUDA with each layer's attention on cuDNN's kernels both ways. JAX's
-    caches are cleared first, so the templates' lowerings are traced again for CUDA."""
+@pytest.mark.parametrize("path", ["spmd_capture", "spmd_compile"])
+def test_w7gpus_compiled_steps_lower_for_cuda(monkeypatch, path):
+    """W7gpu's headline rows, checked without a GPU: with automatic capture on (GPT-2's forward
+    and AdamW's step captured) and with the forward under ``torch.compile(backend='spmd_torch')``,
+    Dynamo's graphs are recorded as templates on this host, and the step lowers for CUDA with
+    each layer's attention on cuDNN's kernels both ways. JAX's caches are cleared first, so the
+    templates' lowerings are traced again for CUDA."""
     import jax
     import torch
 
@@ -271,24 +273,26 @@ def test_w7gpus_captured_step_lowers_for_cuda(monkeypatch):
     cfg = gpu.GPT2_TINY
     dev = spmd_torch.device()
     model = gpu.new_gpt2(cfg).to(dev)
+    forward = torch.compile(model, backend="spmd_torch") if path == "spmd_compile" else model
     batch = [torch.from_numpy(a).to(dev) for a in gpu.gpt2_data(cfg)]
     opt = models.new_adamw(model)
     spmd_torch.sync()
 
     def step() -> torch.Tensor:
         with amp.autocast(dev, dtype=torch.bfloat16):
-            loss = models.gpt_loss(model, *batch)
+            loss = models.gpt_loss(forward, *batch)
         loss.backward()
         opt.step()
         opt.zero_grad()
         return loss
 
-    spmd_torch.auto_capture(True)
+    spmd_torch.auto_capture(path == "spmd_capture")
     try:
         for _ in range(4):
             step()
             spmd_torch.sync()
-        assert auto_capture.callables() == {"captured": ["GPT2.forward", "AdamW.step"]}
+        if path == "spmd_capture":
+            assert auto_capture.callables() == {"captured": ["GPT2.forward", "AdamW.step"]}
         loss = step()
         jax.clear_caches()
         text = lowered_as_on("cuda", [loss, *model.parameters()], monkeypatch).as_text()
