@@ -189,8 +189,8 @@ def _lowered_handler(func) -> Callable | None:
     if lowering is None:
         return None
     handler = _recorder(func, lowering)
-    position = _LIFTED_AT.get(func)
-    return handler if position is None else partial(_lifting, position, handler)
+    positions = _LIFTED_AT.get(func)
+    return handler if positions is None else partial(_lifting, positions, handler)
 
 
 def _recorder(func, lowering) -> Callable:
@@ -202,44 +202,42 @@ def _recorder(func, lowering) -> Callable:
         return _record_random
     if lowering.random:
         return partial(_record_random_when, lowering.random)
-    lifted = torch.Tag.pointwise in func.tags or func in _LIFTED_UNTAGGED
-    if not lifted or lowering.static_scalars:
+    if torch.Tag.pointwise not in func.tags or lowering.static_scalars:
         return _record
     return _record_pointwise if _lifts_ints(func) else _record_pointwise_floats
 
 
-# Ops ATen does not tag pointwise whose Python numbers are program inputs too, as PyTorch/XLA
-# makes them device data, so a new value each step is one program, not one per value:
-# ``torch.where(mask, value, x)`` wraps its number in ``scalar_tensor``, and an LR scheduler
-# writes a tensor learning rate with ``lr.fill_(value)``.
-_LIFTED_UNTAGGED = frozenset(
-    (aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar)
-    + (aten.scalar_tensor.default, aten.fill.Scalar)
-)
-
-
-# Ops whose number at one argument position is a program input, where their other arguments
-# (a size, a dim, an index) shape the program: PyTorch/XLA makes these numbers device data, so
-# ``torch.full(size, value)``, ``index_fill`` or a dropout rate changing each step (a schedule)
-# compiles once (dropout's backward, tagged pointwise, lifts its scale already). A bool, a
-# complex or an int beyond 2**53 there stays in the program.
+# Ops ATen does not tag pointwise, and the positions of their numbers that are program inputs too
+# (the others, a size, a dim, an index, shape the program): PyTorch/XLA makes these numbers device
+# data, so a new value each step is one program, not one per value. ``torch.where(mask, value,
+# x)`` wraps its number in ``scalar_tensor``, an LR scheduler writes a tensor learning rate with
+# ``lr.fill_(value)``, and ``torch.full(size, value)``, ``index_fill`` or a dropout schedule
+# change their number step by step (dropout's backward, tagged pointwise, lifts its scale
+# already). A bool, a complex or an int beyond 2**53 there stays in the program.
 _LIFTED_AT = {
-    aten.full.default: 1,
-    aten.full_like.default: 1,
-    aten.new_full.default: 2,
-    aten.index_fill.int_Scalar: 3,
-    aten.scatter.value: 3,
-    aten.scatter.value_reduce: 3,
-    aten.native_dropout.default: 1,
+    aten.where.ScalarSelf: (1,),
+    aten.where.ScalarOther: (2,),
+    aten.where.Scalar: (1, 2),
+    aten.scalar_tensor.default: (0,),
+    aten.fill.Scalar: (1,),
+    aten.full.default: (1,),
+    aten.full_like.default: (1,),
+    aten.new_full.default: (2,),
+    aten.index_fill.int_Scalar: (3,),
+    aten.scatter.value: (3,),
+    aten.scatter.value_reduce: (3,),
+    aten.native_dropout.default: (1,),
 }
 
 
-def _lifting(position: int, handler: Callable, func, args: tuple, kwargs: dict) -> Any:
-    value = args[position]
-    cls = type(value)
-    if cls is float or (cls is int and value in LIFTED_INTS):
-        args = (*args[:position], Lifted(value), *args[position + 1 :])
-    return handler(func, args, kwargs)
+def _lifting(positions: tuple, handler: Callable, func, args: tuple, kwargs: dict) -> Any:
+    args = list(args)
+    for k in positions:
+        value = args[k]
+        cls = type(value)
+        if cls is float or (cls is int and value in LIFTED_INTS):
+            args[k] = Lifted(value)
+    return handler(func, tuple(args), kwargs)
 
 
 def _lifts_ints(func) -> bool:

@@ -169,8 +169,9 @@ def holds_data(tensors: list) -> bool:
 def holds_constants(tensors: list) -> bool:
     """Whether each of ``tensors`` is a plain xla tensor whose value the step does not compute:
     data, or a constant fill (``zeros``, ``full_like`` of a parameter) of data or numbers,
-    nothing written since. A stack of them can be computed before the step (``execute.compute_now``) as a stack
-    of data is, so that the step's program is the one every later step runs."""
+    nothing written since. A stack of them can be computed before the step
+    (``execute.compute_now``) as a stack of data is, so that the step's program is the one every
+    later step runs."""
     for t in tensors:
         if type(t) is not LazyTensor or t._view is not None:
             return False

@@ -151,6 +151,10 @@ class HostData:
         return self.host
 
 
+# The data of the live placeholder tensors: while any lives, a read checks that it needs none.
+PLACEHOLDERS: weakref.WeakSet = weakref.WeakSet()
+
+
 class Placeholder:
     """The data of a placeholder tensor (``xla_builder.create_placeholder_tensor``): a shape and a
     dtype, no device buffer. Graphs are traced on it and lowered (their HLO staged out), never
@@ -163,6 +167,7 @@ class Placeholder:
         self.dtype = dtype
         self.sharding = sharding  # a mark_sharding's: the staged-out graph's input layout
         self.logical = logical or shape
+        PLACEHOLDERS.add(self)
 
     def is_deleted(self) -> bool:
         return True
@@ -177,10 +182,6 @@ class Placeholder:
             "data (xla_builder.create_placeholder_tensor): trace with it and read the graph's "
             "HLO (_get_xla_tensors_hlo, LoweringContext), but no program can read its value"
         )
-
-
-# The data of the live placeholder tensors: while any lives, a read checks that it needs none.
-PLACEHOLDERS: weakref.WeakSet = weakref.WeakSet()
 
 
 def fetch(array: jax.Array) -> np.ndarray:

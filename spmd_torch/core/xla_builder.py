@@ -40,7 +40,7 @@ from spmd_torch._lazy.lowering import LOWERINGS, EngineOp, lowers
 from spmd_torch._lazy.lowering.dtypes import to_jax_dtype, to_torch_dtype
 from spmd_torch._lazy.lowering.xla_ops import JAX_DTYPES, OPS, jax_dtype
 from spmd_torch._lazy.tensor import LazyTensor, on_xla, wrap, wrap_data
-from spmd_torch._lazy.transfer import PLACEHOLDERS, Placeholder
+from spmd_torch._lazy.transfer import Placeholder
 from spmd_torch.debug import hlo_proto
 from spmd_torch.debug.graph import hlo_text, module_text
 
@@ -1142,9 +1142,9 @@ def create_placeholder_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch
         >>> hlo = torch_xla._XLAC._get_xla_tensors_hlo([p.sin()])
     """
     aval = Aval(tuple(shape), dtype)
-    data = Placeholder(aval.shape, to_jax_dtype(dtype, "create_placeholder_tensor"))
-    PLACEHOLDERS.add(data)
-    return wrap_data(data, aval)
+    return wrap_data(
+        Placeholder(aval.shape, to_jax_dtype(dtype, "create_placeholder_tensor")), aval
+    )
 
 
 def create_computation(name: str, fn: Callable, shapes: Sequence[Shape], **kwargs: Any):
