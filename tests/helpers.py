@@ -86,6 +86,10 @@ TOLERANCE_OVERRIDES: dict[str, dict[torch.dtype, dict[str, dict]]] = {
         torch.bfloat16: {"grad": _tol(8e-3, 1.6e-2)},
         torch.float16: {"grad": _tol(1e-3, 2e-3)},
     },
+    # The Pallas TPU flash kernel rounds the probabilities to the values' dtype before their
+    # product with the values (what the matrix unit takes), so a bf16 output is off by about an
+    # ulp of the largest value (2**-8 of ~4) rather than of itself (0.004 on outputs near 0).
+    "flash_kernel": {torch.bfloat16: {"fwd": _tol(8e-3, 1.6e-2)}},
     # Whole training loops: "fwd" compares parameters after several optimizer steps (Adam moves
     # each element by ~lr * sign(grad), amplifying float noise), "grad" gradients of one model.
     "training": {torch.float32: {"fwd": _tol(1e-3, 1e-4), "grad": _tol(1e-4, 1e-6)}},
@@ -380,10 +384,46 @@ def lowered_as_on(platform: str, tensors: list, monkeypatch):
     monkeypatch.setattr(attention, "_platform", lambda: platform)
     program = graph.pending_program(tensors)
     arrays = [placement.resolve(node, i) for node, i in program.leaves]
-    inputs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
+    inputs = [  # a program over several devices keeps its inputs' layouts: its mesh
+        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+        if len(a.sharding.device_set) > 1
+        else jax.ShapeDtypeStruct(a.shape, a.dtype)
+        for a in arrays
+    ]
     function = compile_module.build_function(program, (False,) * len(arrays), packed=False)
     traced = jax.jit(function).trace([], inputs, compile_module.scalar_avals(program))
     return traced.lower(lowering_platforms=(platform,))
+
+
+@contextlib.contextmanager
+def pallas_interpreted(monkeypatch):
+    """Programs compiled in the block take the TPU path (attention is told the platform is a TPU)
+    and run its Pallas kernels on this host through Pallas's HLO interpreter: their values, not
+    only their lowering, with no TPU. The setting is global, not per thread, because a kernel the
+    partitioner splits is traced while XLA compiles. The compile cache is emptied on the way in
+    and out: the block's programs are not this host's. The interpreted kernels are large programs,
+    and XLA's inlining propagates each op's Python traceback: a test's deep stacks made it take
+    over 10 minutes for one step, so their ops carry none."""
+    import jax
+    from jax._src import config as jax_config
+
+    from spmd_torch._lazy import compile as compile_module
+    from spmd_torch._lazy.lowering import attention
+
+    setting = getattr(jax_config, "pallas_tpu_interpret_mode_context_manager", None)
+    if setting is None:
+        pytest.skip("this JAX has no interpreter for Pallas TPU kernels")
+    monkeypatch.setattr(attention, "_platform", lambda: "tpu")
+    before = setting.get_global(), jax.config.jax_traceback_in_locations_limit
+    compile_module.clear_cache()
+    setting.set_global(True)  # True: the HLO interpreter (no host callbacks)
+    jax.config.update("jax_traceback_in_locations_limit", 0)
+    try:
+        yield
+    finally:
+        setting.set_global(before[0])
+        jax.config.update("jax_traceback_in_locations_limit", before[1])
+        compile_module.clear_cache()
 
 
 @contextlib.contextmanager

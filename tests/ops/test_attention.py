@@ -25,8 +25,10 @@ from spmd_torch.debug import graph
 from tests.helpers import (
     assert_close,
     assert_compiles,
+    assert_counter_delta,
     assert_matches_eager,
     lowered_as_on,
+    pallas_interpreted,
     to_cpu,
     tolerance,
 )
@@ -431,11 +433,114 @@ def test_dropout_draws_and_seeds_have_no_64_bit_bitcast(monkeypatch, attend):
     assert casts and not [line for line in casts if re.search(r"x(u?i|f)64>", line)], casts
 
 
-def test_a_program_the_partitioner_splits_keeps_attention_off_the_pallas_kernel(monkeypatch):
-    """Under SPMD the partitioner splits the step's program, and it cannot split the Pallas TPU
-    kernel (a custom call: every device would run it on gathered inputs), so attention there
-    lowers for TPU to the blockwise form, which it splits; outside SPMD the same step reaches
-    the kernel (``test_a_step_lowers_to_the_pallas_kernel_for_tpus``)."""
+def _spied_kernel(monkeypatch, while_compiling: bool = False) -> list:
+    """The shapes of the queries each call of the Pallas kernel is traced with; with
+    ``while_compiling``, only while XLA compiles, where the partitioner traces what each device
+    runs of an op it splits by a rule (lowering traced it whole, for its result's shape only)."""
+    kernel = attention._pallas_flash()
+    shapes, compiling = [], [not while_compiling]
+
+    def spy(q, k, v, **options):
+        if compiling[0]:
+            shapes.append(tuple(q.shape))
+        return kernel(q, k, v, **options)
+
+    def compiled(lowered):
+        compiling[0] = True
+        try:
+            return compile_xla(lowered)
+        finally:
+            compiling[0] = not while_compiling
+
+    compile_xla = compile_module._compiled
+    monkeypatch.setattr(attention, "_pallas_flash", lambda: spy)
+    monkeypatch.setattr(compile_module, "_compiled", compiled)
+    return shapes
+
+
+def _sdpa_step_against_float64(q, k, v, **options) -> None:
+    """One SDPA training step's output and gradients on xla against float64 eager attention,
+    within a flash kernel's rounding (``flash_kernel``, ``attention``)."""
+    leaves = [t.to(dev).requires_grad_() for t in (q, k, v)]
+    cotangent = _randn(*q.shape, seed=9, dtype=q.dtype)
+    out = F.scaled_dot_product_attention(*leaves, **options)
+    grads = torch.autograd.grad(out, leaves, cotangent.to(dev))
+    wide = [t.double().requires_grad_() for t in (q, k, v)]
+    expected = F.scaled_dot_product_attention(*wide, **options)
+    expected_grads = torch.autograd.grad(expected, wide, cotangent.double())
+    assert_close(out, expected.to(q.dtype), tol="flash_kernel")
+    assert_close(list(grads), [g.to(q.dtype) for g in expected_grads], tol="attention", kind="grad")
+
+
+@pytest.mark.parametrize(
+    "q_shape, kv_shape, dtype, causal",
+    [
+        ((1, 4, 256, 64), (1, 2, 256, 64), torch.bfloat16, True),  # grouped heads, repeated
+        ((2, 2, 128, 32), (2, 2, 256, 32), torch.float32, False),  # cross attention
+    ],
+)
+def test_the_pallas_kernel_interpreted_matches_float64_attention(
+    monkeypatch, q_shape, kv_shape, dtype, causal
+):
+    """The TPU path's values, not only its lowering: JAX's Pallas flash kernel run here by
+    Pallas's interpreter, forward and backward (the kernel differentiated), inside the step's
+    one program, equals float64 attention."""
+    before = [
+        counters.COUNTERS.get(f"{op}::pallas", 0) for op in ("Attention", "AttentionBackward")
+    ]
+    with pallas_interpreted(monkeypatch):
+        shapes = _spied_kernel(monkeypatch)
+        _sdpa_step_against_float64(
+            *_qkv(q_shape, kv_shape, dtype), is_causal=causal, enable_gqa=True
+        )
+    assert shapes and set(shapes) == {q_shape}
+    after = [counters.COUNTERS.get(f"{op}::pallas", 0) for op in ("Attention", "AttentionBackward")]
+    assert after[0] > before[0] and after[1] > before[1]
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, spec, shard",
+    [
+        ((4, 2), ("data", "model", None, None), (2, 2, 256, 32)),
+        ((8,), ("data", None, None, None), (1, 4, 256, 32)),
+        ((8,), (None, None, "data", None), (8, 4, 256, 32)),  # the sequence split: gathered
+    ],
+)
+def test_sharded_attention_runs_the_pallas_kernel_on_each_devices_shards(
+    monkeypatch, mesh_shape, spec, shard
+):
+    """Under SPMD the partitioner splits the step's program, and it cannot split the Pallas
+    kernel by itself (a custom call: every device would run it on gathered inputs). The kernel is
+    an op it splits by a rule, over batch and heads, forward and backward: traced here by XLA's
+    partitioner, every call of the kernel is on one device's shard, and the step (one program)
+    equals float64 attention. A split sequence is gathered first."""
+    xr.use_spmd()
+    try:
+        mesh = xs.Mesh(np.arange(8), mesh_shape, ("data", "model")[: len(mesh_shape)])
+        q, k, v = _qkv((8, 4, 256, 32), (8, 4, 256, 32))
+        with pallas_interpreted(monkeypatch):
+            shapes = _spied_kernel(monkeypatch, while_compiling=True)
+            leaves = [t.to(dev).requires_grad_() for t in (q, k, v)]
+            for t in leaves:
+                xs.mark_sharding(t, mesh, spec)
+            with assert_compiles(1), assert_counter_delta("Attention::pallas", 1):
+                out = F.scaled_dot_product_attention(*leaves, is_causal=True)
+                out.square().sum().backward()
+                spmd_torch.sync()
+        assert shapes and set(shapes) == {shard}, shapes
+        wide = [t.double().requires_grad_() for t in (q, k, v)]
+        F.scaled_dot_product_attention(*wide, is_causal=True).square().sum().backward()
+        expected = F.scaled_dot_product_attention(*wide, is_causal=True)
+        assert_close(out, expected.float().detach(), tol="attention")
+        grads = to_cpu([t.grad for t in leaves])
+        assert_close(grads, [t.grad.float() for t in wide], tol="attention", kind="grad")
+    finally:
+        xr.reset()
+
+
+def test_sharded_attention_lowers_for_tpus_to_the_split_kernel(monkeypatch):
+    """Lowered for TPU (JAX's real lowering, no TPU here), a sharded step's attention is the op
+    the partitioner splits by its rule, forward and backward, not the blockwise form."""
     xr.use_spmd()
     try:
         mesh = xs.Mesh(np.arange(8), (8,), ("data",))
@@ -444,10 +549,10 @@ def test_a_program_the_partitioner_splits_keeps_attention_off_the_pallas_kernel(
             xs.mark_sharding(t, mesh, ("data", None, None, None))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         out.sum().backward()
-        before = counters.COUNTERS.get("Attention::blockwise", 0)
-        text = lowered_as_on("tpu", [out, q.grad, k.grad, v.grad], monkeypatch).as_text()
-        assert "tpu_custom_call" not in text
-        assert counters.COUNTERS.get("Attention::blockwise", 0) > before
+        with assert_counter_delta("Attention::blockwise", 0):
+            text = lowered_as_on("tpu", [out, q.grad, k.grad, v.grad], monkeypatch).as_text()
+        assert text.count("@CustomSPMDPartitioning(") == 2  # the kernel, and its backward
+        assert counters.COUNTERS.get("Attention::pallas", 0) > 0
     finally:
         xr.reset()
 

@@ -8,9 +8,9 @@ dropout, which forward and backward share, so both halves of one attention use o
   NVIDIA GPUs, for bf16/fp16 without a mask tensor or dropout, head dims a multiple of 8 up to 128,
   causal only for square attention (where cuDNN's diagonal is PyTorch's);
 - ``pallas``: the Pallas flash kernel on TPU, without a mask tensor or dropout, sequence lengths a
-  multiple of 128 (grouped key/value heads are repeated), where each device holds its own data
-  (one device, ``launch``'s replicas, a manual region), not where the partitioner splits the
-  program: it cannot split the kernel;
+  multiple of 128 (grouped key/value heads are repeated). Where the partitioner splits the program
+  (SPMD) the kernel is a ``custom_partitioning`` op split over batch and heads: each device runs
+  it on its own shards (``_split_over_batch_and_heads``);
 - ``plain``: the scores materialised and softmaxed whole, which XLA fuses: up to
   ``PLAIN_MAX_KEYS`` keys on CPU, where it is as fast as the blockwise form or faster;
 - ``blockwise``: everywhere else, an online softmax over blocks of ``BLOCK`` keys (``lax.scan``)
@@ -32,13 +32,15 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from functools import partial
+from functools import cache, partial
 
 import jax
 import jax.numpy as jnp
 import torch
 from jax import lax
+from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend import backend as jax_backend
+from jax.sharding import NamedSharding, PartitionSpec
 
 from .. import counters
 from ._helpers import traced_once
@@ -99,9 +101,9 @@ def choose(
 
 # Whether the program being traced is split by XLA's partitioner over several devices (SPMD),
 # outside its manual regions: set by compile while it traces one. The Pallas kernel is a custom
-# call the partitioner cannot split (it would run on inputs gathered on every device), so there
-# attention takes the blockwise form, which it splits; inside a manual region each device runs the
-# kernel on its own shards (``custom_kernel.flash_attention`` with a ``partition_spec``).
+# call the partitioner cannot split by itself (it would run on inputs gathered on every device),
+# so there it is wrapped in a rule that tells how (``_split_over_batch_and_heads``); inside a
+# manual region each device runs it on its own shards as it is.
 _PARTITIONED = contextvars.ContextVar("attention_partitioned", default=False)
 
 
@@ -151,7 +153,7 @@ def _implementation(q, k, v, bias, causal: bool, dropout_p: float) -> str:
         _mask_kind(bias),
         causal,
         dropout_p > 0,
-        has_pallas=platform != "tpu" or (_pallas_flash() is not None and not _PARTITIONED.get()),
+        has_pallas=platform != "tpu" or _pallas_flash() is not None,
     )
 
 
@@ -398,12 +400,71 @@ def _cudnn(q, k, v, causal: bool, scale: float):
 
 
 def _pallas(q, k, v, causal: bool, scale: float):
-    """The Pallas TPU flash kernel on (B, H, L, E) arrays, key/value heads repeated per group."""
+    """The Pallas TPU flash kernel on (B, H, L, E) arrays, key/value heads repeated per group; on
+    each device's batch and heads where the partitioner splits the program."""
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
+    if _PARTITIONED.get():
+        return _split_flash(causal, scale)(q, k, v)
+    return _flash(q, k, v, causal, scale)
+
+
+def _flash(q, k, v, causal: bool, scale: float):
     with _kernel_types("pallas"):
         return _pallas_flash()(q, k, v, causal=causal, sm_scale=scale)
+
+
+@cache
+def _split_flash(causal: bool, scale: float):
+    """The kernel as an op the partitioner splits over batch and heads, differentiable: forward,
+    each device runs it on its shards of q, k and v; backward, on those and the cotangent's,
+    differentiating it there (its forward runs again inside: the residuals it saves are the
+    kernel's own, which cannot leave the shard's function)."""
+
+    def kernel(q, k, v):  # positional only: custom_partitioning binds no keywords
+        return _flash(q, k, v, causal, scale)
+
+    def pullback(q, k, v, cotangent):
+        with _kernel_types("pallas"):
+            return jax.vjp(kernel, q, k, v)[1](cotangent)
+
+    forward = _split_over_batch_and_heads(kernel, operands=3, results=1)
+    backward = _split_over_batch_and_heads(pullback, operands=4, results=3)
+    attend = jax.custom_vjp(forward)
+    attend.defvjp(
+        lambda q, k, v: (forward(q, k, v), (q, k, v)), lambda saved, g: backward(*saved, g)
+    )
+    return attend
+
+
+def _split_over_batch_and_heads(fn, operands: int, results: int):
+    """``fn`` of (B, H, L, E) arrays (q, k, v, then q-shaped ones; its results q's, k's and v's
+    shapes) as an op the partitioner splits over B and H as q is split, gathering L and E
+    where they are split: attention's rows of one batch and head never meet another's."""
+    split = custom_partitioning(fn)
+
+    def layouts(mesh, arg_shapes) -> tuple:
+        spec = (*getattr(arg_shapes[0].sharding, "spec", ()), None, None)
+        each = NamedSharding(mesh, PartitionSpec(spec[0], spec[1], None, None))
+        return (each,) * operands, each if results == 1 else (each,) * results
+
+    def partition(mesh, arg_shapes, result_shape):
+        inputs, outputs = layouts(mesh, arg_shapes)
+        return mesh, fn, outputs, inputs
+
+    def infer(mesh, arg_shapes, result_shape):  # the GSPMD partitioner's question (no Shardy)
+        return layouts(mesh, arg_shapes)[1]
+
+    taken = ("b h q d", "b h k d", "b h k d", "b h q d")[:operands]
+    given = ("b h q d", "b h k d", "b h k d")[:results]
+    split.def_partition(
+        partition,
+        infer_sharding_from_operands=infer,
+        sharding_rule=f"{', '.join(taken)} -> {', '.join(given)}",
+        need_replication_factors=("q", "d", "k"),  # Shardy's order: as the factors first appear
+    )
+    return split
 
 
 def _kernel_types(impl: str):
