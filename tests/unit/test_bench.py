@@ -300,3 +300,60 @@ def test_w7gpus_compiled_steps_lower_for_cuda(monkeypatch, path):
         spmd_torch.auto_capture(False)
     assert text.count("__cudnn$fmhaSoftmaxBackward(") == cfg.layers
     assert text.count("__cudnn$fmhaSoftmax(") >= cfg.layers
+
+
+def _wlong_tiny_steps(steps: int, fsdp: bool) -> tuple[list[float], list]:
+    """Losses and final parameters of ``steps`` float32 AdamW steps of Wlong's Llama at tiny
+    widths, from seed 0's weights; with ``fsdp``, each 2-d parameter split over 8 devices."""
+    import numpy as np
+    import torch
+
+    import spmd_torch
+    import spmd_torch.distributed.spmd as xs
+    from tools.bench import llama, long, models
+
+    cfg = long.LONG_TINY
+    dev = spmd_torch.device()
+    model = long.new_model(cfg).to(dev)
+    if fsdp:
+        mesh = xs.Mesh(np.arange(8), (8,), ("fsdp",))
+        for p in model.parameters():
+            if p.dim() == 2:
+                xs.mark_sharding(p, mesh, ("fsdp", None))
+    batch = [torch.from_numpy(a).to(dev) for a in llama.llama_data(cfg)]
+    opt = models.new_adamw(model)
+    losses = []
+    for _ in range(steps):
+        loss = models.gpt_loss(model, *batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        spmd_torch.sync()
+        losses.append(loss.item())
+    return losses, [p.detach().cpu() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["one_device", "fsdp8"])
+def test_wlongs_step_on_the_tpu_path_equals_this_hosts(monkeypatch, fsdp):
+    """Wlong's Llama (grouped heads, causal attention at seq 128) trained on the TPU path, its
+    attention the Pallas flash kernel run by Pallas's interpreter (on 8 devices, split by the
+    partitioner's rule, over batch), gives this host's path's losses and weights (attention
+    blockwise or plain) after 3 AdamW steps."""
+    import spmd_torch.runtime as xr
+    from spmd_torch._lazy import counters
+    from tests.helpers import assert_close, pallas_interpreted
+
+    if fsdp:
+        xr.use_spmd()
+    try:
+        losses, weights = _wlong_tiny_steps(3, fsdp)
+        before = counters.COUNTERS.get("Attention::pallas", 0)
+        with pallas_interpreted(monkeypatch):
+            tpu_losses, tpu_weights = _wlong_tiny_steps(3, fsdp)
+        assert counters.COUNTERS.get("Attention::pallas", 0) > before
+    finally:
+        if fsdp:
+            xr.reset()
+    assert losses[-1] < losses[0]
+    assert_close(tpu_losses, losses, tol="training")
+    assert_close(tpu_weights, weights, tol="training")

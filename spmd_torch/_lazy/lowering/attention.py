@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 import math
 from functools import cache, partial
 
@@ -440,13 +441,12 @@ def _split_flash(causal: bool, scale: float):
 
 def _split_over_batch_and_heads(fn, operands: int, results: int):
     """``fn`` of (B, H, L, E) arrays (q, k, v, then q-shaped ones; its results q's, k's and v's
-    shapes) as an op the partitioner splits over B and H as q is split, gathering L and E
-    where they are split: attention's rows of one batch and head never meet another's."""
+    shapes) as an op the partitioner splits over B and H (``_layout``), gathering L and E where
+    they are split: attention's rows of one batch and head never meet another's."""
     split = custom_partitioning(fn)
 
     def layouts(mesh, arg_shapes) -> tuple:
-        spec = (*getattr(arg_shapes[0].sharding, "spec", ()), None, None)
-        each = NamedSharding(mesh, PartitionSpec(spec[0], spec[1], None, None))
+        each = _layout(mesh, arg_shapes[0])
         return (each,) * operands, each if results == 1 else (each,) * results
 
     def partition(mesh, arg_shapes, result_shape):
@@ -461,10 +461,43 @@ def _split_over_batch_and_heads(fn, operands: int, results: int):
     split.def_partition(
         partition,
         infer_sharding_from_operands=infer,
+        decode_shardings=False,  # a layout over parts of a mesh axis has no PartitionSpec
         sharding_rule=f"{', '.join(taken)} -> {', '.join(given)}",
         need_replication_factors=("q", "d", "k"),  # Shardy's order: as the factors first appear
     )
     return split
+
+
+def _layout(mesh, query) -> NamedSharding:
+    """How the partitioner's op splits (B, H, L, E) arrays over ``mesh``: B and H over mesh axes
+    (in the mesh's order; each axis to B, to H or to neither), placing every device's batch and
+    heads where ``query``'s layout has them where one does (then nothing moves), else splitting
+    most (XLA moves the operands: a layout over parts of an axis, as Shardy gives q when a
+    sharded projection's output dim is split into heads and head dim)."""
+    shape = query.shape
+    given = query.sharding
+    wanted = None if given is None else _batch_and_heads(given, shape)
+    sizes = dict(mesh.shape)
+    best, most = NamedSharding(mesh, PartitionSpec()), 1
+    for roles in itertools.product((0, 1, None), repeat=len(sizes)):
+        axes = [tuple(a for a, role in zip(sizes, roles) if role == d) for d in (0, 1)]
+        parts = [math.prod(sizes[a] for a in group) for group in axes]
+        if shape[0] % parts[0] or shape[1] % parts[1]:
+            continue
+        layout = NamedSharding(mesh, PartitionSpec(*(group or None for group in axes)))
+        if wanted is not None and _batch_and_heads(layout, shape) == wanted:
+            return layout
+        if parts[0] * parts[1] > most:
+            best, most = layout, parts[0] * parts[1]
+    return best
+
+
+def _batch_and_heads(sharding, shape: tuple) -> dict:
+    """Each device's slices of the first two dimensions under ``sharding``."""
+    return {
+        device: tuple((s.start, s.stop) for s in index[:2])
+        for device, index in sharding.devices_indices_map(shape).items()
+    }
 
 
 def _kernel_types(impl: str):
