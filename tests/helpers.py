@@ -400,8 +400,9 @@ def pallas_interpreted(monkeypatch):
     """Programs compiled in the block take the TPU path (attention is told the platform is a TPU)
     and run its Pallas kernels on this host through Pallas's HLO interpreter: their values, not
     only their lowering, with no TPU. The setting is global, not per thread, because a kernel the
-    partitioner splits is traced while XLA compiles. The compile cache is emptied on the way in
-    and out: the block's programs are not this host's. The interpreted kernels are large programs,
+    partitioner splits is traced while XLA compiles. The compile cache and the partitioned
+    kernels (whose traces JAX caches) are emptied on the way in and out: the block's programs are
+    not this host's. The interpreted kernels are large programs,
     and XLA's inlining propagates each op's Python traceback: a test's deep stacks made it take
     over 10 minutes for one step, so their ops carry none."""
     import jax
@@ -415,7 +416,8 @@ def pallas_interpreted(monkeypatch):
         pytest.skip("this JAX has no interpreter for Pallas TPU kernels")
     monkeypatch.setattr(attention, "_platform", lambda: "tpu")
     before = setting.get_global(), jax.config.jax_traceback_in_locations_limit
-    compile_module.clear_cache()
+    for forget in (attention._split_kernel.cache_clear, compile_module.clear_cache):
+        forget()
     setting.set_global(True)  # True: the HLO interpreter (no host callbacks)
     jax.config.update("jax_traceback_in_locations_limit", 0)
     try:
@@ -423,7 +425,58 @@ def pallas_interpreted(monkeypatch):
     finally:
         setting.set_global(before[0])
         jax.config.update("jax_traceback_in_locations_limit", before[1])
-        compile_module.clear_cache()
+        for forget in (attention._split_kernel.cache_clear, compile_module.clear_cache):
+            forget()
+
+
+def compiling_flag(monkeypatch) -> list:
+    """A flag, ``[True]`` while XLA compiles a program of the engine's: the partitioner traces
+    then what each device runs of an op it splits by a rule (lowering traced it whole, for its
+    result's shape only)."""
+    from spmd_torch._lazy import compile as compile_module
+
+    flag = [False]
+    compile_xla = compile_module._compiled
+
+    def compiled(lowered):
+        flag[0] = True
+        try:
+            return compile_xla(lowered)
+        finally:
+            flag[0] = False
+
+    monkeypatch.setattr(compile_module, "_compiled", compiled)
+    return flag
+
+
+@contextlib.contextmanager
+def cudnn_stood_in(monkeypatch):
+    """Programs compiled in the block take the NVIDIA GPU path, cuDNN's kernel chosen and
+    replaced by plain attention computing its two results (output, log-sum-exp) on this host:
+    what is around the kernel (the partitioner's rule, grouped heads, the backward) runs for
+    real. Yields the shapes of the queries the kernel is traced with while XLA compiles. The
+    compile cache and the partitioned kernels, which hold the kernel, are emptied on the way in
+    and out."""
+    from spmd_torch._lazy import compile as compile_module
+    from spmd_torch._lazy.lowering import attention
+
+    shapes, compiling = [], compiling_flag(monkeypatch)
+
+    def stand_in(q, k, v, causal, scale):
+        if compiling[0]:
+            shapes.append(tuple(q.shape))
+        return attention.blockwise_forward(q, k, v, None, causal, scale, 0.0, None, k.shape[2])
+
+    monkeypatch.setattr(attention, "_platform", lambda: "cuda")
+    monkeypatch.setitem(attention._HERE, "cudnn", stand_in)
+    for forget in (attention._split_kernel.cache_clear, compile_module.clear_cache):
+        forget()
+    try:
+        yield shapes
+    finally:
+        attention._HERE["cudnn"] = attention._cudnn_here
+        for forget in (attention._split_kernel.cache_clear, compile_module.clear_cache):
+            forget()
 
 
 @contextlib.contextmanager

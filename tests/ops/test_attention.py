@@ -27,6 +27,8 @@ from tests.helpers import (
     assert_compiles,
     assert_counter_delta,
     assert_matches_eager,
+    compiling_flag,
+    cudnn_stood_in,
     lowered_as_on,
     pallas_interpreted,
     to_cpu,
@@ -434,27 +436,17 @@ def test_dropout_draws_and_seeds_have_no_64_bit_bitcast(monkeypatch, attend):
 
 
 def _spied_kernel(monkeypatch, while_compiling: bool = False) -> list:
-    """The shapes of the queries each call of the Pallas kernel is traced with; with
-    ``while_compiling``, only while XLA compiles, where the partitioner traces what each device
-    runs of an op it splits by a rule (lowering traced it whole, for its result's shape only)."""
+    """The shapes of the queries each call of the Pallas kernel is traced with (only while XLA
+    compiles, ``while_compiling``: see ``compiling_flag``)."""
     kernel = attention._pallas_flash()
-    shapes, compiling = [], [not while_compiling]
+    shapes, compiling = [], compiling_flag(monkeypatch)
 
     def spy(q, k, v, **options):
-        if compiling[0]:
+        if compiling[0] or not while_compiling:
             shapes.append(tuple(q.shape))
         return kernel(q, k, v, **options)
 
-    def compiled(lowered):
-        compiling[0] = True
-        try:
-            return compile_xla(lowered)
-        finally:
-            compiling[0] = not while_compiling
-
-    compile_xla = compile_module._compiled
     monkeypatch.setattr(attention, "_pallas_flash", lambda: spy)
-    monkeypatch.setattr(compile_module, "_compiled", compiled)
     return shapes
 
 
@@ -503,7 +495,7 @@ def test_the_pallas_kernel_interpreted_matches_float64_attention(
     [
         ((4, 2), ("data", "model", None, None), (2, 2, 256, 32)),
         ((8,), ("data", None, None, None), (1, 4, 256, 32)),
-        ((8,), (None, None, "data", None), (8, 4, 256, 32)),  # the sequence split: gathered
+        ((8,), (None, None, "data", None), (1, 4, 256, 32)),  # sequence split: to batch
     ],
 )
 def test_sharded_attention_runs_the_pallas_kernel_on_each_devices_shards(
@@ -513,7 +505,7 @@ def test_sharded_attention_runs_the_pallas_kernel_on_each_devices_shards(
     kernel by itself (a custom call: every device would run it on gathered inputs). The kernel is
     an op it splits by a rule, over batch and heads, forward and backward: traced here by XLA's
     partitioner, every call of the kernel is on one device's shard, and the step (one program)
-    equals float64 attention. A split sequence is gathered first."""
+    equals float64 attention. A split sequence is gathered and the batch split instead."""
     xr.use_spmd()
     try:
         mesh = xs.Mesh(np.arange(8), mesh_shape, ("data", "model")[: len(mesh_shape)])
@@ -555,6 +547,81 @@ def test_sharded_attention_lowers_for_tpus_to_the_split_kernel(monkeypatch):
         assert counters.COUNTERS.get("Attention::pallas", 0) > 0
     finally:
         xr.reset()
+
+
+def test_sharded_attention_runs_cudnns_kernel_on_each_devices_shards(monkeypatch):
+    """On NVIDIA GPUs a program the partitioner splits runs cuDNN's kernel, with grouped
+    key/value heads, on each device's batch and heads, by the same rule as the Pallas kernel
+    (its forward results: the output and the log-sum-exp), forward and backward: one program,
+    each call on a (2, 4, 128, 64) shard of the (8, 8, 128, 64) queries over a (4, 2) mesh,
+    values and gradients equal to float64 attention's within bf16's rounding."""
+    xr.use_spmd()
+    try:
+        mesh = xs.Mesh(np.arange(8), (4, 2), ("data", "model"))
+        q, k, v = _qkv((8, 8, 128, 64), (8, 2, 128, 64), torch.bfloat16)
+        with cudnn_stood_in(monkeypatch) as shapes:
+            leaves = [t.to(dev).requires_grad_() for t in (q, k, v)]
+            for t in leaves:
+                xs.mark_sharding(t, mesh, ("data", "model", None, None))
+            with assert_compiles(1), assert_counter_delta("Attention::cudnn", 1):
+                out = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
+                out.float().square().sum().backward()
+                spmd_torch.sync()
+        assert shapes and set(shapes) == {(2, 4, 128, 64)}, shapes
+        wide = [t.double().requires_grad_() for t in (q, k, v)]
+        expected = F.scaled_dot_product_attention(*wide, is_causal=True, enable_gqa=True)
+        expected.square().sum().backward()
+        assert_close(out, expected.to(torch.bfloat16).detach())
+        grads = to_cpu([t.grad for t in leaves])
+        assert_close(grads, [t.grad.to(torch.bfloat16) for t in wide], tol="attention", kind="grad")
+    finally:
+        xr.reset()
+
+
+def test_inside_each_devices_function_cudnns_kernel_is_a_plain_call_on_the_shard(monkeypatch):
+    """What the partitioner's rule for the fused kernels relies on: in the function each device
+    runs (a context manual over every mesh axis, as a shard_map over all of them), JAX lowers
+    cuDNN's kernel as a plain call on the device's shard, without asking its own rule for it
+    (which refused FSDP's layouts). Lowered for CUDA with no GPU here."""
+    fused = pytest.importorskip("jax._src.cudnn.fused_attention_stablehlo")
+    monkeypatch.setattr(fused, "check_cudnn_version", lambda: 90300)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+    spec = jax.sharding.PartitionSpec("data", "model")
+    each_device = jax.shard_map(
+        lambda q, k, v: attention._cudnn_here(q, k, v, True, 0.125),
+        mesh=mesh,
+        in_specs=(spec,) * 3,
+        out_specs=(spec, spec),
+    )
+    layout = jax.sharding.NamedSharding(mesh, spec)
+    q = jax.ShapeDtypeStruct((8, 8, 128, 64), jnp.bfloat16, sharding=layout)
+    text = jax.jit(each_device).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+    assert "CustomSPMDPartitioning" not in text
+    calls = [line for line in text.splitlines() if "@__cudnn$fmhaSoftmax(" in line]
+    assert len(calls) == 1 and "tensor<2x128x4x64xbf16>" in calls[0], calls  # (B, L, H, E)
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, spec, heads, kv_heads, split",
+    [
+        ((4, 2), ("data", "model"), 8, 8, (("data",), ("model",))),  # as given
+        ((4, 2), ("model", "data"), 8, 8, (("model",), ("data",))),
+        ((4, 2), (), 8, 8, (("data", "model"), None)),  # replicated: split most, sliced
+        ((2, 4), ("data", "model"), 8, 2, (("data", "model"), None)),  # 4 parts of 2 kv heads
+        ((8,), ("data",), 8, 8, (("data",), None)),
+        ((8,), (None, "data"), 8, 8, (None, ("data",))),
+    ],
+)
+def test_the_fused_kernels_split_keeps_the_queries_layout_where_it_can(
+    mesh_shape, spec, heads, kv_heads, split
+):
+    """The partitioner's rule for a fused kernel splits batch and heads over mesh axes where the
+    queries already are, else as much as the shapes allow (``attention._layout``)."""
+    names = ("data", "model")[: len(mesh_shape)]
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(mesh_shape), names)
+    layout = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+    query = jax.ShapeDtypeStruct((8, heads, 128, 64), jnp.float32, sharding=layout)
+    assert attention._layout(mesh, query, kv_heads) == split
 
 
 def test_inference_mode_records_the_fused_op_and_no_dropout_call_keeps_the_random_stream():

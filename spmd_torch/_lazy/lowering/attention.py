@@ -8,15 +8,17 @@ dropout, which forward and backward share, so both halves of one attention use o
   NVIDIA GPUs, for bf16/fp16 without a mask tensor or dropout, head dims a multiple of 8 up to 128,
   causal only for square attention (where cuDNN's diagonal is PyTorch's);
 - ``pallas``: the Pallas flash kernel on TPU, without a mask tensor or dropout, sequence lengths a
-  multiple of 128 (grouped key/value heads are repeated). Where the partitioner splits the program
-  (SPMD) the kernel is a ``custom_partitioning`` op split over batch and heads: each device runs
-  it on its own shards (``_split_over_batch_and_heads``);
+  multiple of 128 (grouped key/value heads are repeated);
 - ``plain``: the scores materialised and softmaxed whole, which XLA fuses: up to
   ``PLAIN_MAX_KEYS`` keys on CPU, where it is as fast as the blockwise form or faster;
 - ``blockwise``: everywhere else, an online softmax over blocks of ``BLOCK`` keys (``lax.scan``)
   that saves the log-sum-exp; the backward recomputes each block's probabilities from it, so memory
   grows linearly with the sequence. ``plain`` is the same code with one block, called once (no
   loop).
+
+Where XLA's partitioner splits the program (SPMD), either fused kernel is a ``custom_partitioning``
+op with a rule of ours, split over batch and heads, each device running the kernel on its own
+shards (``_split_kernel``).
 
 The forward's second result is the float32 log-sum-exp of the scaled, masked scores, less a float
 mask's largest value in each row (see ``_Problem``); only the blockwise backward reads it, the
@@ -101,10 +103,10 @@ def choose(
 
 
 # Whether the program being traced is split by XLA's partitioner over several devices (SPMD),
-# outside its manual regions: set by compile while it traces one. The Pallas kernel is a custom
-# call the partitioner cannot split by itself (it would run on inputs gathered on every device),
-# so there it is wrapped in a rule that tells how (``_split_over_batch_and_heads``); inside a
-# manual region each device runs it on its own shards as it is.
+# outside its manual regions: set by compile while it traces one. A fused kernel is a custom call
+# the partitioner cannot split by itself (the Pallas kernel would run on inputs gathered on every
+# device), so there it is an op with a rule that tells how (``_split_kernel``); inside a manual
+# region each device runs it on its own shards as it is.
 _PARTITIONED = contextvars.ContextVar("attention_partitioned", default=False)
 
 
@@ -390,6 +392,10 @@ def _unblock(blocks, length: int, axis: int = 2):
 
 def _cudnn(q, k, v, causal: bool, scale: float):
     """cuDNN flash attention on (B, H, L, E) arrays: (output, log-sum-exp)."""
+    return _fused("cudnn", q, k, v, causal, scale)
+
+
+def _cudnn_here(q, k, v, causal: bool, scale: float) -> tuple:
     out, lse = jax.nn.dot_product_attention(
         *(x.transpose(0, 2, 1, 3) for x in (q, k, v)),  # JAX's layout: (B, L, H, E)
         scale=scale,
@@ -401,53 +407,88 @@ def _cudnn(q, k, v, causal: bool, scale: float):
 
 
 def _pallas(q, k, v, causal: bool, scale: float):
-    """The Pallas TPU flash kernel on (B, H, L, E) arrays, key/value heads repeated per group; on
-    each device's batch and heads where the partitioner splits the program."""
+    """The Pallas TPU flash kernel on (B, H, L, E) arrays, key/value heads repeated per group."""
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
-    if _PARTITIONED.get():
-        return _split_flash(causal, scale)(q, k, v)
-    return _flash(q, k, v, causal, scale)
+    return _fused("pallas", q, k, v, causal, scale)[0]
 
 
-def _flash(q, k, v, causal: bool, scale: float):
+def _pallas_here(q, k, v, causal: bool, scale: float) -> tuple:
     with _kernel_types("pallas"):
-        return _pallas_flash()(q, k, v, causal=causal, sm_scale=scale)
+        return (_pallas_flash()(q, k, v, causal=causal, sm_scale=scale),)
+
+
+_HERE = {"cudnn": _cudnn_here, "pallas": _pallas_here}  # (q, k, v, causal, scale) -> results
+
+
+def _fused(impl: str, q, k, v, causal: bool, scale: float) -> tuple:
+    """Fused kernel ``impl``'s results; on each device's batch and heads where the partitioner
+    splits the program."""
+    if _PARTITIONED.get():
+        return _split_kernel(impl, causal, scale)(q, k, v)
+    return _HERE[impl](q, k, v, causal, scale)
+
+
+_QKV = ("b h q d", "b g k d", "b g k d")  # q's, k's and v's dimensions, named as
+# ``_split_over_batch_and_heads`` reads them
+_OUTPUTS = {"cudnn": ("b h q d", "b h q"), "pallas": ("b h q d",)}
+
+
+# --- the fused kernels in a program the partitioner splits --------------------------------------
+#
+# A fused kernel is a custom call, which XLA's partitioner cannot split by itself. JAX gives
+# cuDNN's a rule, but that rule reads the operands' layouts as PartitionSpecs over the mesh: it
+# raised IndivisibleError while XLA compiled an FSDP step, where Shardy splits a sharded
+# projection's output dim into heads and head dim over parts of the mesh axis, which no
+# PartitionSpec names. Here each kernel is an op with a rule of ours, which takes any layout;
+# inside, each device runs the kernel on its own batch and heads (JAX's rule is not asked there:
+# nothing is left to split).
 
 
 @cache
-def _split_flash(causal: bool, scale: float):
-    """The kernel as an op the partitioner splits over batch and heads, differentiable: forward,
-    each device runs it on its shards of q, k and v; backward, on those and the cotangent's,
-    differentiating it there (its forward runs again inside: the residuals it saves are the
-    kernel's own, which cannot leave the shard's function)."""
+def _split_kernel(impl: str, causal: bool, scale: float):
+    """Kernel ``impl`` (``_HERE``) as an op the partitioner splits over batch and heads,
+    differentiable: forward, each device runs it on its shards of q, k and v; backward, on those
+    and the output's cotangent, differentiating it there (its forward runs again inside: the
+    residuals it saves are the kernel's own, which cannot leave the shard's function). Results
+    after the output (cuDNN's log-sum-exp, a residual) take no cotangent."""
+    kernel = _HERE[impl]
 
-    def kernel(q, k, v):  # positional only: custom_partitioning binds no keywords
-        return _flash(q, k, v, causal, scale)
+    def forward_here(q, k, v):  # positional only: custom_partitioning binds no keywords
+        return kernel(q, k, v, causal, scale)
 
-    def pullback(q, k, v, cotangent):
-        with _kernel_types("pallas"):
-            return jax.vjp(kernel, q, k, v)[1](cotangent)
+    def pullback_here(q, k, v, cotangent):
+        with _kernel_types(impl):
+            return jax.vjp(lambda *qkv: forward_here(*qkv)[0], q, k, v)[1](cotangent)
 
-    forward = _split_over_batch_and_heads(kernel, operands=3, results=1)
-    backward = _split_over_batch_and_heads(pullback, operands=4, results=3)
+    forward = _split_over_batch_and_heads(forward_here, _QKV, _OUTPUTS[impl])
+    backward = _split_over_batch_and_heads(pullback_here, (*_QKV, "b h q d"), _QKV)
     attend = jax.custom_vjp(forward)
     attend.defvjp(
-        lambda q, k, v: (forward(q, k, v), (q, k, v)), lambda saved, g: backward(*saved, g)
+        lambda q, k, v: (forward(q, k, v), (q, k, v)),
+        lambda saved, cotangents: backward(*saved, cotangents[0]),
     )
     return attend
 
 
-def _split_over_batch_and_heads(fn, operands: int, results: int):
-    """``fn`` of (B, H, L, E) arrays (q, k, v, then q-shaped ones; its results q's, k's and v's
-    shapes) as an op the partitioner splits over B and H (``_layout``), gathering L and E where
-    they are split: attention's rows of one batch and head never meet another's."""
+def _split_over_batch_and_heads(fn, operands: tuple, results: tuple):
+    """``fn`` of (q, k, v, ...) as an op the partitioner splits over batch and heads
+    (``_layout``), gathering every other dimension where it is split: attention's rows of one
+    batch and head never meet another's. ``operands`` and ``results`` name each array's
+    dimensions: ``b``, ``h`` (query heads), ``g`` (key/value heads), ``q`` and ``k`` (query and
+    key positions), ``d``."""
     split = custom_partitioning(fn)
 
     def layouts(mesh, arg_shapes) -> tuple:
-        each = _layout(mesh, arg_shapes[0])
-        return (each,) * operands, each if results == 1 else (each,) * results
+        batch, heads = _layout(mesh, arg_shapes[0], arg_shapes[1].shape[1])
+
+        def of(dims: str) -> NamedSharding:
+            return NamedSharding(
+                mesh, PartitionSpec(batch, heads, *[None] * (len(dims.split()) - 2))
+            )
+
+        return tuple(map(of, operands)), tuple(map(of, results))
 
     def partition(mesh, arg_shapes, result_shape):
         inputs, outputs = layouts(mesh, arg_shapes)
@@ -456,39 +497,38 @@ def _split_over_batch_and_heads(fn, operands: int, results: int):
     def infer(mesh, arg_shapes, result_shape):  # the GSPMD partitioner's question (no Shardy)
         return layouts(mesh, arg_shapes)[1]
 
-    taken = ("b h q d", "b h k d", "b h k d", "b h q d")[:operands]
-    given = ("b h q d", "b h k d", "b h k d")[:results]
     split.def_partition(
         partition,
         infer_sharding_from_operands=infer,
         decode_shardings=False,  # a layout over parts of a mesh axis has no PartitionSpec
-        sharding_rule=f"{', '.join(taken)} -> {', '.join(given)}",
+        sharding_rule=f"{', '.join(operands)} -> {', '.join(results)}",
         need_replication_factors=("q", "d", "k"),  # Shardy's order: as the factors first appear
     )
     return split
 
 
-def _layout(mesh, query) -> NamedSharding:
-    """How the partitioner's op splits (B, H, L, E) arrays over ``mesh``: B and H over mesh axes
-    (in the mesh's order; each axis to B, to H or to neither), placing every device's batch and
-    heads where ``query``'s layout has them where one does (then nothing moves), else splitting
-    most (XLA moves the operands: a layout over parts of an axis, as Shardy gives q when a
-    sharded projection's output dim is split into heads and head dim)."""
+def _layout(mesh, query, kv_heads: int) -> tuple:
+    """The mesh axes batch and heads are split over (PartitionSpec entries): each mesh axis goes
+    to the batch, to the heads (dividing the key/value heads too) or to neither, in the mesh's
+    order. The split placing each device's batch and heads where ``query``'s split layout has
+    them, where there is one (then nothing moves), else the one splitting most: XLA slices
+    replicated operands, and moves others (a layout over parts of a mesh axis, as Shardy gives
+    q under FSDP, has no such split)."""
     shape = query.shape
-    given = query.sharding
-    wanted = None if given is None else _batch_and_heads(given, shape)
+    wanted = None if query.sharding is None else _batch_and_heads(query.sharding, shape)
     sizes = dict(mesh.shape)
-    best, most = NamedSharding(mesh, PartitionSpec()), 1
+    best, most = (None, None), 1
     for roles in itertools.product((0, 1, None), repeat=len(sizes)):
-        axes = [tuple(a for a, role in zip(sizes, roles) if role == d) for d in (0, 1)]
-        parts = [math.prod(sizes[a] for a in group) for group in axes]
-        if shape[0] % parts[0] or shape[1] % parts[1]:
+        axes = [tuple(a for a, role in zip(sizes, roles) if role == d) or None for d in (0, 1)]
+        parts = [math.prod(sizes[a] for a in group or ()) for group in axes]
+        if shape[0] % parts[0] or shape[1] % parts[1] or kv_heads % parts[1]:
             continue
-        layout = NamedSharding(mesh, PartitionSpec(*(group or None for group in axes)))
-        if wanted is not None and _batch_and_heads(layout, shape) == wanted:
-            return layout
+        if wanted is not None and parts[0] * parts[1] > 1:
+            layout = NamedSharding(mesh, PartitionSpec(*axes))
+            if _batch_and_heads(layout, shape) == wanted:
+                return tuple(axes)
         if parts[0] * parts[1] > most:
-            best, most = layout, parts[0] * parts[1]
+            best, most = tuple(axes), parts[0] * parts[1]
     return best
 
 
