@@ -395,20 +395,35 @@ def lowered_as_on(platform: str, tensors: list, monkeypatch):
     return traced.lower(lowering_platforms=(platform,))
 
 
+def _forget_on_another_platform() -> list:
+    """What a process keeps of its programs that holds its platform's choices: the compile cache,
+    the fused kernels' differentiable wrappers (whose traces JAX caches), scans' residual
+    shapes."""
+    from spmd_torch._lazy import compile as compile_module
+    from spmd_torch._lazy import loop
+    from spmd_torch._lazy.lowering import attention
+
+    return [
+        attention._pallas_kernel.cache_clear,
+        attention._split_kernel.cache_clear,
+        compile_module.clear_cache,
+        loop._RESIDUALS.clear,
+    ]
+
+
 @contextlib.contextmanager
 def pallas_interpreted(monkeypatch):
     """Programs compiled in the block take the TPU path (attention is told the platform is a TPU)
     and run its Pallas kernels on this host through Pallas's HLO interpreter: their values, not
     only their lowering, with no TPU. The setting is global, not per thread, because a kernel the
-    partitioner splits is traced while XLA compiles. The compile cache and the partitioned
-    kernels (whose traces JAX caches) are emptied on the way in and out: the block's programs are
-    not this host's. The interpreted kernels are large programs,
-    and XLA's inlining propagates each op's Python traceback: a test's deep stacks made it take
-    over 10 minutes for one step, so their ops carry none."""
+    partitioner splits is traced while XLA compiles. What the process keeps of this host's
+    programs is forgotten on the way in and out (``_forget_on_another_platform``). The
+    interpreted kernels are large programs, and XLA's inlining propagates each op's Python
+    traceback: a test's deep stacks made it take over 10 minutes for one step, so their ops
+    carry none."""
     import jax
     from jax._src import config as jax_config
 
-    from spmd_torch._lazy import compile as compile_module
     from spmd_torch._lazy.lowering import attention
 
     setting = getattr(jax_config, "pallas_tpu_interpret_mode_context_manager", None)
@@ -416,7 +431,7 @@ def pallas_interpreted(monkeypatch):
         pytest.skip("this JAX has no interpreter for Pallas TPU kernels")
     monkeypatch.setattr(attention, "_platform", lambda: "tpu")
     before = setting.get_global(), jax.config.jax_traceback_in_locations_limit
-    for forget in (attention._split_kernel.cache_clear, compile_module.clear_cache):
+    for forget in _forget_on_another_platform():
         forget()
     setting.set_global(True)  # True: the HLO interpreter (no host callbacks)
     jax.config.update("jax_traceback_in_locations_limit", 0)
@@ -425,7 +440,7 @@ def pallas_interpreted(monkeypatch):
     finally:
         setting.set_global(before[0])
         jax.config.update("jax_traceback_in_locations_limit", before[1])
-        for forget in (attention._split_kernel.cache_clear, compile_module.clear_cache):
+        for forget in _forget_on_another_platform():
             forget()
 
 
@@ -454,10 +469,9 @@ def cudnn_stood_in(monkeypatch):
     """Programs compiled in the block take the NVIDIA GPU path, cuDNN's kernel chosen and
     replaced by plain attention computing its two results (output, log-sum-exp) on this host:
     what is around the kernel (the partitioner's rule, grouped heads, the backward) runs for
-    real. Yields the shapes of the queries the kernel is traced with while XLA compiles. The
-    compile cache and the partitioned kernels, which hold the kernel, are emptied on the way in
-    and out."""
-    from spmd_torch._lazy import compile as compile_module
+    real. Yields the shapes of the queries the kernel is traced with while XLA compiles. What
+    the process keeps of this host's programs is forgotten on the way in and out
+    (``_forget_on_another_platform``)."""
     from spmd_torch._lazy.lowering import attention
 
     shapes, compiling = [], compiling_flag(monkeypatch)
@@ -469,13 +483,13 @@ def cudnn_stood_in(monkeypatch):
 
     monkeypatch.setattr(attention, "_platform", lambda: "cuda")
     monkeypatch.setitem(attention._HERE, "cudnn", stand_in)
-    for forget in (attention._split_kernel.cache_clear, compile_module.clear_cache):
+    for forget in _forget_on_another_platform():
         forget()
     try:
         yield shapes
     finally:
         attention._HERE["cudnn"] = attention._cudnn_here
-        for forget in (attention._split_kernel.cache_clear, compile_module.clear_cache):
+        for forget in _forget_on_another_platform():
             forget()
 
 

@@ -211,6 +211,14 @@ class _Step(NamedTuple):
 _SCALAR_KINDS = {torch.float64: np.dtype(np.float64), torch.int64: np.dtype(np.int64)}
 
 
+def splits_programs() -> bool:
+    """Whether XLA's partitioner splits the current mode's programs over several devices (SPMD):
+    attention's fused kernels are traced there as ops with a partitioning rule
+    (``attention.partitioned``), whose residuals differ from the kernels'."""
+    replicated = current().mode.replicated
+    return replicated is not None and replicated.num_devices > 1
+
+
 def build_function(
     program: Program,
     donated: tuple,
@@ -238,8 +246,7 @@ def build_function(
     outputs = program.located
 
     parts = scalar_parts_of(program)
-    replicated = current().mode.replicated
-    split = replicated is not None and replicated.num_devices > 1  # by XLA's partitioner
+    split = splits_programs()
 
     def run(donated_inputs, kept_inputs, scalar_inputs):
         with attention.partitioned(split):

@@ -31,11 +31,11 @@ from torch.overrides import TorchFunctionMode
 
 from . import compiled, execute, rng
 from .collective import COLLECTIVES
-from .compile import build_function
+from .compile import build_function, splits_programs
 from .compiled import placeholder, recording
 from .engine import current
 from .graph import Arg, Aval, Node, aval_text, linearize
-from .lowering import EngineOp, lowers
+from .lowering import EngineOp, attention, lowers
 from .lowering.dtypes import to_jax_dtype, to_torch_dtype
 from .tensor import SEVERAL_DEVICES, LazyTensor, wrap
 
@@ -365,17 +365,21 @@ class Scan(_Loop):
         return values, [_struct(a) for a in self.body.consts], packed
 
     def residuals(self) -> tuple:
-        """The avals of the pullback's residuals (one trace of the scan, once per structure)."""
-        found = _RESIDUALS.get(self)
+        """The avals of the pullback's residuals (one trace of the scan, once per structure and
+        mode kind: where the partitioner splits programs, attention's fused kernels save other
+        residuals, as the lowering traces them)."""
+        key = (self, splits_programs())
+        found = _RESIDUALS.get(key)
         if found is None:
-            leaves = jax.eval_shape(
-                lambda *a: jax.tree.leaves(self.pullback(*a)[1]), *self.abstract_inputs()
-            )
-            found = _RESIDUALS[self] = tuple(_torch_aval(leaf) for leaf in leaves)
+            with attention.partitioned(key[1]):
+                leaves = jax.eval_shape(
+                    lambda *a: jax.tree.leaves(self.pullback(*a)[1]), *self.abstract_inputs()
+                )
+            found = _RESIDUALS[key] = tuple(_torch_aval(leaf) for leaf in leaves)
         return found
 
 
-_RESIDUALS: dict = {}  # a differentiated Scan -> its residuals' avals
+_RESIDUALS: dict = {}  # (a differentiated Scan, splits_programs()) -> its residuals' avals
 
 
 def _struct(aval: Aval) -> jax.ShapeDtypeStruct:

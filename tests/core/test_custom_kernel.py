@@ -16,7 +16,9 @@ from spmd_torch.experimental.custom_kernel import DEFAULT_MASK_VALUE, flash_atte
 from tests.helpers import (
     assert_close,
     assert_compiles,
+    assert_counter_delta,
     lowered_as_on,
+    pallas_interpreted,
     reference,
     to_cpu,
     tolerance,
@@ -277,6 +279,37 @@ def test_a_partition_spec_runs_the_kernel_on_each_devices_shards(monkeypatch):
         expected = attention_float64(*leaves64, causal=True, sm_scale=0.125)
         grads64 = torch.autograd.grad(expected, leaves64, cotangent.double())
         assert_close(out, expected.to(torch.bfloat16), **tolerance(torch.bfloat16))
+        assert_close(
+            list(grads), [g.to(torch.bfloat16) for g in grads64], tol="attention", kind="grad"
+        )
+    finally:
+        xr.reset()
+
+
+def test_a_partition_spec_on_the_tpu_path_runs_the_kernel_per_shard_with_float64s_values(
+    monkeypatch,
+):
+    """The same call on the TPU path with its values: the Pallas kernel, run by Pallas's
+    interpreter inside each manual region, on (2, 2, 128, 64) shards, gives float64 attention's
+    output and gradients."""
+    xr.use_spmd()
+    try:
+        mesh = xs.Mesh(np.arange(8), (4, 2), ("fsdp", "tensor"))
+        q, k, v = (t.to(torch.bfloat16) for t in _qkv((8, 4, 128, 64)))
+        cotangent = _randn(*q.shape, seed=9).to(torch.bfloat16)
+        with pallas_interpreted(monkeypatch):
+            leaves = [t.to(dev).requires_grad_() for t in (q, k, v)]
+            spec = ("fsdp", "tensor", None, None)
+            with assert_counter_delta("Attention::pallas", 1):
+                out = flash_attention(
+                    *leaves, causal=True, sm_scale=0.125, partition_spec=spec, mesh=mesh
+                )
+                grads = torch.autograd.grad(out, leaves, cotangent.to(dev))
+                spmd_torch.sync()
+        leaves64 = [t.double().requires_grad_() for t in (q, k, v)]
+        expected = attention_float64(*leaves64, causal=True, sm_scale=0.125)
+        grads64 = torch.autograd.grad(expected, leaves64, cotangent.double())
+        assert_close(out, expected.to(torch.bfloat16), tol="flash_kernel")
         assert_close(
             list(grads), [g.to(torch.bfloat16) for g in grads64], tol="attention", kind="grad"
         )

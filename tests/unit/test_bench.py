@@ -371,3 +371,65 @@ def test_wlongs_step_on_the_accelerators_path_equals_this_hosts(monkeypatch, pla
     assert_close(torch.tensor(their_losses), torch.tensor(losses), tol="training")
     if not bf16:  # under bf16 a near-zero gradient's sign, so AdamW's step there, is rounding's
         assert_close(their_weights, weights, tol="training")
+
+
+def _scanned_decoder_grads(fsdp: bool, bf16: bool) -> tuple[float, list]:
+    """The loss and gradients of one step of Wscan's decoder, its 2 layers under ``scan_layers``
+    (which JAX differentiates as one scan), at seq 128, from seed 0's weights."""
+    import contextlib
+    from dataclasses import replace
+
+    import numpy as np
+    import torch
+
+    import spmd_torch
+    import spmd_torch.amp as amp
+    import spmd_torch.distributed.spmd as xs
+    from tools.bench import scan
+    from tools.bench.models import gpt_loss
+
+    cfg = replace(scan.CFG, seq=128, layers=2)
+    dev = spmd_torch.device()
+    model = scan._new_decoder(cfg, scanned=True).to(dev)
+    if fsdp:
+        mesh = xs.Mesh(np.arange(8), (8,), ("fsdp",))
+        for p in model.parameters():
+            if p.dim() == 2:
+                xs.mark_sharding(p, mesh, ("fsdp", None))
+    idx, tgt = (torch.from_numpy(a).to(dev) for a in scan._data(cfg))
+    with amp.autocast(dev, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+        loss = gpt_loss(model, idx, tgt)
+    loss.backward()
+    spmd_torch.sync()
+    return loss.item(), [p.grad.cpu() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["one_device", "fsdp8"])
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_scan_layers_on_the_accelerators_path_equals_this_hosts(monkeypatch, platform, fsdp):
+    """A decoder under ``scan_layers`` on an accelerator's path (as in the test above) gives this
+    host's loss and gradients. JAX differentiates the scan's body itself, outside the contexts
+    the lowering sets: the Pallas kernel's backward failed to trace there under x64, and over 8
+    devices the scan's residuals were counted for this host's attention, not the fused kernel's
+    (``lowering of scan returned 41 outputs, expected 59``)."""
+    import torch
+
+    import spmd_torch.runtime as xr
+    from tests.helpers import assert_close, cudnn_stood_in, pallas_interpreted, tolerance
+
+    accelerator = pallas_interpreted if platform == "tpu" else cudnn_stood_in
+    bf16 = platform == "cuda"
+    if fsdp:
+        xr.use_spmd()
+    try:
+        loss, grads = _scanned_decoder_grads(fsdp, bf16)
+        with accelerator(monkeypatch):
+            their_loss, their_grads = _scanned_decoder_grads(fsdp, bf16)
+    finally:
+        if fsdp:
+            xr.reset()
+    assert_close(torch.tensor(their_loss), torch.tensor(loss), tol="training")
+    if bf16:  # the two attentions' bf16 products round apart: a bf16 ulp
+        assert_close(their_grads, grads, **tolerance(torch.bfloat16, "grad"))
+    else:
+        assert_close(their_grads, grads, tol="training", kind="grad")

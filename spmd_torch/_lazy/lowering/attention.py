@@ -415,8 +415,26 @@ def _pallas(q, k, v, causal: bool, scale: float):
 
 
 def _pallas_here(q, k, v, causal: bool, scale: float) -> tuple:
-    with _kernel_types("pallas"):
-        return (_pallas_flash()(q, k, v, causal=causal, sm_scale=scale),)
+    return (_pallas_kernel(causal, scale)(q, k, v),)
+
+
+@cache
+def _pallas_kernel(causal: bool, scale: float):
+    """The Pallas flash kernel on (q, k, v), traced with 64-bit types off forward and backward
+    wherever JAX traces them: JAX differentiates a scan's body (``scan_layers``) outside any
+    context the lowering sets, and the kernel's backward failed to trace there under x64."""
+
+    def kernel(q, k, v):
+        with _kernel_types("pallas"):
+            return _pallas_flash()(q, k, v, causal=causal, sm_scale=scale)
+
+    def pullback(saved, cotangent):
+        with _kernel_types("pallas"):
+            return jax.vjp(kernel, *saved)[1](cotangent)
+
+    attend = jax.custom_vjp(kernel)
+    attend.defvjp(lambda q, k, v: (kernel(q, k, v), (q, k, v)), pullback)
+    return attend
 
 
 _HERE = {"cudnn": _cudnn_here, "pallas": _pallas_here}  # (q, k, v, causal, scale) -> results
