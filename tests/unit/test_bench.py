@@ -433,3 +433,68 @@ def test_scan_layers_on_the_accelerators_path_equals_this_hosts(monkeypatch, pla
         assert_close(their_grads, grads, **tolerance(torch.bfloat16, "grad"))
     else:
         assert_close(their_grads, grads, tol="training", kind="grad")
+
+
+def _w7gpu_fsdp_losses(path: str, steps: int = 4) -> list[float]:
+    """W7gpu's GPT-2 at tiny widths, FSDP over 8, bf16 autocast and AdamW: ``steps`` losses with
+    automatic capture on (``capture``) or the forward under ``torch.compile`` (``compile``)."""
+    import numpy as np
+    import torch
+
+    import spmd_torch
+    import spmd_torch.amp as amp
+    import spmd_torch.distributed.spmd as xs
+    from spmd_torch.core import auto_capture
+    from tools.bench import models
+
+    cfg = gpu.GPT2_TINY
+    dev = spmd_torch.device()
+    torch.manual_seed(0)
+    model = gpu.new_gpt2(cfg).to(dev)
+    mesh = xs.Mesh(np.arange(8), (8,), ("fsdp",))
+    for p in model.parameters():
+        if p.dim() == 2:
+            xs.mark_sharding(p, mesh, ("fsdp", None))
+    forward = torch.compile(model, backend="spmd_torch") if path == "compile" else model
+    batch = [torch.from_numpy(a).to(dev) for a in gpu.gpt2_data(cfg)]
+    opt = models.new_adamw(model)
+    spmd_torch.auto_capture(path == "capture")
+    losses = []
+    try:
+        for _ in range(steps):
+            with amp.autocast(dev, dtype=torch.bfloat16):
+                loss = models.gpt_loss(forward, *batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            spmd_torch.sync()
+            losses.append(loss.item())
+        if path == "capture":
+            assert auto_capture.callables() == {"captured": ["GPT2.forward", "AdamW.step"]}
+    finally:
+        spmd_torch.auto_capture(False)
+    return losses
+
+
+@pytest.mark.parametrize("path", ["capture", "compile"])
+def test_w7gpus_compiled_steps_under_fsdp_on_the_gpu_path_equal_this_hosts(monkeypatch, path):
+    """W7gpu's compiled rows under FSDP over 8 devices on the NVIDIA GPU path (cuDNN's kernel
+    stood in for, split by the partitioner's rule inside Dynamo's graphs): automatic capture's
+    and ``torch.compile``'s losses over 4 steps equal this host's path's."""
+    import torch
+
+    import spmd_torch.runtime as xr
+    from spmd_torch._lazy import counters
+    from tests.helpers import assert_close, cudnn_stood_in
+
+    xr.use_spmd()
+    try:
+        losses = _w7gpu_fsdp_losses(path)
+        before = counters.COUNTERS.get("Attention::cudnn", 0)
+        with cudnn_stood_in(monkeypatch):
+            their_losses = _w7gpu_fsdp_losses(path)
+        assert counters.COUNTERS.get("Attention::cudnn", 0) > before
+    finally:
+        xr.reset()
+    assert losses[-1] < losses[0]
+    assert_close(torch.tensor(their_losses), torch.tensor(losses), tol="training")
