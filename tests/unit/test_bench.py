@@ -302,39 +302,57 @@ def test_w7gpus_compiled_steps_lower_for_cuda(monkeypatch, path):
     assert text.count("__cudnn$fmhaSoftmax(") >= cfg.layers
 
 
-def _wlong_tiny_steps(steps: int, fsdp: bool, bf16: bool) -> tuple[list[float], list]:
-    """Losses and final parameters of ``steps`` AdamW steps of Wlong's Llama at tiny widths, from
-    seed 0's weights, in float32 or under bf16 autocast; with ``fsdp``, each 2-d parameter split
-    over 8 devices."""
+def _split_fsdp(model) -> None:
+    """Each 2-d parameter of ``model`` split over 8 devices along its first dimension (FSDP)."""
+    import numpy as np
+
+    import spmd_torch.distributed.spmd as xs
+
+    mesh = xs.Mesh(np.arange(8), (8,), ("fsdp",))
+    for p in model.parameters():
+        if p.dim() == 2:
+            xs.mark_sharding(p, mesh, ("fsdp", None))
+
+
+def _train(forward, opt, batch: list, steps: int, bf16: bool) -> list[float]:
+    """``steps`` steps of ``opt`` on a model called through ``forward`` on ``batch``, in float32
+    or under bf16 autocast: their losses."""
     import contextlib
 
-    import numpy as np
     import torch
 
     import spmd_torch
     import spmd_torch.amp as amp
-    import spmd_torch.distributed.spmd as xs
+    from tools.bench import models
+
+    dev = spmd_torch.device()
+    losses = []
+    for _ in range(steps):
+        with amp.autocast(dev, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+            loss = models.gpt_loss(forward, *batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        spmd_torch.sync()
+        losses.append(loss.item())
+    return losses
+
+
+def _wlong_tiny_steps(steps: int, fsdp: bool, bf16: bool) -> tuple[list[float], list]:
+    """Losses and final parameters of ``steps`` AdamW steps of Wlong's Llama at tiny widths, from
+    seed 0's weights, in float32 or under bf16 autocast; with ``fsdp``, split over 8 devices."""
+    import torch
+
+    import spmd_torch
     from tools.bench import llama, long, models
 
     cfg = long.LONG_TINY
     dev = spmd_torch.device()
     model = long.new_model(cfg).to(dev)
     if fsdp:
-        mesh = xs.Mesh(np.arange(8), (8,), ("fsdp",))
-        for p in model.parameters():
-            if p.dim() == 2:
-                xs.mark_sharding(p, mesh, ("fsdp", None))
+        _split_fsdp(model)
     batch = [torch.from_numpy(a).to(dev) for a in llama.llama_data(cfg)]
-    opt = models.new_adamw(model)
-    losses = []
-    for _ in range(steps):
-        with amp.autocast(dev, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
-            loss = models.gpt_loss(model, *batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        spmd_torch.sync()
-        losses.append(loss.item())
+    losses = _train(model, models.new_adamw(model), batch, steps, bf16)
     return losses, [p.detach().cpu() for p in model.parameters()]
 
 
@@ -379,12 +397,10 @@ def _scanned_decoder_grads(fsdp: bool, bf16: bool) -> tuple[float, list]:
     import contextlib
     from dataclasses import replace
 
-    import numpy as np
     import torch
 
     import spmd_torch
     import spmd_torch.amp as amp
-    import spmd_torch.distributed.spmd as xs
     from tools.bench import scan
     from tools.bench.models import gpt_loss
 
@@ -392,10 +408,7 @@ def _scanned_decoder_grads(fsdp: bool, bf16: bool) -> tuple[float, list]:
     dev = spmd_torch.device()
     model = scan._new_decoder(cfg, scanned=True).to(dev)
     if fsdp:
-        mesh = xs.Mesh(np.arange(8), (8,), ("fsdp",))
-        for p in model.parameters():
-            if p.dim() == 2:
-                xs.mark_sharding(p, mesh, ("fsdp", None))
+        _split_fsdp(model)
     idx, tgt = (torch.from_numpy(a).to(dev) for a in scan._data(cfg))
     with amp.autocast(dev, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
         loss = gpt_loss(model, idx, tgt)
@@ -438,12 +451,9 @@ def test_scan_layers_on_the_accelerators_path_equals_this_hosts(monkeypatch, pla
 def _w7gpu_fsdp_losses(path: str, steps: int = 4) -> list[float]:
     """W7gpu's GPT-2 at tiny widths, FSDP over 8, bf16 autocast and AdamW: ``steps`` losses with
     automatic capture on (``capture``) or the forward under ``torch.compile`` (``compile``)."""
-    import numpy as np
     import torch
 
     import spmd_torch
-    import spmd_torch.amp as amp
-    import spmd_torch.distributed.spmd as xs
     from spmd_torch.core import auto_capture
     from tools.bench import models
 
@@ -451,25 +461,14 @@ def _w7gpu_fsdp_losses(path: str, steps: int = 4) -> list[float]:
     dev = spmd_torch.device()
     torch.manual_seed(0)
     model = gpu.new_gpt2(cfg).to(dev)
-    mesh = xs.Mesh(np.arange(8), (8,), ("fsdp",))
-    for p in model.parameters():
-        if p.dim() == 2:
-            xs.mark_sharding(p, mesh, ("fsdp", None))
+    _split_fsdp(model)
     forward = torch.compile(model, backend="spmd_torch") if path == "compile" else model
     batch = [torch.from_numpy(a).to(dev) for a in gpu.gpt2_data(cfg)]
     opt = models.new_adamw(model)
     spmd_torch.auto_capture(path == "capture")
-    losses = []
     try:
-        for _ in range(steps):
-            with amp.autocast(dev, dtype=torch.bfloat16):
-                loss = models.gpt_loss(forward, *batch)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            spmd_torch.sync()
-            losses.append(loss.item())
-        if path == "capture":
+        losses = _train(forward, opt, batch, steps, bf16=True)
+        if path == "capture":  # while the optimizer lives
             assert auto_capture.callables() == {"captured": ["GPT2.forward", "AdamW.step"]}
     finally:
         spmd_torch.auto_capture(False)
