@@ -363,7 +363,7 @@ def matches_eager(
     return compare
 
 
-# --- metrics -------------------------------------------------------------------------------------
+# --- the accelerators' paths, on this host -------------------------------------------------------
 
 
 def lowered_as_on(platform: str, tensors: list, monkeypatch):
@@ -491,6 +491,9 @@ def cudnn_stood_in(monkeypatch):
         attention._HERE["cudnn"] = attention._cudnn_here
         for forget in _forget_on_another_platform():
             forget()
+
+
+# --- metrics -------------------------------------------------------------------------------------
 
 
 @contextlib.contextmanager

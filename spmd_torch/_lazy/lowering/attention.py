@@ -421,15 +421,17 @@ def _pallas_here(q, k, v, causal: bool, scale: float) -> tuple:
 @cache
 def _pallas_kernel(causal: bool, scale: float):
     """The Pallas flash kernel on (q, k, v), traced with 64-bit types off forward and backward
-    wherever JAX traces them: JAX differentiates a scan's body (``scan_layers``) outside any
-    context the lowering sets, and the kernel's backward failed to trace there under x64."""
+    wherever JAX traces them. JAX's Pallas kernels are written for 32-bit types: under
+    spmd_torch's ``jax_enable_x64`` their grid indices become int64 and they fail to trace (the
+    flash kernel's ``lax.select`` of an index and a literal 0), and JAX differentiates a scan's
+    body (``scan_layers``) outside any context the lowering sets."""
 
     def kernel(q, k, v):
-        with _kernel_types("pallas"):
+        with jax.enable_x64(False):
             return _pallas_flash()(q, k, v, causal=causal, sm_scale=scale)
 
     def pullback(saved, cotangent):
-        with _kernel_types("pallas"):
+        with jax.enable_x64(False):
             return jax.vjp(kernel, *saved)[1](cotangent)
 
     attend = jax.custom_vjp(kernel)
@@ -477,8 +479,7 @@ def _split_kernel(impl: str, causal: bool, scale: float):
         return kernel(q, k, v, causal, scale)
 
     def pullback_here(q, k, v, cotangent):
-        with _kernel_types(impl):
-            return jax.vjp(lambda *qkv: forward_here(*qkv)[0], q, k, v)[1](cotangent)
+        return jax.vjp(lambda *qkv: forward_here(*qkv)[0], q, k, v)[1](cotangent)
 
     forward = _split_over_batch_and_heads(forward_here, _QKV, _OUTPUTS[impl])
     backward = _split_over_batch_and_heads(pullback_here, (*_QKV, "b h q d"), _QKV)
@@ -556,13 +557,6 @@ def _batch_and_heads(sharding, shape: tuple) -> dict:
         device: tuple((s.start, s.stop) for s in index[:2])
         for device, index in sharding.devices_indices_map(shape).items()
     }
-
-
-def _kernel_types(impl: str):
-    """Where a fused kernel is traced, and differentiated: JAX's Pallas kernels are written for
-    32-bit types, and under spmd_torch's ``jax_enable_x64`` their grid indices become int64 and
-    they fail to trace (the TPU flash kernel's ``lax.select`` of an index and a literal 0)."""
-    return jax.enable_x64(False) if impl == "pallas" else contextlib.nullcontext()
 
 
 def _kernel(impl: str, causal: bool, scale: float):
@@ -660,9 +654,8 @@ def _attention_backward(
     counters.bump(f"AttentionBackward::{impl}")
     scale = _scale(q, scale)
     if impl in ("cudnn", "pallas"):
-        with _kernel_types(impl):
-            primal, pullback = jax.vjp(_kernel(impl, is_causal, scale), q, k, v)
-            return *pullback(grad.astype(primal.dtype)), None
+        primal, pullback = jax.vjp(_kernel(impl, is_causal, scale), q, k, v)
+        return *pullback(grad.astype(primal.dtype)), None
     key = _key_of(philox_seed)
     dq, dk, dv, dbias = _traced_backward(
         grad,
