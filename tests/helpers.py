@@ -371,8 +371,6 @@ def lowered_as_on(platform: str, tensors: list, monkeypatch):
     NVIDIA GPU, ``'tpu'``) with no such device here, through JAX's real lowerings: cuDNN's fused
     attention (JAX's check of the cuDNN version answered: 9.3) and the Pallas TPU kernels. The
     attention lowering is told the platform."""
-    import jax
-
     from spmd_torch._lazy import compile as compile_module
     from spmd_torch._lazy import placement
     from spmd_torch._lazy.lowering import attention
@@ -384,15 +382,7 @@ def lowered_as_on(platform: str, tensors: list, monkeypatch):
     monkeypatch.setattr(attention, "_platform", lambda: platform)
     program = graph.pending_program(tensors)
     arrays = [placement.resolve(node, i) for node, i in program.leaves]
-    inputs = [  # a program over several devices keeps its inputs' layouts: its mesh
-        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
-        if len(a.sharding.device_set) > 1
-        else jax.ShapeDtypeStruct(a.shape, a.dtype)
-        for a in arrays
-    ]
-    function = compile_module.build_function(program, (False,) * len(arrays), packed=False)
-    traced = jax.jit(function).trace([], inputs, compile_module.scalar_avals(program))
-    return traced.lower(lowering_platforms=(platform,))
+    return compile_module.lowered(program, arrays, platforms=(platform,))
 
 
 def _forget_on_another_platform() -> list:
@@ -442,6 +432,23 @@ def pallas_interpreted(monkeypatch):
         jax.config.update("jax_traceback_in_locations_limit", before[1])
         for forget in _forget_on_another_platform():
             forget()
+
+
+def pallas_kernel_shapes(monkeypatch, while_compiling: bool = False) -> list:
+    """The shapes of the queries each call of the Pallas kernel is traced with (only while XLA
+    compiles, ``while_compiling``: see ``compiling_flag``)."""
+    from spmd_torch._lazy.lowering import attention
+
+    kernel = attention._pallas_flash()
+    shapes, compiling = [], compiling_flag(monkeypatch)
+
+    def spy(q, k, v, **options):
+        if compiling[0] or not while_compiling:
+            shapes.append(tuple(q.shape))
+        return kernel(q, k, v, **options)
+
+    monkeypatch.setattr(attention, "_pallas_flash", lambda: spy)
+    return shapes
 
 
 def compiling_flag(monkeypatch) -> list:

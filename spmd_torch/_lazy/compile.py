@@ -679,16 +679,23 @@ def _only_scalar_slots_differ(old: tuple, new: tuple) -> bool:
 
 
 def lowered(
-    program: Program, arrays: list, every_input: bool = False, replicas: Mesh | None = None
+    program: Program,
+    arrays: list,
+    every_input: bool = False,
+    replicas: Mesh | None = None,
+    platforms: tuple | None = None,
 ) -> jax.stages.Lowered:
     """The program lowered for ``arrays``' shapes and layouts, nothing compiled or run; with
     ``replicas``, as the one program every replica of that mesh runs (``arrays``: one replica's
     (1, ...) blocks, standing for each's). With ``every_input`` its HLO parameters are the
     leaves in order, then the lifted scalars (one each; for replicas their packed vector) when
-    there are any, each kept whether read or not (JAX drops unread ones otherwise)."""
+    there are any, each kept whether read or not (JAX drops unread ones otherwise). Without it,
+    ``platforms`` lowers it for other platforms than this host's (``('tpu',)``), none of whose
+    devices need be here."""
     donated = (False,) * len(arrays)
-    if replicas is None:
-        mesh = _split_mesh([a.sharding for a in arrays])
+    if replicas is None:  # no output layouts here: the program's constraints name its mesh
+        constrained = [a for node in program.nodes for a in node.args if type(a) is NamedSharding]
+        mesh = _split_mesh([a.sharding for a in arrays] + constrained)
         function = build_function(program, donated, packed=False)
         inputs, scalars = abstract(arrays, mesh), scalar_avals(program)
     else:
@@ -700,7 +707,7 @@ def lowered(
         ]
         scalars = _scalars_aval(len(program.scalar_values()), replicas)
     if not every_input:
-        return jax.jit(function).lower([], inputs, scalars)
+        return jax.jit(function).trace([], inputs, scalars).lower(lowering_platforms=platforms)
     if program.scalars:
         entry = jax.jit(lambda kept, values: function([], kept, values), keep_unused=True)
         return entry.lower(inputs, scalars)

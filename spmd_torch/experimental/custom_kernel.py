@@ -8,7 +8,8 @@ grows linearly with the sequence. Half-precision inputs without a bias reach cuD
 NVIDIA GPU (products accumulated in float32, as the TPU kernel does); with one, or in float32, the
 attention computes in float32. Segment ids and ``ab`` enter as a bias (``[batch, 1 or heads,
 q_seq_len, kv_seq_len]``), held whole; causal masking alone needs none. Under a
-``partition_spec`` that splits batch and heads only, each device attends over its own shards.
+``partition_spec`` the kernel runs on each device's batch and heads (the partitioner's rule for
+the fused kernels).
 
 The grouped matmuls of mixture-of-experts layers (``gmm``, ``tgmm``, ``gmm_backward`` and the
 autograd Function ``GMM``) are ``jax.lax.ragged_dot`` and ``ragged_dot_general`` over the rows of
@@ -28,6 +29,7 @@ from collections.abc import Sequence
 import torch
 
 import spmd_torch.distributed.spmd as xs
+from spmd_torch._internal.jax_workarounds import jax_import_guard  # noqa: F401  PyTorch/XLA's re-export
 from spmd_torch.core.xla_builder import call_jax
 
 __all__ = [
@@ -87,10 +89,9 @@ def flash_attention(
         ab: ``[batch, heads, q_seq_len, kv_seq_len]`` attention bias added to ``q @ k^T``.
         partition_spec: Under SPMD, how ``q``, ``k``, ``v``, ``ab`` and the output are sharded
             over ``mesh`` (one entry per dimension of ``q``); segment ids take its batch and
-            sequence entries. Inputs, output and their gradients are marked so. Where it splits
-            only the batch and heads of 4-d inputs, evenly, each device attends over its own
-            shards, as the kernel does under PyTorch/XLA; otherwise the compiler partitions the
-            attention (a split sequence attends globally).
+            sequence entries. Inputs, output and their gradients are marked so, and the
+            compiler partitions the attention: a fused kernel runs on each device's batch and
+            heads, as under PyTorch/XLA (a split sequence is gathered first).
         mesh: The mesh for ``partition_spec``; the global mesh when omitted.
 
     Returns:
@@ -117,7 +118,6 @@ def flash_attention(
             "flash_attention: partition_spec given but no mesh (pass mesh= or xs.set_global_mesh)"
         )
     segment_spec = spec[:-3] + (spec[-2],)
-    fused = _on_shards(spec, mesh) if _per_shard(spec, mesh, q, k, ab) else None
 
     def shard(t: torch.Tensor | None, t_spec: tuple) -> torch.Tensor | None:
         return None if t is None else xs.mark_sharding_with_gradients(t, mesh, t_spec)
@@ -131,97 +131,8 @@ def flash_attention(
         shard(kv_segment_ids, segment_spec),
         sm_scale,
         shard(ab, spec),
-        fused,
     )
     return shard(out, spec)
-
-
-def _per_shard(spec: tuple, mesh: xs.Mesh, q: torch.Tensor, k: torch.Tensor, ab) -> bool:
-    """Whether each device can attend over its own shards, as the kernel does under a
-    ``partition_spec``: the sequences and head dim unsplit, every split even."""
-    if q.dim() != 4 or spec[-2] is not None or spec[-1] is not None:
-        return False  # a split sequence attends globally: the partitioner's business
-    sizes = dict(zip(mesh.axis_names, mesh.mesh_shape))
-    for t in (q, k) if ab is None else (q, k, ab):
-        for n, axes in zip(t.shape, spec):
-            parts = 1
-            for axis in (axes,) if isinstance(axes, str) else axes or ():
-                parts *= sizes[axis]
-            if n % parts and not (t is ab and n == 1):
-                return False
-    return True
-
-
-def _on_shards(spec: tuple, mesh: xs.Mesh):
-    """``_attention``'s call of the fused op, run by each device on its own shards."""
-    return lambda *args: _ShardedAttention.apply(*args, spec, mesh)
-
-
-class _ShardedAttention(torch.autograd.Function):
-    """The fused attention op on each device's shards, as PyTorch/XLA runs its kernel under a
-    ``partition_spec`` (sequences and head dim unsplit): a kernel the partitioner cannot split
-    (Pallas's, on TPU) works on each device's batch and heads, not on gathered inputs.
-
-    Forward and backward each run in a manual region of their own, entering the full tensors
-    they read and leaving with full results (the forward saves its full output and log-sum-exp):
-    a backward reading the forward's shards would join the forward's region, which the loss
-    computed from that region's output feeds back into."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, bias, causal, scale, spec, mesh):
-        # a bias broadcast over heads (segment ids alone) stays whole along them
-        bias_spec = spec if bias is None or bias.shape[-3] != 1 else spec[:-3] + (None,) * 3
-        ctx.layout = (causal, scale, spec, bias_spec, mesh)
-        shards = _enter((q, k, v, bias), (spec, spec, spec, bias_spec), mesh)
-        out, lse = torch.ops.aten._scaled_dot_product_fused_attention_overrideable(
-            *shards, 0.0, causal, scale=scale
-        )[:2]
-        out = _leave(out, spec, q.shape, mesh)
-        lse = _leave(lse, spec[:-1], q.shape[:-1], mesh)
-        ctx.save_for_backward(q, k, v, bias, out, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        causal, scale, spec, bias_spec, mesh = ctx.layout
-        q, k, v, bias, out, lse = ctx.saved_tensors
-        specs = (spec, spec, spec, spec, bias_spec, spec, spec[:-1])
-        grad, q_s, k_s, v_s, bias_s, out, lse = _enter((grad, q, k, v, bias, out, lse), specs, mesh)
-        wants_bias = bias is not None and ctx.needs_input_grad[3]
-        zero = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: no PRNG key
-        grads = torch.ops.aten._scaled_dot_product_fused_attention_overrideable_backward(
-            grad,
-            q_s,
-            k_s,
-            v_s,
-            bias_s,
-            (True, True, True, wants_bias),
-            out,
-            lse,
-            None,
-            None,
-            q.shape[-2],
-            k.shape[-2],
-            0.0,
-            causal,
-            zero,
-            zero,
-            scale=scale,
-        )
-        full = [_leave(g, spec, t.shape, mesh) for g, t in zip(grads[:3], (q, k, v))]
-        d_bias = _leave(grads[3], bias_spec, bias.shape, mesh) if wants_bias else None
-        return *full, d_bias, None, None, None, None
-
-
-def _enter(tensors: tuple, specs: tuple, mesh: xs.Mesh) -> list:
-    return [
-        None if t is None else xs.enable_manual_sharding(t, s, mesh=mesh).global_tensor
-        for t, s in zip(tensors, specs)
-    ]
-
-
-def _leave(t: torch.Tensor, spec: tuple, shape: tuple, mesh: xs.Mesh) -> torch.Tensor:
-    return xs.disable_manual_sharding(t, spec, tuple(shape), mesh=mesh).global_tensor
 
 
 def _attention(
@@ -233,21 +144,18 @@ def _attention(
     kv_segment_ids: torch.Tensor | None,
     sm_scale: float,
     ab: torch.Tensor | None,
-    fused=None,
 ) -> torch.Tensor:
-    """The kernel's arithmetic as the fused attention op (``fused``: how to call it, ``_fused``
-    unless said otherwise). Half-precision inputs without a bias
+    """The kernel's arithmetic as the fused attention op. Half-precision inputs without a bias
     go in as they are, ``sm_scale`` as the op's scale (a constant of the program), so that an
     NVIDIA GPU runs cuDNN's kernel: its products accumulate in float32 as the TPU kernel's do.
     Otherwise ``(q k^T + ab) * sm_scale + mask`` is ``(q * sm_scale) k^T + bias`` in float32 or
     wider, ``sm_scale`` a program input; a bias holds ``ab`` and the segment mask, the causal mask
     too when a query may lose every key (its row then averages them all, as the kernel's does)."""
-    fused = fused or _fused
     heads, q_len, kv_len = q.shape[-3], q.shape[-2], k.shape[-2]
     visible = _visible(q, k, causal and q_segment_ids is not None, q_segment_ids, kv_segment_ids)
     if ab is None and visible is None and q.dtype in _HALF and q.dtype == k.dtype == v.dtype:
         flat = [t.reshape(-1, heads, t.shape[-2], t.shape[-1]) for t in (q, k, v)]
-        return fused(*flat, None, causal, sm_scale).reshape(q.shape)
+        return _fused(*flat, None, causal, sm_scale).reshape(q.shape)
     wide = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     wide = torch.promote_types(wide, torch.float32)
     bias = None if ab is None else ab.to(wide) * sm_scale
@@ -257,12 +165,14 @@ def _attention(
     if bias is not None:
         bias = bias.reshape(-1, bias.shape[-3], q_len, kv_len)
     flat = [t.to(wide).reshape(-1, heads, t.shape[-2], t.shape[-1]) for t in (q * sm_scale, k, v)]
-    out = fused(*flat, bias, causal and q_segment_ids is None, 1.0)
+    out = _fused(*flat, bias, causal and q_segment_ids is None, 1.0)
     return out.reshape(q.shape).to(q.dtype)
 
 
 def _fused(q, k, v, bias, causal: bool, scale: float) -> torch.Tensor:
-    """The fused attention op's output (the partitioner splits it as it splits its inputs)."""
+    """The fused attention op's output. Under SPMD the partitioner splits it as it splits its
+    inputs, a fused kernel by spmd_torch's rule (``lowering/attention.py``): each device runs it
+    on its own batch and heads, as PyTorch/XLA runs its kernel under a ``partition_spec``."""
     return torch.ops.aten._scaled_dot_product_fused_attention_overrideable(
         q, k, v, bias, 0.0, causal, scale=scale
     )[0]

@@ -27,10 +27,10 @@ from tests.helpers import (
     assert_compiles,
     assert_counter_delta,
     assert_matches_eager,
-    compiling_flag,
     cudnn_stood_in,
     lowered_as_on,
     pallas_interpreted,
+    pallas_kernel_shapes,
     to_cpu,
     tolerance,
 )
@@ -435,21 +435,6 @@ def test_dropout_draws_and_seeds_have_no_64_bit_bitcast(monkeypatch, attend):
     assert casts and not [line for line in casts if re.search(r"x(u?i|f)64>", line)], casts
 
 
-def _spied_kernel(monkeypatch, while_compiling: bool = False) -> list:
-    """The shapes of the queries each call of the Pallas kernel is traced with (only while XLA
-    compiles, ``while_compiling``: see ``compiling_flag``)."""
-    kernel = attention._pallas_flash()
-    shapes, compiling = [], compiling_flag(monkeypatch)
-
-    def spy(q, k, v, **options):
-        if compiling[0] or not while_compiling:
-            shapes.append(tuple(q.shape))
-        return kernel(q, k, v, **options)
-
-    monkeypatch.setattr(attention, "_pallas_flash", lambda: spy)
-    return shapes
-
-
 def _sdpa_step_against_float64(q, k, v, **options) -> None:
     """One SDPA training step's output and gradients on xla against float64 eager attention,
     within a flash kernel's rounding (``flash_kernel``, ``attention``)."""
@@ -481,7 +466,7 @@ def test_the_pallas_kernel_interpreted_matches_float64_attention(
         counters.COUNTERS.get(f"{op}::pallas", 0) for op in ("Attention", "AttentionBackward")
     ]
     with pallas_interpreted(monkeypatch):
-        shapes = _spied_kernel(monkeypatch)
+        shapes = pallas_kernel_shapes(monkeypatch)
         _sdpa_step_against_float64(
             *_qkv(q_shape, kv_shape, dtype), is_causal=causal, enable_gqa=True
         )
@@ -511,7 +496,7 @@ def test_sharded_attention_runs_the_pallas_kernel_on_each_devices_shards(
         mesh = xs.Mesh(np.arange(8), mesh_shape, ("data", "model")[: len(mesh_shape)])
         q, k, v = _qkv((8, 4, 256, 32), (8, 4, 256, 32))
         with pallas_interpreted(monkeypatch):
-            shapes = _spied_kernel(monkeypatch, while_compiling=True)
+            shapes = pallas_kernel_shapes(monkeypatch, while_compiling=True)
             leaves = [t.to(dev).requires_grad_() for t in (q, k, v)]
             for t in leaves:
                 xs.mark_sharding(t, mesh, spec)
