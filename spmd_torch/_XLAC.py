@@ -11,8 +11,9 @@ Calls whose meaning is PyTorch/XLA's own machinery are absent rather than faked:
 internals (``_get_graph_hash``, ``_get_tensors_xla_device_data_node``,
 ``_run_cached_graph``, ``_replace_xla_tensor``), dynamic shapes (``_xla_mark_dynamic``),
 ``xla::OpSharding`` values (``OpSharding``, ``_xla_mark_sharding``: the calls that take a sharding
-take the ``NamedSharding`` that ``mesh.get_op_sharding`` gives) and TPU custom calls
-(``_xla_tpu_custom_call``). ``lowering.LoweringContext`` builds the HLO module of our own graph
+take the ``NamedSharding`` that ``mesh.get_op_sharding`` gives). ``_xla_tpu_custom_call`` runs the
+kernel ``custom_kernel.trace_pallas`` binds, not a serialised Mosaic payload.
+``lowering.LoweringContext`` builds the HLO module of our own graph
 (``debug/lowering_context.py``). The preemption sync manager's calls are the
 distributed checkpoint package's (JAX's preemption service across processes).
 ``_get_xla_tensor_debug_info`` describes this runtime's own state of a tensor (its pending op or
@@ -33,6 +34,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.version
@@ -70,6 +72,7 @@ from spmd_torch.debug.metrics import metrics_report as _xla_metrics_report
 from spmd_torch.debug.metrics import short_metrics_report as _short_xla_metrics_report
 from spmd_torch.distributed.spmd import xla_sharding as xs
 from spmd_torch.distributed.spmd.xla_sharded_tensor import annotated_tiling
+from spmd_torch.experimental import custom_kernel
 from spmd_torch.experimental.callback import on_ready_callback
 from spmd_torch.experimental.distributed_checkpoint._preemption import (
     activate_preemption_sync_manager as _activate_preemption_sync_manager,
@@ -113,6 +116,7 @@ __all__ = [
     "_unsafe_buffer_pointer",
     "_xla_clear_sharding",
     "_xla_dot_general",
+    "_xla_tpu_custom_call",
     "_xla_counter_names",
     "_xla_counter_value",
     "_xla_get_all_devices",
@@ -598,6 +602,21 @@ def _xla_wait_device_ops(devices: Sequence[str] = ()) -> None:
 
 
 # --- ops -----------------------------------------------------------------------------------------
+
+
+def _xla_tpu_custom_call(
+    inputs: Sequence[torch.Tensor],
+    payload: Any,
+    output_shapes: Sequence,
+    output_dtypes: Sequence[torch.dtype],
+) -> list[torch.Tensor]:
+    """A Pallas kernel's outputs on xla tensors, from the payload ``trace_pallas`` gives.
+
+    Example:
+        >>> payload, tensors = custom_kernel.trace_pallas(add_vectors, x, y)
+        >>> (out,) = _xla_tpu_custom_call(tensors, payload, [x.shape], [x.dtype])
+    """
+    return custom_kernel.run_traced_kernel(inputs, payload, output_shapes, output_dtypes)
 
 
 def _xla_dot_general(

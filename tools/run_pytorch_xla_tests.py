@@ -21,6 +21,9 @@ process (an abort, a segfault) is an error, and the file runs again without the 
   ``XLA_FLAGS=--xla_force_host_platform_device_count=N``.
 - ``--target real``: ``python -m pytest FILE`` with ``--python`` an environment holding
   PyTorch/XLA 2.9 (``torch==2.9.0 torch_xla==2.9.0``).
+- ``--target as_tpu``: the TPU-gated Pallas files (``AS_TPU``), as ``spmd_torch`` runs its files
+  but through ``tools/pose_as_tpu.py``: spmd_torch answers as a TPU host and interprets the Pallas
+  TPU kernels, so the files check its TPU path on this CPU host.
 
 Both get PyTorch/XLA's ``PJRT_DEVICE=CPU`` and ``CPU_NUM_DEVICES=N``. The tests also import
 torchvision (NMS, the MNIST trainers), rich (SPMD visualization), absl-py, expecttest and
@@ -79,7 +82,8 @@ CHECKPOINT = "distributed checkpoint"
 MP = "multiprocessing"
 RUNTIME = "runtime/devices/metrics"
 OPS = "test_operations.py"
-AREAS = (SPMD, DTENSOR, CHECKPOINT, MP, RUNTIME, OPS)
+KERNELS = "Pallas kernels (as on a TPU)"
+AREAS = (SPMD, DTENSOR, CHECKPOINT, MP, RUNTIME, OPS, KERNELS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,6 +203,14 @@ SUITES: tuple[Suite, ...] = (
     Suite("test_operations.py", OPS, (1,), timeout=2400),
 )
 
+# The TPU-gated files that run posing as a TPU host (--target as_tpu).
+AS_TPU: tuple[Suite, ...] = (
+    Suite("test_pallas.py", KERNELS, (1,), timeout=1200),
+    Suite("test_pallas_spmd.py", KERNELS, (8,)),
+    Suite("test_gmm.py", KERNELS, (1,)),
+    Suite("scan/test_scan_pallas.py", KERNELS, (8,), script=True),  # its mesh is set in __main__
+)
+
 # Files of these areas that never run on a CPU host, or are not tests.
 IMPOSSIBLE = {
     "pjrt/test_runtime_tpu.py": "TPU only (libtpu, TPU topologies)",
@@ -215,13 +227,13 @@ IMPOSSIBLE = {
     "test_train_mp_imagenet_amp.py": "ResNet-50 ImageNet trainer (AMP): hours on 2 CPU cores",
     "test_train_mp_imagenet_fsdp.py": "ResNet-50 ImageNet trainer (FSDP): hours on 2 CPU cores",
     "test_profile_mp_mnist.py": "a profiling harness for a TPU profiler server, not a test",
-    "test_pallas.py": "Pallas kernels: TPU/GPU only",
-    "test_pallas_spmd.py": "Pallas kernels: TPU only",
+    "test_pallas.py": "Pallas kernels: TPU/GPU only (--target as_tpu)",
+    "test_pallas_spmd.py": "Pallas kernels: TPU only (--target as_tpu)",
     "test_splash_attention.py": "Pallas splash attention: TPU only",
     "test_ragged_paged_attention_kernel.py": "Pallas kernel: TPU only",
     "test_multi_queries_paged_attention_kernel.py": "Pallas kernel: TPU only",
     "test_quantized_matmul_pallas_kernel.py": "Pallas kernel: TPU only",
-    "test_gmm.py": "Pallas grouped matmul: TPU only",
+    "test_gmm.py": "Pallas grouped matmul: TPU only (--target as_tpu)",
     "test_fp8.py": "fp8 matmuls: TPU/GPU only",
     "neuron/": "AWS Neuron devices only",
     "tpu/": "TPU only",
@@ -363,7 +375,7 @@ def prepare_tree(ptxla: pathlib.Path, out: pathlib.Path, target: str) -> pathlib
     for name in ("test", "examples"):
         shutil.copytree(ptxla / name, tree / name, symlinks=True)  # dangling links as they are
     test = tree / "test"
-    for folder in {(test / s.path).parent for s in SUITES}:
+    for folder in {(test / s.path).parent for s in (*SUITES, *AS_TPU)}:
         init = folder / "__init__.py"
         if init.exists() and init.stat().st_size == 0:
             init.unlink()
@@ -376,7 +388,7 @@ def child_env(run: Run, suite: Suite, n: int, tmp: pathlib.Path, report: pathlib
     env = dict(os.environ)
     test = run.tree / "test"
     paths = [str((test / suite.path).parent), str(test)]
-    if run.target == "spmd_torch":
+    if run.target != "real":
         paths.insert(0, str(run.spmd_root))
         env["JAX_PLATFORMS"] = "cpu"
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n}"
@@ -394,10 +406,13 @@ def child_env(run: Run, suite: Suite, n: int, tmp: pathlib.Path, report: pathlib
 
 
 def child_command(run: Run, suite: Suite, tmp: pathlib.Path) -> list[str]:
-    """`python [-m spmd_torch.run_as_torch_xla] (-m pytest FILE ... | FILE args)`."""
+    """`python [-m spmd_torch.run_as_torch_xla [pose_as_tpu.py]] (-m pytest FILE ... | FILE
+    args)`."""
     cmd = [run.python]
-    if run.target == "spmd_torch":
+    if run.target != "real":
         cmd += ["-m", "spmd_torch.run_as_torch_xla"]
+    if run.target == "as_tpu":
+        cmd.append(str(TOOLS / "pose_as_tpu.py"))
     path = str(run.tree / "test" / suite.path)
     args = [arg.replace("{tmp}", str(tmp)) for arg in suite.args]
     if suite.script:
@@ -561,9 +576,10 @@ def run_suite(run: Run, suite: Suite, n: int) -> list[dict]:
     return script_rows(suite, n, code, output)
 
 
-def selected(only: list[str]) -> list[Suite]:
-    """The suites whose path contains one of the --only strings (all without --only)."""
-    return [s for s in SUITES if not only or any(o in s.path for o in only)]
+def selected(target: str, only: list[str]) -> list[Suite]:
+    """The target's suites whose path contains one of the --only strings (all without --only)."""
+    suites = AS_TPU if target == "as_tpu" else SUITES
+    return [s for s in suites if not only or any(o in s.path for o in only)]
 
 
 def write_rows(path: pathlib.Path, rows: list[dict]) -> None:
@@ -696,7 +712,7 @@ def compare(real_path: pathlib.Path, spmd_path: pathlib.Path, examples: int) -> 
 
 
 def print_table() -> None:
-    for s in SUITES:
+    for s in (*SUITES, *AS_TPU):
         how = "script" if s.script else "pytest"
         extra = " ".join(s.args + tuple(f"{k}={v}" for k, v in s.env))
         print(f"{s.area:<26}{s.path:<66}n={','.join(map(str, s.devices)):<5}{how:<7}{extra}")
@@ -716,7 +732,7 @@ def unlisted(ptxla: pathlib.Path) -> list[str]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", choices=("spmd_torch", "real"), default="spmd_torch")
+    p.add_argument("--target", choices=("spmd_torch", "real", "as_tpu"), default="spmd_torch")
     p.add_argument("--python", default=sys.executable, help="interpreter of the children")
     p.add_argument("--ptxla", type=pathlib.Path, default=pathlib.Path("/work/ptxla"))
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("ptxla-results"))
@@ -745,7 +761,7 @@ def main(argv: list[str] | None = None) -> None:
     if not (args.resume and tree.exists()):
         tree = prepare_tree(args.ptxla.resolve(), out, args.target)
     run = Run(args.target, args.python, tree, out, args.spmd_root.resolve())
-    tsv = run_all(run, selected(args.only), args.resume)
+    tsv = run_all(run, selected(args.target, args.only), args.resume)
     print(f"\nresults: {tsv}")
     print_summary(read_rows(tsv))
 

@@ -6,8 +6,11 @@ one node forward and one backward), lowered per platform as that is (``lowering/
 the Pallas flash kernel on TPU where no bias is needed, elsewhere blockwise attention, whose memory
 grows linearly with the sequence. Half-precision inputs without a bias reach cuDNN's kernel on an
 NVIDIA GPU (products accumulated in float32, as the TPU kernel does); with one, or in float32, the
-attention computes in float32. Segment ids and ``ab`` enter as a bias (``[batch, 1 or heads,
-q_seq_len, kv_seq_len]``), held whole; causal masking alone needs none. Under a
+attention computes in float32. Segment ids alone make an op of their own
+(``xla::segmented_attention``): the Pallas kernel takes them as they are on TPU, and elsewhere each
+key block's mask is built from them, so memory still grows linearly with the sequence. ``ab``
+(with segment ids or not) enters as a bias (``[batch, 1 or heads, q_seq_len, kv_seq_len]``), held
+whole; causal masking alone needs none. Under a
 ``partition_spec`` the kernel runs on each device's batch and heads (the partitioner's rule for
 the fused kernels).
 
@@ -18,28 +21,44 @@ each group, one op of the lazy graph each, where PyTorch/XLA calls its Pallas TP
 ``repeat_with_fixed_output_size`` (the helper of its grouped matmul kernel) is provided too: a
 ``repeat_interleave`` with a static output length, traced without a graph break.
 
+Pallas kernels of one's own (``make_kernel_from_pallas``, ``trace_pallas``) run as they are: a JAX
+function that calls ``pallas_call`` becomes one op of the lazy graph (``xla_builder.call_jax``), so
+JAX compiles the kernel inside the step's program for whatever platform runs it (Mosaic on TPU,
+Triton or Mosaic GPU on NVIDIA GPUs, Pallas's interpreter where the kernel asks for it), where
+PyTorch/XLA serialises a TPU kernel into a custom call. Results carry no autograd history, as
+there.
+
 The inference kernels of the same module (``paged_attention``, ``multi_queries_paged_attention``,
 ``ragged_paged_attention``) are not provided.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
+import jax
 import torch
 
 import spmd_torch.distributed.spmd as xs
+from spmd_torch import config
 from spmd_torch._internal.jax_workarounds import jax_import_guard  # noqa: F401  PyTorch/XLA's re-export
+from spmd_torch._lazy import dispatch
+from spmd_torch._lazy.lowering.dtypes import to_jax_dtype
 from spmd_torch.core.xla_builder import call_jax
 
 __all__ = [
     "DEFAULT_MASK_VALUE",
     "GMM",
+    "convert_torch_dtype_to_jax",
     "flash_attention",
     "gmm",
     "gmm_backward",
+    "make_kernel_from_pallas",
     "repeat_with_fixed_output_size",
     "tgmm",
+    "to_jax_shape_dtype_struct",
+    "trace_pallas",
 ]
 
 DEFAULT_MASK_VALUE = -0.7 * float(torch.finfo(torch.float32).max)
@@ -64,8 +83,8 @@ def flash_attention(
 
     Scripts written for TPU (Llama, FSDPv2 recipes) call this kernel; here it is the engine's
     fused attention, one node each way on every backend, with gradients for ``q``, ``k``, ``v``
-    and ``ab``. Its memory grows linearly with the sequence, as the kernel's does (a bias of
-    segment ids or ``ab`` is held whole). Products accumulate and the softmax runs in float32
+    and ``ab``. Its memory grows linearly with the sequence, as the kernel's does, segment ids
+    included (``ab`` is held whole). Products accumulate and the softmax runs in float32
     (float64 for float64 inputs), as in the kernel, and the result has ``q``'s dtype. bfloat16 or
     float16 inputs without segment ids or ``ab`` enter the fused op as they are, which runs cuDNN's
     kernel on an NVIDIA GPU; ``sm_scale`` is then a constant of the program (a new value compiles
@@ -152,6 +171,8 @@ def _attention(
     wider, ``sm_scale`` a program input; a bias holds ``ab`` and the segment mask, the causal mask
     too when a query may lose every key (its row then averages them all, as the kernel's does)."""
     heads, q_len, kv_len = q.shape[-3], q.shape[-2], k.shape[-2]
+    if q_segment_ids is not None and ab is None:
+        return _segmented(q, k, v, causal, q_segment_ids, kv_segment_ids, sm_scale)
     visible = _visible(q, k, causal and q_segment_ids is not None, q_segment_ids, kv_segment_ids)
     if ab is None and visible is None and q.dtype in _HALF and q.dtype == k.dtype == v.dtype:
         flat = [t.reshape(-1, heads, t.shape[-2], t.shape[-1]) for t in (q, k, v)]
@@ -167,6 +188,16 @@ def _attention(
     flat = [t.to(wide).reshape(-1, heads, t.shape[-2], t.shape[-1]) for t in (q * sm_scale, k, v)]
     out = _fused(*flat, bias, causal and q_segment_ids is None, 1.0)
     return out.reshape(q.shape).to(q.dtype)
+
+
+def _segmented(q, k, v, causal: bool, q_segment_ids, kv_segment_ids, sm_scale: float):
+    """Attention over segments as an op of its own, the ids as they are: the Pallas kernel takes
+    them on TPU, and elsewhere each key block's mask is built from them, never the whole mask
+    (``lowering/attention.py``). Inputs keep their dtype; the output has ``q``'s."""
+    flat = [t.reshape(-1, t.shape[-3], t.shape[-2], t.shape[-1]) for t in (q, k, v)]
+    ids = [t.reshape(-1, t.shape[-1]) for t in (q_segment_ids, kv_segment_ids)]
+    out, _ = torch.ops.xla.segmented_attention(*flat, *ids, causal, float(sm_scale))
+    return out.reshape(q.shape)
 
 
 def _fused(q, k, v, bias, causal: bool, scale: float) -> torch.Tensor:
@@ -255,6 +286,150 @@ def _check_arguments(
                 f"flash_attention: {name} must be {(*batch, seq_len)} [batch, seq_len], "
                 f"got {tuple(ids.shape)}"
             )
+
+
+def convert_torch_dtype_to_jax(dtype: torch.dtype) -> Any:
+    """The JAX dtype of a tensor of ``dtype`` as a kernel sees it (ValueError if it has none)."""
+    if config.USE_BF16.value:
+        raise RuntimeError("Pallas kernels do not support XLA_USE_BF16: unset the variable")
+    try:
+        return to_jax_dtype(dtype)
+    except TypeError:
+        raise ValueError(f"Unsupported dtype: {dtype} has no JAX dtype on the xla device") from None
+
+
+def to_jax_shape_dtype_struct(tensor: torch.Tensor) -> jax.ShapeDtypeStruct:
+    """``tensor``'s shape and JAX dtype, what a kernel is traced on."""
+    return jax.ShapeDtypeStruct(tuple(tensor.shape), convert_torch_dtype_to_jax(tensor.dtype))
+
+
+class TracedKernel:
+    """What :func:`trace_pallas` gives where PyTorch/XLA gives a TPU kernel's serialised payload:
+    the JAX function with its other arguments bound, a function of the tensor arguments' arrays.
+    Called inside the step's program, it is compiled there for the program's platform. It is
+    traced with 64-bit types off, as JAX's Pallas kernels are written for (their grid indices
+    would otherwise be int64)."""
+
+    _TENSOR = object()  # where a tensor argument goes among the bound ones
+
+    def __init__(
+        self, kernel: Callable, args: tuple, kwargs: dict, static_argnums, static_argnames
+    ):
+        self.name = getattr(kernel, "__name__", type(kernel).__name__)
+        self.inputs = [(tuple(a.shape), a.dtype) for a in args if torch.is_tensor(a)]
+        self._args = tuple(self._TENSOR if torch.is_tensor(a) else a for a in args)
+        self._kwargs = kwargs
+        self._jitted = jax.jit(
+            kernel, static_argnums=static_argnums, static_argnames=static_argnames
+        )
+        bound = (kernel, static_argnums, _frozen(static_argnames), self._args)
+        bound += (tuple(sorted(kwargs.items())),)
+        try:
+            hash(bound)
+        except TypeError:  # an unhashable option: told apart by its printed form
+            bound = repr(bound)
+        self.identity = ("trace_pallas", bound)
+
+    def __call__(self, *arrays):
+        remaining = iter(arrays)
+        args = [next(remaining) if a is self._TENSOR else a for a in self._args]
+        with jax.enable_x64(False):
+            return self._jitted(*args, **self._kwargs)
+
+
+def _frozen(names):
+    return names if names is None or isinstance(names, str) else tuple(names)
+
+
+def trace_pallas(
+    kernel: Callable,
+    *args,
+    static_argnums=None,
+    static_argnames=None,
+    use_cache: bool = False,
+    **kwargs,
+) -> tuple[TracedKernel, list[torch.Tensor]]:
+    """Bind a JAX kernel to these arguments: ``(payload, tensor_args)`` for
+    ``torch_xla._XLAC._xla_tpu_custom_call(tensor_args, payload, output_shapes, output_dtypes)``.
+
+    The payload is a :class:`TracedKernel`, not serialised Mosaic code: the kernel is compiled
+    with the step's program, for its platform. Non-tensor arguments are bound as they are
+    (positions in ``static_argnums`` and names in ``static_argnames`` as static arguments of
+    ``jax.jit``), keyword arguments too. ``use_cache`` is accepted: the same kernel and arguments
+    are always traced once.
+
+    Example:
+        >>> payload, tensors = trace_pallas(add_vectors, x, y)
+        >>> (out,) = torch_xla._XLAC._xla_tpu_custom_call(tensors, payload, [x.shape], [x.dtype])
+    """
+    del use_cache  # always: call_jax traces a kernel once per identity and input shapes
+    payload = TracedKernel(kernel, args, kwargs, static_argnums, static_argnames)
+    return payload, [a for a in args if torch.is_tensor(a)]
+
+
+def make_kernel_from_pallas(kernel: Callable, output_shape_dtype_fn: Callable) -> Callable:
+    """A JAX function calling ``pallas_call`` as a function of xla tensors, one op of the graph.
+
+    ``output_shape_dtype_fn(*args)`` lists ``(shape, dtype)`` per output, as PyTorch/XLA asks;
+    here the kernel's own outputs are checked against it. One output comes back as a tensor,
+    several as a tuple. ``static_argnums``/``static_argnames`` given at the call reach
+    ``jax.jit``, other keyword arguments the kernel.
+
+    Example:
+        >>> pt_add = make_kernel_from_pallas(add_vectors, lambda x, y: [(x.shape, x.dtype)])
+        >>> out = pt_add(x, y)
+    """
+
+    def run(*args, static_argnums=None, static_argnames=None, **kwargs):
+        payload, tensors = trace_pallas(
+            kernel, *args, static_argnums=static_argnums, static_argnames=static_argnames, **kwargs
+        )
+        expected = output_shape_dtype_fn(*args)
+        if not isinstance(expected, list):
+            raise TypeError(
+                f"make_kernel_from_pallas({payload.name}): output_shape_dtype_fn must return a "
+                f"list of (shape, dtype), got {type(expected).__name__}"
+            )
+        outputs = run_traced_kernel(
+            tensors, payload, [s for s, _ in expected], [d for _, d in expected]
+        )
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    return run
+
+
+def run_traced_kernel(
+    tensors: Sequence[torch.Tensor],
+    payload: TracedKernel,
+    output_shapes: Sequence,
+    output_dtypes: Sequence[torch.dtype],
+) -> list[torch.Tensor]:
+    """The kernel's outputs on xla tensors, checked against the shapes and dtypes the caller
+    expects (a mismatch is a ValueError naming both: PyTorch/XLA would read the buffers wrongly)."""
+    if not isinstance(payload, TracedKernel):
+        raise NotImplementedError(
+            f"_xla_tpu_custom_call: payload of type {type(payload).__name__}; a serialised "
+            "Mosaic kernel is not run here. Give the payload trace_pallas returns, or wrap the "
+            "JAX function with make_kernel_from_pallas"
+        )
+    if not tensors:
+        raise RuntimeError(f"_xla_tpu_custom_call({payload.name}) requires at least one input")
+    given = [(tuple(t.shape), t.dtype) for t in tensors]
+    if given != payload.inputs:
+        raise ValueError(
+            f"_xla_tpu_custom_call({payload.name}): the payload was traced for inputs "
+            f"{payload.inputs} (shape, dtype), but is called on {given}"
+        )
+    result = call_jax(payload, tuple(tensors), name=payload.name, override_hash=payload.identity)
+    outputs = list(result) if isinstance(result, (tuple, list)) else [result]
+    got = [(tuple(o.shape), o.dtype) for o in outputs]
+    want = [(tuple(s), d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
+    if got != want:
+        raise ValueError(
+            f"Pallas kernel {payload.name}: its outputs are {got} (shape, dtype), but "
+            f"{want} were expected"
+        )
+    return outputs
 
 
 def repeat_with_fixed_output_size(
@@ -462,3 +637,27 @@ def _group_offset(api: str, group_offset, device) -> torch.Tensor | None:
             f"{tuple(group_offset.shape)}"
         )
     return group_offset.reshape(())
+
+
+# PyTorch/XLA's ops for these kernels inside traced graphs (``torch.ops.xla.flash_attention``,
+# ``torch.ops.xla.gmm``, under torch.compile). flash_attention is composite: it becomes the fused
+# attention op, differentiable; gmm is one op whose fake kernel gives its shape, run by ``gmm``.
+_OPS = torch.library.Library("xla", "FRAGMENT")
+_OPS.define("flash_attention(Tensor q, Tensor k, Tensor v, bool casual=False) -> Tensor")
+_OPS.impl(
+    "flash_attention",
+    lambda q, k, v, casual=False: flash_attention(q, k, v, causal=casual),
+    "CompositeImplicitAutograd",
+)
+_OPS.define(
+    "gmm(Tensor lhs, Tensor rhs, Tensor group_sizes, int[]? tiling=None, "
+    "Tensor? group_offset=None, bool transpose_rhs=False) -> Tensor"
+)
+
+
+@torch.library.register_fake("xla::gmm", lib=_OPS)
+def _gmm_shape(lhs, rhs, group_sizes, tiling=None, group_offset=None, transpose_rhs=False):
+    return lhs.new_empty(lhs.shape[0], rhs.shape[1] if transpose_rhs else rhs.shape[2])
+
+
+dispatch.SPECIALS[torch.ops.xla.gmm.default] = lambda func, args, kwargs: gmm(*args, **kwargs)

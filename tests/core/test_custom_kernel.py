@@ -10,7 +10,7 @@ import torch
 import spmd_torch
 import spmd_torch.distributed.spmd as xs
 import spmd_torch.runtime as xr
-from spmd_torch._lazy import counters
+from spmd_torch._lazy import counters, engine
 from spmd_torch.debug import graph
 from spmd_torch.experimental.custom_kernel import DEFAULT_MASK_VALUE, flash_attention
 from tests.helpers import (
@@ -315,6 +315,72 @@ def test_a_partition_spec_on_the_tpu_path_runs_the_kernel_per_shard_with_float64
         )
     finally:
         xr.reset()
+
+
+def _packed_ids(batch: int, seq_len: int) -> torch.Tensor:
+    """Three packed sequences a row, of lengths differing by row (every query has its own key)."""
+    cuts = [[seq_len // 4 + 8 * row, seq_len // 2 + 16 * row] for row in range(batch)]
+    positions = torch.arange(seq_len)
+    return torch.stack([(positions >= a).int() + (positions >= b).int() for a, b in cuts])
+
+
+@pytest.mark.parametrize("partitioned", [False, True])
+def test_segment_ids_reach_the_tpu_kernel_with_float64s_values(monkeypatch, partitioned):
+    """On the TPU path the Pallas kernel takes the segment ids as they are (PyTorch/XLA's call),
+    no mask tensor in between: on one device, and split by the partitioner over a (4, 2) mesh,
+    each device's kernel on its (2, 2, 128, 32) shards and its rows of ids. Values and gradients
+    are float64 attention's."""
+    shape = (8, 4, 128, 32) if partitioned else (2, 2, 256, 32)
+    q, k, v = _qkv(shape)
+    ids = _packed_ids(shape[0], shape[2])
+    cotangent = _randn(*shape, seed=9)
+    mesh = xs.Mesh(np.arange(8), (4, 2), ("fsdp", "tensor")) if partitioned else None
+    spec = ("fsdp", "tensor", None, None) if partitioned else None
+    if partitioned:
+        xr.use_spmd()
+    try:
+        with pallas_interpreted(monkeypatch):
+            shapes = pallas_kernel_shapes(monkeypatch, while_compiling=partitioned)
+            leaves = [t.to(dev).requires_grad_() for t in (q, k, v)]
+            with assert_counter_delta("Attention::pallas", 1):
+                out = flash_attention(
+                    *leaves,
+                    causal=True,
+                    q_segment_ids=ids.to(dev),
+                    kv_segment_ids=ids.to(dev),
+                    sm_scale=0.25,
+                    partition_spec=spec,
+                    mesh=mesh,
+                )
+                grads = torch.autograd.grad(out, leaves, cotangent.to(dev))
+                spmd_torch.sync()
+    finally:
+        if partitioned:
+            xr.reset()
+    assert shapes and set(shapes) == {(2, 2, 128, 32) if partitioned else shape}, shapes
+    leaves64 = [t.double().requires_grad_() for t in (q, k, v)]
+    expected = attention_float64(*leaves64, True, ids, ids, 0.25)
+    grads64 = torch.autograd.grad(expected, leaves64, cotangent.double())
+    assert_close(out, expected.float())
+    assert_close(list(grads), [g.float() for g in grads64], kind="grad")
+
+
+def test_segment_ids_hold_no_whole_mask():
+    """Packed sequences of 2048 tokens: elsewhere than on TPU the blockwise form builds each key
+    block's mask from the ids, so the step's temporaries (forward and backward, by XLA's
+    analysis) stay under one (seq x seq) float32 matrix; a mask tensor made of them was about
+    three such matrices (50.6 MB against 16.8 MB)."""
+    seq = 2048
+    q, k, v = (t.to(dev).requires_grad_() for t in _qkv((1, 2, seq, 16)))
+    ids = _packed_ids(1, seq).to(dev)
+    out = flash_attention(q, k, v, causal=True, q_segment_ids=ids, kv_segment_ids=ids)
+    ops = [str(n.op) for n in graph.pending_program([out]).nodes]
+    assert ops.count("xla.segmented_attention.default") == 1, ops
+    torch.autograd.grad(out.sum(), [q, k, v])
+    spmd_torch.sync()
+    cache = engine.current().cache
+    analysis = cache.executables[cache.history[-1]].compiled.memory_analysis()
+    assert analysis.temp_size_in_bytes < seq * seq * 4, analysis.temp_size_in_bytes
 
 
 def test_an_uneven_partition_spec_gives_float64s_values():

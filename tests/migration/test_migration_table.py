@@ -912,6 +912,27 @@ def check_gmm(fn):
     assert fn(lhs[:, :1], rhs, sizes).cpu().tolist() == [[1.0], [30.0], [50.0]]
 
 
+def _pallas_add(x, y):
+    from jax.experimental import pallas
+
+    def kernel(x_ref, y_ref, o_ref):
+        o_ref[...] = x_ref[...] + y_ref[...]
+
+    out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return pallas.pallas_call(kernel, out_shape=out, interpret=True)(x, y)
+
+
+def check_make_kernel_from_pallas(fn):
+    add = fn(_pallas_add, lambda x, y: [(x.shape, x.dtype)])
+    assert add(_xla([1.0, 2.0]), _xla([10.0, 20.0])).cpu().tolist() == [11.0, 22.0]
+
+
+def check_trace_pallas(fn):
+    payload, tensors = fn(_pallas_add, _xla([1, 2]).int(), _xla([3, 4]).int())
+    (out,) = spmd_torch._XLAC._xla_tpu_custom_call(tensors, payload, [(2,)], [torch.int32])
+    assert out.cpu().tolist() == [4, 6]
+
+
 def check_assume_pure(fn):
     traces = []
 
@@ -1417,6 +1438,8 @@ CHECKS: dict[str, Callable] = {
     "value_and_grad_partitioned": check_value_and_grad_partitioned,
     "tree_flatten_none": check_tree_flatten_none,
     "gmm": check_gmm,
+    "make_kernel_from_pallas": check_make_kernel_from_pallas,
+    "trace_pallas": check_trace_pallas,
     "assume_pure": check_assume_pure,
     "PureModule": check_pure_module,
     "scan_gru": check_scan_gru,

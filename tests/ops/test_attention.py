@@ -306,8 +306,8 @@ def _reference_in_place_of_pallas(monkeypatch):
     """Programs lowered as on a TPU, plain attention standing in for the Pallas kernel (which
     takes equal head counts: grouped heads must arrive repeated)."""
 
-    def flash_attention(q, k, v, *, causal, sm_scale):
-        assert q.shape[1] == k.shape[1] == v.shape[1]
+    def flash_attention(q, k, v, *, causal, sm_scale, segment_ids=None):
+        assert q.shape[1] == k.shape[1] == v.shape[1] and segment_ids is None
         q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
         s = jnp.einsum("bhle,bhse->bhls", q, k) * sm_scale
         if causal:

@@ -16,6 +16,10 @@ dropout, which forward and backward share, so both halves of one attention use o
   grows linearly with the sequence. ``plain`` is the same code with one block, called once (no
   loop).
 
+``custom_kernel.flash_attention``'s segment ids (packed sequences) are an op of our own,
+``xla::segmented_attention`` and its backward: the Pallas kernel takes the ids as they are, and
+the blockwise and plain forms build each key block's mask from them (``Segments``).
+
 Where XLA's partitioner splits the program (SPMD), either fused kernel is a ``custom_partitioning``
 op with a rule of ours, split over batch and heads, each device running the kernel on its own
 shards (``_split_kernel``).
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import itertools
 import math
 from functools import cache, partial
@@ -54,6 +59,7 @@ from .registry import lowers
 aten = torch.ops.aten
 
 BLOCK = 128  # keys per block of the blockwise form
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # the Pallas kernel's, for segment ids
 PLAIN_MAX_KEYS = 384  # on CPU, up to this many keys plain attention is as fast or faster
 _CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _CUDNN_MAX_HEAD_DIM = 128  # 256 on Hopper, which a pure choice does not know: the lower bound
@@ -73,13 +79,14 @@ def choose(
 ) -> str:
     """The implementation of one attention: ``cudnn``, ``pallas``, ``blockwise`` or ``plain``.
 
-    ``platform`` is ``cuda``/``gpu``, ``rocm``, ``tpu`` or ``cpu``; ``mask`` is None, ``'bool'``
-    or ``'float'``; ``q_shape`` is (batch, heads, q_len, head_dim), ``k_shape``/``v_shape`` are
+    ``platform`` is ``cuda``/``gpu``, ``rocm``, ``tpu`` or ``cpu``; ``mask`` is None, ``'bool'``,
+    ``'float'`` or ``'segments'`` (segment ids, which the Pallas kernel takes as they are); ``q_shape`` is (batch, heads, q_len, head_dim), ``k_shape``/``v_shape`` are
     (batch, kv_heads, kv_len, head_dim). A pure function of its arguments: forward and backward
     ask it the same question and get the same answer."""
     q_len, head_dim = q_shape[-2], q_shape[-1]
     kv_len, v_head_dim = k_shape[-2], v_shape[-1]
     fused = mask is None and not dropout and head_dim == v_head_dim
+    pallas = mask in (None, "segments") and not dropout and head_dim == v_head_dim
     if (
         platform in ("cuda", "gpu")
         and fused
@@ -92,7 +99,7 @@ def choose(
     if (
         platform == "tpu"
         and has_pallas
-        and fused
+        and pallas
         and q_len % _PALLAS_BLOCK == 0
         and kv_len % _PALLAS_BLOCK == 0
     ):
@@ -144,7 +151,7 @@ def _mask_kind(bias) -> str | None:
     return "bool" if bias.dtype == jnp.bool_ else "float"
 
 
-def _implementation(q, k, v, bias, causal: bool, dropout_p: float) -> str:
+def _implementation(q, k, v, mask: str | None, causal: bool, dropout_p: float) -> str:
     """``choose``'s answer for this program's platform and these arrays."""
     platform = _platform()
     return choose(
@@ -153,7 +160,7 @@ def _implementation(q, k, v, bias, causal: bool, dropout_p: float) -> str:
         q.shape,
         k.shape,
         v.shape,
-        _mask_kind(bias),
+        mask,
         causal,
         dropout_p > 0,
         has_pallas=platform != "tpu" or _pallas_flash() is not None,
@@ -183,10 +190,14 @@ class _Problem:
         self.v = _pad_keys(v.astype(self.wide), padding, axis=2)
         self.bias = None if bias is None else _grouped_bias(bias, heads, kv_heads, self.group)
         self.shift = None
-        if self.bias is not None and self.bias.dtype != jnp.bool_:
+        if isinstance(bias, Segments):
+            self.shift = bias.shift().astype(self.wide)
+        elif self.bias is not None and self.bias.dtype != jnp.bool_:
             top = self.bias.max(-1, keepdims=True).astype(self.wide)
             self.shift = jnp.where(top == -jnp.inf, 0, top)
-        if self.bias is not None and self.bias.shape[-1] != 1:
+        if isinstance(self.bias, Segments):
+            self.bias = self.bias.padded(padding)
+        elif self.bias is not None and self.bias.shape[-1] != 1:
             self.bias = _pad_keys(self.bias, padding, axis=4)
         self.padded = padding > 0
 
@@ -198,6 +209,8 @@ class _Problem:
         return start, k, v
 
     def bias_block(self, start):
+        if isinstance(self.bias, Segments):
+            return self.bias.block(start, self.block)
         if self.bias is None or self.bias.shape[-1] == 1:
             return self.bias
         return lax.dynamic_slice_in_dim(self.bias, start, self.block, axis=4)
@@ -231,6 +244,42 @@ class _Problem:
         return keep.reshape(shape).astype(self.wide) / (1 - self.dropout_p)
 
 
+@partial(jax.tree_util.register_dataclass, data_fields=("q", "kv"), meta_fields=("causal",))
+@dataclasses.dataclass(frozen=True)
+class Segments:
+    """Segment ids standing for a mask, built one key block at a time (never whole): query ``i``
+    sees key ``j`` where their ids are equal, and ``j <= i`` too when ``causal``. An unseen score
+    gets ``MASK_VALUE``, finite as in the Pallas kernel, so a query that sees no key averages
+    them all. ``q`` is (B, L), ``kv`` (B, S), int32."""
+
+    q: jax.Array
+    kv: jax.Array
+    causal: bool
+
+    def seen(self, kv, start):
+        """(B, L, len(kv)): which of these keys, the first at ``start``, each query sees."""
+        seen = self.q[:, :, None] == kv[:, None, :]
+        if self.causal:
+            shape = (self.q.shape[1], kv.shape[1])
+            rows = lax.broadcasted_iota(jnp.int32, shape, 0)
+            seen = seen & (start + lax.broadcasted_iota(jnp.int32, shape, 1) <= rows)
+        return seen
+
+    def block(self, start, size: int):
+        """The mask of ``size`` keys from ``start``, broadcasting against (B, Hk, G, L, size)."""
+        kv = lax.dynamic_slice_in_dim(self.kv, start, size, axis=1)
+        return jnp.where(self.seen(kv, start), 0.0, MASK_VALUE)[:, None, None]
+
+    def shift(self):
+        """The mask's largest value in each row (0 or ``MASK_VALUE``), as ``_Problem`` keeps."""
+        seen = self.seen(self.kv, 0).any(-1)
+        return jnp.where(seen, 0.0, MASK_VALUE)[:, None, None, :, None]
+
+    def padded(self, padding: int) -> Segments:
+        """Keys added past the last (the blockwise form masks them by position)."""
+        return Segments(self.q, _pad_keys(self.kv, padding, axis=1), self.causal)
+
+
 def _pad_keys(x, padding: int, axis: int):
     if not padding:
         return x
@@ -241,6 +290,8 @@ def _pad_keys(x, padding: int, axis: int):
 
 def _grouped_bias(bias, heads: int, kv_heads: int, group: int):
     """A mask broadcasting against (B, H, L, S), reshaped to broadcast against (B, Hk, G, L, S)."""
+    if isinstance(bias, Segments):
+        return bias
     bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
     b, h, q_len, kv_len = bias.shape
     if h == heads and group > 1:
@@ -299,7 +350,7 @@ def blockwise_backward(
     lse = lse.astype(p.wide).reshape(rows)
     safe_lse = jnp.where(lse == -jnp.inf, 0, lse)
     delta = (grad * out.astype(p.wide).reshape(grad.shape)).sum(-1)  # rowsum(dO * O)
-    bias_grad = bias_grad and p.bias is not None and p.bias.dtype != jnp.bool_
+    bias_grad = bias_grad and isinstance(p.bias, jax.Array) and p.bias.dtype != jnp.bool_
     per_block_bias = bias_grad and p.bias.shape[-1] != 1
 
     def step(carry, j):
@@ -406,16 +457,17 @@ def _cudnn_here(q, k, v, causal: bool, scale: float) -> tuple:
     return out.transpose(0, 2, 1, 3), lse.transpose(0, 2, 1)
 
 
-def _pallas(q, k, v, causal: bool, scale: float):
-    """The Pallas TPU flash kernel on (B, H, L, E) arrays, key/value heads repeated per group."""
+def _pallas(q, k, v, causal: bool, scale: float, *segment_ids):
+    """The Pallas TPU flash kernel on (B, H, L, E) arrays, key/value heads repeated per group;
+    with the queries' and keys' segment ids (B, L) and (B, S), int32, if given."""
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
-    return _fused("pallas", q, k, v, causal, scale)[0]
+    return _fused("pallas", q, k, v, causal, scale, *segment_ids)[0]
 
 
-def _pallas_here(q, k, v, causal: bool, scale: float) -> tuple:
-    return (_pallas_kernel(causal, scale)(q, k, v),)
+def _pallas_here(q, k, v, causal: bool, scale: float, *segment_ids) -> tuple:
+    return (_pallas_kernel(causal, scale)(q, k, v, *segment_ids),)
 
 
 @cache
@@ -426,32 +478,43 @@ def _pallas_kernel(causal: bool, scale: float):
     flash kernel's ``lax.select`` of an index and a literal 0), and JAX differentiates a scan's
     body (``scan_layers``) outside any context the lowering sets."""
 
-    def kernel(q, k, v):
+    def kernel(q, k, v, *segment_ids):
+        ids = _segment_ids()(*segment_ids) if segment_ids else None
         with jax.enable_x64(False):
-            return _pallas_flash()(q, k, v, causal=causal, sm_scale=scale)
+            return _pallas_flash()(q, k, v, segment_ids=ids, causal=causal, sm_scale=scale)
 
     def pullback(saved, cotangent):
+        q, k, v, *segment_ids = saved
         with jax.enable_x64(False):
-            return jax.vjp(kernel, *saved)[1](cotangent)
+            grads = jax.vjp(lambda *qkv: kernel(*qkv, *segment_ids), q, k, v)[1](cotangent)
+        return *grads, *(None for _ in segment_ids)
 
     attend = jax.custom_vjp(kernel)
-    attend.defvjp(lambda q, k, v: (kernel(q, k, v), (q, k, v)), pullback)
+    attend.defvjp(lambda *args: (kernel(*args), args), pullback)
     return attend
 
 
-_HERE = {"cudnn": _cudnn_here, "pallas": _pallas_here}  # (q, k, v, causal, scale) -> results
+def _segment_ids():
+    from jax.experimental.pallas.ops.tpu.flash_attention import SegmentIds
+
+    return SegmentIds
 
 
-def _fused(impl: str, q, k, v, causal: bool, scale: float) -> tuple:
+# (q, k, v, causal, scale, *segment_ids) -> results; only the Pallas kernel takes segment ids
+_HERE = {"cudnn": _cudnn_here, "pallas": _pallas_here}
+
+
+def _fused(impl: str, q, k, v, causal: bool, scale: float, *segment_ids) -> tuple:
     """Fused kernel ``impl``'s results; on each device's batch and heads where the partitioner
     splits the program."""
     if _PARTITIONED.get():
-        return _split_kernel(impl, causal, scale)(q, k, v)
-    return _HERE[impl](q, k, v, causal, scale)
+        return _split_kernel(impl, causal, scale, bool(segment_ids))(q, k, v, *segment_ids)
+    return _HERE[impl](q, k, v, causal, scale, *segment_ids)
 
 
 _QKV = ("b h q d", "b g k d", "b g k d")  # q's, k's and v's dimensions, named as
 # ``_split_over_batch_and_heads`` reads them
+_SEGMENT_IDS = ("b q", "b k")
 _OUTPUTS = {"cudnn": ("b h q d", "b h q"), "pallas": ("b h q d",)}
 
 
@@ -467,27 +530,31 @@ _OUTPUTS = {"cudnn": ("b h q d", "b h q"), "pallas": ("b h q d",)}
 
 
 @cache
-def _split_kernel(impl: str, causal: bool, scale: float):
+def _split_kernel(impl: str, causal: bool, scale: float, segmented: bool = False):
     """Kernel ``impl`` (``_HERE``) as an op the partitioner splits over batch and heads,
-    differentiable: forward, each device runs it on its shards of q, k and v; backward, on those
-    and the output's cotangent, differentiating it there (its forward runs again inside: the
-    residuals it saves are the kernel's own, which cannot leave the shard's function). Results
-    after the output (cuDNN's log-sum-exp, a residual) take no cotangent."""
+    differentiable: forward, each device runs it on its shards of q, k and v (and the segment
+    ids, ``segmented``); backward, on those and the output's cotangent, differentiating it there
+    (its forward runs again inside: the residuals it saves are the kernel's own, which cannot
+    leave the shard's function). Results after the output (cuDNN's log-sum-exp, a residual) take
+    no cotangent."""
     kernel = _HERE[impl]
+    operands = (*_QKV, *_SEGMENT_IDS) if segmented else _QKV
 
-    def forward_here(q, k, v):  # positional only: custom_partitioning binds no keywords
-        return kernel(q, k, v, causal, scale)
+    def forward_here(q, k, v, *ids):  # positional only: custom_partitioning binds no keywords
+        return kernel(q, k, v, causal, scale, *ids)
 
-    def pullback_here(q, k, v, cotangent):
-        return jax.vjp(lambda *qkv: forward_here(*qkv)[0], q, k, v)[1](cotangent)
+    def pullback_here(q, k, v, *ids_and_cotangent):
+        *ids, cotangent = ids_and_cotangent
+        return jax.vjp(lambda *qkv: forward_here(*qkv, *ids)[0], q, k, v)[1](cotangent)
 
-    forward = _split_over_batch_and_heads(forward_here, _QKV, _OUTPUTS[impl])
-    backward = _split_over_batch_and_heads(pullback_here, (*_QKV, "b h q d"), _QKV)
+    forward = _split_over_batch_and_heads(forward_here, operands, _OUTPUTS[impl])
+    backward = _split_over_batch_and_heads(pullback_here, (*operands, "b h q d"), _QKV)
+
+    def pullback(saved, cotangents):
+        return *backward(*saved, cotangents[0]), *(None for _ in saved[3:])
+
     attend = jax.custom_vjp(forward)
-    attend.defvjp(
-        lambda q, k, v: (forward(q, k, v), (q, k, v)),
-        lambda saved, cotangents: backward(*saved, cotangents[0]),
-    )
+    attend.defvjp(lambda *args: (forward(*args), args), pullback)
     return attend
 
 
@@ -503,9 +570,8 @@ def _split_over_batch_and_heads(fn, operands: tuple, results: tuple):
         batch, heads = _layout(mesh, arg_shapes[0], arg_shapes[1].shape[1])
 
         def of(dims: str) -> NamedSharding:
-            return NamedSharding(
-                mesh, PartitionSpec(batch, heads, *[None] * (len(dims.split()) - 2))
-            )
+            split = {"b": batch, "h": heads, "g": heads}
+            return NamedSharding(mesh, PartitionSpec(*(split.get(d) for d in dims.split())))
 
         return tuple(map(of, operands)), tuple(map(of, results))
 
@@ -611,7 +677,7 @@ def _attention(
             "_scaled_dot_product_fused_attention_overrideable: return_debug_mask=True (the "
             "attention probabilities) is not supported on xla"
         )
-    impl = _implementation(q, k, v, attn_bias, is_causal, dropout_p)
+    impl = _implementation(q, k, v, _mask_kind(attn_bias), is_causal, dropout_p)
     counters.bump(f"Attention::{impl}")
     scale = _scale(q, scale)
     if impl == "cudnn":
@@ -650,7 +716,7 @@ def _attention_backward(
     scale=None,
 ):
     """(dq, dk, dv, dbias: zeros where the mask needs none) with the forward's implementation."""
-    impl = _implementation(q, k, v, attn_bias, is_causal, dropout_p)
+    impl = _implementation(q, k, v, _mask_kind(attn_bias), is_causal, dropout_p)
     counters.bump(f"AttentionBackward::{impl}")
     scale = _scale(q, scale)
     if impl in ("cudnn", "pallas"):
@@ -675,3 +741,98 @@ def _attention_backward(
     if attn_bias is not None and dbias is None:
         dbias = jnp.zeros(attn_bias.shape, attn_bias.dtype)
     return dq, dk, dv, dbias
+
+
+# --- attention over segments (packed sequences): an op of our own --------------------------------
+#
+# ``custom_kernel.flash_attention`` with segment ids: a query sees only keys of its own segment.
+# As a mask tensor the ids would be a (batch, q_len, kv_len) bias held whole and would keep
+# attention off the Pallas kernel, which takes the ids as they are; as an op of their own they
+# reach the kernel on TPU, and elsewhere the blockwise form builds each key block's mask from them
+# (``Segments``), so memory still grows linearly with the sequence.
+
+_LIBRARY = torch.library.Library("xla", "FRAGMENT")
+_LIBRARY.define(
+    "segmented_attention(Tensor q, Tensor k, Tensor v, Tensor q_segment_ids, "
+    "Tensor kv_segment_ids, bool causal, float scale) -> (Tensor, Tensor)"
+)
+_LIBRARY.define(
+    "segmented_attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, "
+    "Tensor q_segment_ids, Tensor kv_segment_ids, Tensor out, Tensor lse, bool causal, "
+    "float scale) -> (Tensor, Tensor, Tensor)"
+)
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+@torch.library.register_fake("xla::segmented_attention", lib=_LIBRARY)
+def _segmented_attention_shapes(q, k, v, q_segment_ids, kv_segment_ids, causal, scale):
+    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=_lse_dtype(q.dtype))
+
+
+@torch.library.register_fake("xla::segmented_attention_backward", lib=_LIBRARY)
+def _segmented_attention_backward_shapes(grad, q, k, v, *rest):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _save_for_backward(ctx, inputs: tuple, output: tuple) -> None:
+    q, k, v, q_segment_ids, kv_segment_ids, ctx.causal, ctx.scale = inputs
+    ctx.save_for_backward(q, k, v, q_segment_ids, kv_segment_ids, *output)
+
+
+def _segmented_attention_grads(ctx, grad, lse_grad):
+    q, k, v, q_segment_ids, kv_segment_ids, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.xla.segmented_attention_backward(
+        grad, q, k, v, q_segment_ids, kv_segment_ids, out, lse, ctx.causal, ctx.scale
+    )
+    return dq, dk, dv, None, None, None, None
+
+
+torch.library.register_autograd(
+    "xla::segmented_attention",
+    _segmented_attention_grads,
+    setup_context=_save_for_backward,
+    lib=_LIBRARY,
+)
+
+
+def _segments(q_segment_ids, kv_segment_ids, causal: bool) -> Segments:
+    return Segments(q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32), causal)
+
+
+@lowers(torch.ops.xla.segmented_attention.default)
+def _segmented_attention(q, k, v, q_segment_ids, kv_segment_ids, causal, scale):
+    """(output, log-sum-exp) of (B, H, L, E) attention over segments: the Pallas kernel on TPU,
+    the blockwise form (plain for few keys on CPU) elsewhere."""
+    impl = _implementation(q, k, v, "segments", causal, 0.0)
+    counters.bump(f"Attention::{impl}")
+    segments = _segments(q_segment_ids, kv_segment_ids, causal)
+    if impl == "pallas":
+        out = _pallas(q, k, v, causal, scale, segments.q, segments.kv)
+        lse = blockwise_forward(q, k, v, segments, False, scale, 0.0, None, BLOCK)[1]
+    elif impl == "blockwise":
+        out, lse = _blockwise_attend(q, k, v, segments, None, False, scale, 0.0)
+    else:
+        out, lse = _traced_forward(q, k, v, segments, False, scale, 0.0, None, _block(impl, k))
+    return out.astype(q.dtype), lse.astype(jnp.promote_types(q.dtype, jnp.float32))
+
+
+@lowers(torch.ops.xla.segmented_attention_backward.default)
+def _segmented_attention_backward(
+    grad, q, k, v, q_segment_ids, kv_segment_ids, out, lse, causal, scale
+):
+    """(dq, dk, dv) with the forward's implementation."""
+    impl = _implementation(q, k, v, "segments", causal, 0.0)
+    counters.bump(f"AttentionBackward::{impl}")
+    segments = _segments(q_segment_ids, kv_segment_ids, causal)
+    if impl == "pallas":
+        ids = (segments.q, segments.kv)
+        primal, pullback = jax.vjp(lambda *qkv: _pallas(*qkv, causal, scale, *ids), q, k, v)
+        grads = pullback(grad.astype(primal.dtype))
+    else:
+        grads = _traced_backward(
+            grad, q, k, v, segments, out, lse, False, scale, 0.0, None, _block(impl, k), False
+        )[:3]
+    return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
