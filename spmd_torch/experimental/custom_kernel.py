@@ -3,16 +3,15 @@
 PyTorch/XLA runs a Pallas TPU kernel here. This one is the fused op that
 ``F.scaled_dot_product_attention`` becomes (``_scaled_dot_product_fused_attention_overrideable``,
 one node forward and one backward), lowered per platform as that is (``lowering/attention.py``):
-the Pallas flash kernel on TPU where no bias is needed, elsewhere blockwise attention, whose memory
-grows linearly with the sequence. Half-precision inputs without a bias reach cuDNN's kernel on an
-NVIDIA GPU (products accumulated in float32, as the TPU kernel does); with one, or in float32, the
-attention computes in float32. Segment ids alone make an op of their own
-(``xla::segmented_attention``): the Pallas kernel takes them as they are on TPU, and elsewhere each
-key block's mask is built from them, so memory still grows linearly with the sequence. ``ab``
-(with segment ids or not) enters as a bias (``[batch, 1 or heads, q_seq_len, kv_seq_len]``), held
-whole; causal masking alone needs none. Under a
-``partition_spec`` the kernel runs on each device's batch and heads (the partitioner's rule for
-the fused kernels).
+the Pallas flash kernel on TPU, ``ab`` and segment ids given to it as they are; elsewhere
+blockwise attention, whose memory grows linearly with the sequence. Half-precision inputs without
+a bias reach cuDNN's kernel on an NVIDIA GPU (products accumulated in float32, as the TPU kernel
+does); with one, or in float32, the attention computes in float32. Segment ids alone make an op of
+their own (``xla::segmented_attention``), which off TPU builds each key block's mask from them, so
+memory still grows linearly with the sequence. ``ab`` (with segment ids or not) enters as a bias
+(``[batch, heads, q_seq_len, kv_seq_len]``, the segment mask added), held whole; causal masking
+alone needs none. Under a ``partition_spec`` the kernel runs on each device's batch and heads
+(the partitioner's rule for the fused kernels).
 
 The grouped matmuls of mixture-of-experts layers (``gmm``, ``tgmm``, ``gmm_backward`` and the
 autograd Function ``GMM``) are ``jax.lax.ragged_dot`` and ``ragged_dot_general`` over the rows of

@@ -324,15 +324,20 @@ def _packed_ids(batch: int, seq_len: int) -> torch.Tensor:
     return torch.stack([(positions >= a).int() + (positions >= b).int() for a, b in cuts])
 
 
-@pytest.mark.parametrize("partitioned", [False, True])
-def test_segment_ids_reach_the_tpu_kernel_with_float64s_values(monkeypatch, partitioned):
-    """On the TPU path the Pallas kernel takes the segment ids as they are (PyTorch/XLA's call),
-    no mask tensor in between: on one device, and split by the partitioner over a (4, 2) mesh,
-    each device's kernel on its (2, 2, 128, 32) shards and its rows of ids. Values and gradients
-    are float64 attention's."""
+@pytest.mark.parametrize("partitioned", [False, True], ids=["one_device", "split_4x2"])
+@pytest.mark.parametrize("extras", ["segments", "ab", "ab_and_segments"])
+def test_ab_and_segment_ids_reach_the_tpu_kernel_with_float64s_values(
+    monkeypatch, extras, partitioned
+):
+    """On the TPU path the Pallas kernel takes segment ids and ``ab`` as they are (PyTorch/XLA's
+    call): on one device, and split by the partitioner over a (4, 2) mesh, each device's kernel
+    on its (2, 2, 128, 32) shards and its rows of ids and ``ab``. Values and gradients (``ab``'s
+    too) are float64 attention's."""
     shape = (8, 4, 128, 32) if partitioned else (2, 2, 256, 32)
-    q, k, v = _qkv(shape)
-    ids = _packed_ids(shape[0], shape[2])
+    tensors = dict(zip("qkv", _qkv(shape)))
+    if "ab" in extras:
+        tensors["ab"] = _randn(*shape[:3], shape[2], seed=4)
+    ids = _packed_ids(shape[0], shape[2]) if "segments" in extras else None
     cotangent = _randn(*shape, seed=9)
     mesh = xs.Mesh(np.arange(8), (4, 2), ("fsdp", "tensor")) if partitioned else None
     spec = ("fsdp", "tensor", None, None) if partitioned else None
@@ -341,26 +346,26 @@ def test_segment_ids_reach_the_tpu_kernel_with_float64s_values(monkeypatch, part
     try:
         with pallas_interpreted(monkeypatch):
             shapes = pallas_kernel_shapes(monkeypatch, while_compiling=partitioned)
-            leaves = [t.to(dev).requires_grad_() for t in (q, k, v)]
+            leaves = {n: t.to(dev).requires_grad_() for n, t in tensors.items()}
             with assert_counter_delta("Attention::pallas", 1):
                 out = flash_attention(
-                    *leaves,
                     causal=True,
-                    q_segment_ids=ids.to(dev),
-                    kv_segment_ids=ids.to(dev),
+                    q_segment_ids=None if ids is None else ids.to(dev),
+                    kv_segment_ids=None if ids is None else ids.to(dev),
                     sm_scale=0.25,
                     partition_spec=spec,
                     mesh=mesh,
+                    **leaves,
                 )
-                grads = torch.autograd.grad(out, leaves, cotangent.to(dev))
+                grads = torch.autograd.grad(out, list(leaves.values()), cotangent.to(dev))
                 spmd_torch.sync()
     finally:
         if partitioned:
             xr.reset()
     assert shapes and set(shapes) == {(2, 2, 128, 32) if partitioned else shape}, shapes
-    leaves64 = [t.double().requires_grad_() for t in (q, k, v)]
-    expected = attention_float64(*leaves64, True, ids, ids, 0.25)
-    grads64 = torch.autograd.grad(expected, leaves64, cotangent.double())
+    leaves64 = {n: t.double().requires_grad_() for n, t in tensors.items()}
+    expected = attention_float64(causal=True, q_ids=ids, kv_ids=ids, sm_scale=0.25, **leaves64)
+    grads64 = torch.autograd.grad(expected, list(leaves64.values()), cotangent.double())
     assert_close(out, expected.float())
     assert_close(list(grads), [g.float() for g in grads64], kind="grad")
 

@@ -306,8 +306,8 @@ def _reference_in_place_of_pallas(monkeypatch):
     """Programs lowered as on a TPU, plain attention standing in for the Pallas kernel (which
     takes equal head counts: grouped heads must arrive repeated)."""
 
-    def flash_attention(q, k, v, *, causal, sm_scale, segment_ids=None):
-        assert q.shape[1] == k.shape[1] == v.shape[1] and segment_ids is None
+    def flash_attention(q, k, v, *, causal, sm_scale, ab=None, segment_ids=None):
+        assert q.shape[1] == k.shape[1] == v.shape[1] and ab is None and segment_ids is None
         q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
         s = jnp.einsum("bhle,bhse->bhls", q, k) * sm_scale
         if causal:
@@ -473,6 +473,39 @@ def test_the_pallas_kernel_interpreted_matches_float64_attention(
     assert shapes and set(shapes) == {q_shape}
     after = [counters.COUNTERS.get(f"{op}::pallas", 0) for op in ("Attention", "AttentionBackward")]
     assert after[0] > before[0] and after[1] > before[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_float_mask_shaped_like_the_scores_reaches_the_pallas_kernel(monkeypatch, dtype):
+    """On the TPU path a float mask as large as the scores goes to the kernel as its ``ab``
+    (queries scaled first: the kernel scales after adding it), and the mask's gradient is the
+    kernel's; a mask that broadcasts takes the blockwise form (the kernel would need it whole).
+    Values and gradients, the mask's too, are float64 attention's."""
+    q, k, v = _qkv((2, 2, 128, 32), (2, 2, 256, 32), dtype)
+    mask = _randn(2, 2, 128, 256, seed=5, dtype=dtype)
+    mask[:, :, :, 200:] = torch.finfo(dtype).min  # padding, with the value libraries use
+    cotangent = _randn(*q.shape, seed=9, dtype=dtype)
+    with pallas_interpreted(monkeypatch):
+        shapes = pallas_kernel_shapes(monkeypatch)
+        leaves = [t.to(dev).requires_grad_() for t in (q, k, v, mask)]
+        with assert_counter_delta("Attention::pallas", 1):
+            out = F.scaled_dot_product_attention(*leaves[:3], attn_mask=leaves[3], scale=0.2)
+            grads = torch.autograd.grad(out, leaves, cotangent.to(dev))
+            spmd_torch.sync()
+        with assert_counter_delta("Attention::blockwise", 1):
+            broadcast = F.scaled_dot_product_attention(*leaves[:3], attn_mask=leaves[3][:1, :1])
+            broadcast.cpu()
+    assert shapes and set(shapes) == {q.shape}, shapes
+    wide = [t.double().requires_grad_() for t in (q, k, v, mask)]
+    expected = F.scaled_dot_product_attention(*wide[:3], attn_mask=wide[3], scale=0.2)
+    expected_grads = torch.autograd.grad(expected, wide, cotangent.double())
+    assert_close(out, expected.to(dtype), tol="flash_kernel")
+    assert_close(list(grads), [g.to(dtype) for g in expected_grads], tol="attention", kind="grad")
+    assert_close(
+        broadcast,
+        F.scaled_dot_product_attention(*wide[:3], attn_mask=wide[3][:1, :1]).to(dtype),
+        tol="flash_kernel",
+    )
 
 
 @pytest.mark.parametrize(

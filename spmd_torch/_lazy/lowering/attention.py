@@ -7,8 +7,9 @@ dropout, which forward and backward share, so both halves of one attention use o
 - ``cudnn``: cuDNN flash attention (``jax.nn.dot_product_attention(implementation='cudnn')``) on
   NVIDIA GPUs, for bf16/fp16 without a mask tensor or dropout, head dims a multiple of 8 up to 128,
   causal only for square attention (where cuDNN's diagonal is PyTorch's);
-- ``pallas``: the Pallas flash kernel on TPU, without a mask tensor or dropout, sequence lengths a
-  multiple of 128 (grouped key/value heads are repeated);
+- ``pallas``: the Pallas flash kernel on TPU, without dropout, sequence lengths a multiple of 128
+  (grouped key/value heads are repeated); a float mask shaped like the scores becomes its ``ab``
+  (a mask that broadcasts would have to be made whole: it takes the blockwise form);
 - ``plain``: the scores materialised and softmaxed whole, which XLA fuses: up to
   ``PLAIN_MAX_KEYS`` keys on CPU, where it is as fast as the blockwise form or faster;
 - ``blockwise``: everywhere else, an online softmax over blocks of ``BLOCK`` keys (``lax.scan``)
@@ -80,13 +81,14 @@ def choose(
     """The implementation of one attention: ``cudnn``, ``pallas``, ``blockwise`` or ``plain``.
 
     ``platform`` is ``cuda``/``gpu``, ``rocm``, ``tpu`` or ``cpu``; ``mask`` is None, ``'bool'``,
-    ``'float'`` or ``'segments'`` (segment ids, which the Pallas kernel takes as they are); ``q_shape`` is (batch, heads, q_len, head_dim), ``k_shape``/``v_shape`` are
+    ``'float'``, ``'scores'`` (a float mask shaped like the scores) or ``'segments'`` (segment
+    ids): the Pallas kernel takes the last two as they are; ``q_shape`` is (batch, heads, q_len, head_dim), ``k_shape``/``v_shape`` are
     (batch, kv_heads, kv_len, head_dim). A pure function of its arguments: forward and backward
     ask it the same question and get the same answer."""
     q_len, head_dim = q_shape[-2], q_shape[-1]
     kv_len, v_head_dim = k_shape[-2], v_shape[-1]
     fused = mask is None and not dropout and head_dim == v_head_dim
-    pallas = mask in (None, "segments") and not dropout and head_dim == v_head_dim
+    pallas = mask in (None, "scores", "segments") and not dropout and head_dim == v_head_dim
     if (
         platform in ("cuda", "gpu")
         and fused
@@ -145,10 +147,14 @@ def _pallas_flash():
     return flash_attention
 
 
-def _mask_kind(bias) -> str | None:
+def _mask_kind(bias, q, k) -> str | None:
+    """None, ``'bool'``, ``'scores'`` (a float mask as large as the scores, which the Pallas
+    kernel takes as its ``ab``) or ``'float'`` (one that broadcasts)."""
     if bias is None:
         return None
-    return "bool" if bias.dtype == jnp.bool_ else "float"
+    if bias.dtype == jnp.bool_:
+        return "bool"
+    return "scores" if bias.shape == (*q.shape[:3], k.shape[2]) else "float"
 
 
 def _implementation(q, k, v, mask: str | None, causal: bool, dropout_p: float) -> str:
@@ -457,37 +463,43 @@ def _cudnn_here(q, k, v, causal: bool, scale: float) -> tuple:
     return out.transpose(0, 2, 1, 3), lse.transpose(0, 2, 1)
 
 
-def _pallas(q, k, v, causal: bool, scale: float, *segment_ids):
-    """The Pallas TPU flash kernel on (B, H, L, E) arrays, key/value heads repeated per group;
-    with the queries' and keys' segment ids (B, L) and (B, S), int32, if given."""
+def _pallas(q, k, v, causal: bool, scale: float, *extras, named: tuple = ()):
+    """The Pallas TPU flash kernel on (B, H, L, E) arrays, key/value heads repeated per group.
+    ``extras`` are the kernel's optional operands ``named`` (``_EXTRAS``): ``"ab"``, a (B, H, L,
+    S) bias added to the scores before ``scale``; ``"segments"``, the queries' and keys' segment
+    ids (B, L) and (B, S), int32."""
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
-    return _fused("pallas", q, k, v, causal, scale, *segment_ids)[0]
+    return _fused("pallas", q, k, v, causal, scale, *extras, named=named)[0]
 
 
-def _pallas_here(q, k, v, causal: bool, scale: float, *segment_ids) -> tuple:
-    return (_pallas_kernel(causal, scale)(q, k, v, *segment_ids),)
+def _pallas_here(q, k, v, causal: bool, scale: float, *extras, named: tuple = ()) -> tuple:
+    return (_pallas_kernel(causal, scale, named)(q, k, v, *extras),)
 
 
 @cache
-def _pallas_kernel(causal: bool, scale: float):
-    """The Pallas flash kernel on (q, k, v), traced with 64-bit types off forward and backward
-    wherever JAX traces them. JAX's Pallas kernels are written for 32-bit types: under
-    spmd_torch's ``jax_enable_x64`` their grid indices become int64 and they fail to trace (the
-    flash kernel's ``lax.select`` of an index and a literal 0), and JAX differentiates a scan's
-    body (``scan_layers``) outside any context the lowering sets."""
+def _pallas_kernel(causal: bool, scale: float, named: tuple = ()):
+    """The Pallas flash kernel on (q, k, v, *extras ``named``), differentiable in q, k, v and
+    ``ab``, traced with 64-bit types off forward and backward wherever JAX traces them. JAX's
+    Pallas kernels are written for 32-bit types: under spmd_torch's ``jax_enable_x64`` their grid
+    indices become int64 and they fail to trace (the flash kernel's ``lax.select`` of an index
+    and a literal 0), and JAX differentiates a scan's body (``scan_layers``) outside any context
+    the lowering sets."""
+    wrt = _differentiable(named)
 
-    def kernel(q, k, v, *segment_ids):
-        ids = _segment_ids()(*segment_ids) if segment_ids else None
+    def kernel(q, k, v, *extras):
+        given = dict(zip(_flat_names(named), extras))
+        ids = _segment_ids()(given["q_ids"], given["kv_ids"]) if "q_ids" in given else None
         with jax.enable_x64(False):
-            return _pallas_flash()(q, k, v, segment_ids=ids, causal=causal, sm_scale=scale)
+            return _pallas_flash()(
+                q, k, v, ab=given.get("ab"), segment_ids=ids, causal=causal, sm_scale=scale
+            )
 
     def pullback(saved, cotangent):
-        q, k, v, *segment_ids = saved
         with jax.enable_x64(False):
-            grads = jax.vjp(lambda *qkv: kernel(*qkv, *segment_ids), q, k, v)[1](cotangent)
-        return *grads, *(None for _ in segment_ids)
+            grads = jax.vjp(lambda *d: kernel(*d, *saved[wrt:]), *saved[:wrt])[1](cotangent)
+        return *grads, *(None for _ in saved[wrt:])
 
     attend = jax.custom_vjp(kernel)
     attend.defvjp(lambda *args: (kernel(*args), args), pullback)
@@ -500,22 +512,32 @@ def _segment_ids():
     return SegmentIds
 
 
-# (q, k, v, causal, scale, *segment_ids) -> results; only the Pallas kernel takes segment ids
+# (q, k, v, causal, scale, *extras, named=...) -> results; only the Pallas kernel takes extras
 _HERE = {"cudnn": _cudnn_here, "pallas": _pallas_here}
 
 
-def _fused(impl: str, q, k, v, causal: bool, scale: float, *segment_ids) -> tuple:
+def _fused(impl: str, q, k, v, causal: bool, scale: float, *extras, named: tuple = ()) -> tuple:
     """Fused kernel ``impl``'s results; on each device's batch and heads where the partitioner
     splits the program."""
     if _PARTITIONED.get():
-        return _split_kernel(impl, causal, scale, bool(segment_ids))(q, k, v, *segment_ids)
-    return _HERE[impl](q, k, v, causal, scale, *segment_ids)
+        return _split_kernel(impl, causal, scale, named)(q, k, v, *extras)
+    return _HERE[impl](q, k, v, causal, scale, *extras, **({"named": named} if named else {}))
 
 
 _QKV = ("b h q d", "b g k d", "b g k d")  # q's, k's and v's dimensions, named as
 # ``_split_over_batch_and_heads`` reads them
-_SEGMENT_IDS = ("b q", "b k")
+_EXTRAS = {"ab": {"ab": "b h q k"}, "segments": {"q_ids": "b q", "kv_ids": "b k"}}
+# the Pallas kernel's optional operands in the order given, "ab" first (differentiable)
 _OUTPUTS = {"cudnn": ("b h q d", "b h q"), "pallas": ("b h q d",)}
+
+
+def _flat_names(named: tuple) -> tuple:
+    return tuple(name for extra in named for name in _EXTRAS[extra])
+
+
+def _differentiable(named: tuple) -> int:
+    """How many leading operands take cotangents: q, k, v, and ``ab`` where given."""
+    return 4 if "ab" in named else 3
 
 
 # --- the fused kernels in a program the partitioner splits --------------------------------------
@@ -530,28 +552,31 @@ _OUTPUTS = {"cudnn": ("b h q d", "b h q"), "pallas": ("b h q d",)}
 
 
 @cache
-def _split_kernel(impl: str, causal: bool, scale: float, segmented: bool = False):
+def _split_kernel(impl: str, causal: bool, scale: float, named: tuple = ()):
     """Kernel ``impl`` (``_HERE``) as an op the partitioner splits over batch and heads,
-    differentiable: forward, each device runs it on its shards of q, k and v (and the segment
-    ids, ``segmented``); backward, on those and the output's cotangent, differentiating it there
-    (its forward runs again inside: the residuals it saves are the kernel's own, which cannot
-    leave the shard's function). Results after the output (cuDNN's log-sum-exp, a residual) take
-    no cotangent."""
-    kernel = _HERE[impl]
-    operands = (*_QKV, *_SEGMENT_IDS) if segmented else _QKV
+    differentiable: forward, each device runs it on its shards of q, k, v and the extras
+    ``named``; backward, on those and the output's cotangent, differentiating it there (its
+    forward runs again inside: the residuals it saves are the kernel's own, which cannot leave
+    the shard's function). Results after the output (cuDNN's log-sum-exp, a residual) take no
+    cotangent."""
+    kernel = partial(_HERE[impl], **({"named": named} if named else {}))
+    operands = (*_QKV, *(_EXTRAS[e][n] for e in named for n in _EXTRAS[e]))
+    wrt = _differentiable(named)
 
-    def forward_here(q, k, v, *ids):  # positional only: custom_partitioning binds no keywords
-        return kernel(q, k, v, causal, scale, *ids)
+    def forward_here(*args):  # positional only: custom_partitioning binds no keywords
+        q, k, v, *extras = args
+        return kernel(q, k, v, causal, scale, *extras)
 
-    def pullback_here(q, k, v, *ids_and_cotangent):
-        *ids, cotangent = ids_and_cotangent
-        return jax.vjp(lambda *qkv: forward_here(*qkv, *ids)[0], q, k, v)[1](cotangent)
+    def pullback_here(*args):
+        *args, cotangent = args
+        pull = jax.vjp(lambda *d: forward_here(*d, *args[wrt:])[0], *args[:wrt])[1]
+        return pull(cotangent)
 
     forward = _split_over_batch_and_heads(forward_here, operands, _OUTPUTS[impl])
-    backward = _split_over_batch_and_heads(pullback_here, (*operands, "b h q d"), _QKV)
+    backward = _split_over_batch_and_heads(pullback_here, (*operands, "b h q d"), operands[:wrt])
 
     def pullback(saved, cotangents):
-        return *backward(*saved, cotangents[0]), *(None for _ in saved[3:])
+        return *backward(*saved, cotangents[0]), *(None for _ in saved[wrt:])
 
     attend = jax.custom_vjp(forward)
     attend.defvjp(lambda *args: (forward(*args), args), pullback)
@@ -625,11 +650,23 @@ def _batch_and_heads(sharding, shape: tuple) -> dict:
     }
 
 
-def _kernel(impl: str, causal: bool, scale: float):
-    """The fused kernel's output as a function of (q, k, v), for ``jax.vjp``."""
+def _kernel(impl: str, causal: bool, scale: float, biased: bool = False):
+    """The fused kernel's output as a function of (q, k, v) (and the bias, ``biased``), for
+    ``jax.vjp``."""
     if impl == "cudnn":
         return lambda q, k, v: _cudnn(q, k, v, causal, scale)[0]
+    if biased:
+        return partial(_pallas_biased, causal=causal, scale=scale)
     return partial(_pallas, causal=causal, scale=scale)
+
+
+def _pallas_biased(q, k, v, bias, causal: bool, scale: float):
+    """``q k^T * scale + bias`` through the kernel, which adds its ``ab`` before scaling: the
+    queries are scaled first (as PyTorch's own math attention does), the bias goes in as it is
+    (no division that would take a large negative mask value to ``-inf``)."""
+    scaled = q if scale == 1.0 else (q * scale).astype(q.dtype)
+    ab = bias.astype(jnp.float32)
+    return _pallas(scaled, k, v, causal, 1.0, ab, named=("ab",))
 
 
 def _scale(q, scale) -> float:
@@ -677,14 +714,17 @@ def _attention(
             "_scaled_dot_product_fused_attention_overrideable: return_debug_mask=True (the "
             "attention probabilities) is not supported on xla"
         )
-    impl = _implementation(q, k, v, _mask_kind(attn_bias), is_causal, dropout_p)
+    impl = _implementation(q, k, v, _mask_kind(attn_bias, q, k), is_causal, dropout_p)
     counters.bump(f"Attention::{impl}")
     scale = _scale(q, scale)
     if impl == "cudnn":
         out, lse = _cudnn(q, k, v, is_causal, scale)
     elif impl == "pallas":
-        out = _pallas(q, k, v, is_causal, scale)
-        lse = blockwise_forward(q, k, v, None, is_causal, scale, 0.0, None, BLOCK)[1]
+        if attn_bias is None:
+            out = _pallas(q, k, v, is_causal, scale)
+        else:
+            out = _pallas_biased(q, k, v, attn_bias, is_causal, scale)
+        lse = blockwise_forward(q, k, v, attn_bias, is_causal, scale, 0.0, None, BLOCK)[1]
     elif impl == "blockwise":
         words = jax.random.key_data(key) if dropout_p else None  # a residual must be an array
         out, lse = _blockwise_attend(q, k, v, attn_bias, words, is_causal, scale, dropout_p)
@@ -716,12 +756,15 @@ def _attention_backward(
     scale=None,
 ):
     """(dq, dk, dv, dbias: zeros where the mask needs none) with the forward's implementation."""
-    impl = _implementation(q, k, v, _mask_kind(attn_bias), is_causal, dropout_p)
+    impl = _implementation(q, k, v, _mask_kind(attn_bias, q, k), is_causal, dropout_p)
     counters.bump(f"AttentionBackward::{impl}")
     scale = _scale(q, scale)
     if impl in ("cudnn", "pallas"):
-        primal, pullback = jax.vjp(_kernel(impl, is_causal, scale), q, k, v)
-        return *pullback(grad.astype(primal.dtype)), None
+        biased = attn_bias is not None
+        operands = (q, k, v, attn_bias) if biased else (q, k, v)
+        primal, pullback = jax.vjp(_kernel(impl, is_causal, scale, biased), *operands)
+        grads = pullback(grad.astype(primal.dtype))
+        return grads if biased else (*grads, None)
     key = _key_of(philox_seed)
     dq, dk, dv, dbias = _traced_backward(
         grad,
@@ -810,7 +853,7 @@ def _segmented_attention(q, k, v, q_segment_ids, kv_segment_ids, causal, scale):
     counters.bump(f"Attention::{impl}")
     segments = _segments(q_segment_ids, kv_segment_ids, causal)
     if impl == "pallas":
-        out = _pallas(q, k, v, causal, scale, segments.q, segments.kv)
+        out = _pallas(q, k, v, causal, scale, segments.q, segments.kv, named=("segments",))
         lse = blockwise_forward(q, k, v, segments, False, scale, 0.0, None, BLOCK)[1]
     elif impl == "blockwise":
         out, lse = _blockwise_attend(q, k, v, segments, None, False, scale, 0.0)
@@ -829,7 +872,11 @@ def _segmented_attention_backward(
     segments = _segments(q_segment_ids, kv_segment_ids, causal)
     if impl == "pallas":
         ids = (segments.q, segments.kv)
-        primal, pullback = jax.vjp(lambda *qkv: _pallas(*qkv, causal, scale, *ids), q, k, v)
+
+        def attend(q, k, v):
+            return _pallas(q, k, v, causal, scale, *ids, named=("segments",))
+
+        primal, pullback = jax.vjp(attend, q, k, v)
         grads = pullback(grad.astype(primal.dtype))
     else:
         grads = _traced_backward(
