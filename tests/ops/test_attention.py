@@ -479,11 +479,14 @@ def test_the_pallas_kernel_interpreted_matches_float64_attention(
 def test_a_float_mask_shaped_like_the_scores_reaches_the_pallas_kernel(monkeypatch, dtype):
     """On the TPU path a float mask as large as the scores goes to the kernel as its ``ab``
     (queries scaled first: the kernel scales after adding it), and the mask's gradient is the
-    kernel's; a mask that broadcasts takes the blockwise form (the kernel would need it whole).
-    Values and gradients, the mask's too, are float64 attention's."""
+    kernel's; a row of ``-inf`` gives zeros, as PyTorch's; a mask that broadcasts takes the
+    blockwise form (the kernel would need it whole). Values and gradients, the mask's too, are
+    float64 attention's."""
     q, k, v = _qkv((2, 2, 128, 32), (2, 2, 256, 32), dtype)
     mask = _randn(2, 2, 128, 256, seed=5, dtype=dtype)
     mask[:, :, :, 200:] = torch.finfo(dtype).min  # padding, with the value libraries use
+    mask[0, 1, 5] = -torch.inf  # a query that sees no key: zeros, with no gradient
+    mask[1, 0, 7, ::2] = -torch.inf
     cotangent = _randn(*q.shape, seed=9, dtype=dtype)
     with pallas_interpreted(monkeypatch):
         shapes = pallas_kernel_shapes(monkeypatch)

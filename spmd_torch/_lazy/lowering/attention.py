@@ -663,10 +663,16 @@ def _kernel(impl: str, causal: bool, scale: float, biased: bool = False):
 def _pallas_biased(q, k, v, bias, causal: bool, scale: float):
     """``q k^T * scale + bias`` through the kernel, which adds its ``ab`` before scaling: the
     queries are scaled first (as PyTorch's own math attention does), the bias goes in as it is
-    (no division that would take a large negative mask value to ``-inf``)."""
+    (no division that would take a large negative mask value to ``-inf``). ``-inf`` goes in as
+    ``MASK_VALUE``: a row of them would be NaNs in the kernel, and is zeros, as in PyTorch (and
+    in the blockwise form), with no gradient."""
     scaled = q if scale == 1.0 else (q * scale).astype(q.dtype)
-    ab = bias.astype(jnp.float32)
-    return _pallas(scaled, k, v, causal, 1.0, ab, named=("ab",))
+    ab = jnp.maximum(bias.astype(jnp.float32), MASK_VALUE)
+    out = _pallas(scaled, k, v, causal, 1.0, ab, named=("ab",))
+    seen = bias > -jnp.inf
+    if causal:
+        seen = seen & jnp.tri(q.shape[2], k.shape[2], dtype=bool)
+    return jnp.where(seen.any(-1, keepdims=True), out, 0).astype(out.dtype)
 
 
 def _scale(q, scale) -> float:
