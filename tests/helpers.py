@@ -435,19 +435,21 @@ def pallas_interpreted(monkeypatch):
 
 
 def pallas_kernel_shapes(monkeypatch, while_compiling: bool = False) -> list:
-    """The shapes of the queries each call of the Pallas kernel is traced with (only while XLA
-    compiles, ``while_compiling``: see ``compiling_flag``)."""
+    """The shapes of the queries each call of the Pallas kernel's forward is traced with (only
+    while XLA compiles, ``while_compiling``: see ``compiling_flag``): JAX's module calls its
+    ``_flash_attention`` for the public function and its residual-saving form alike."""
     from spmd_torch._lazy.lowering import attention
 
-    kernel = attention._pallas_flash()
+    module = attention._flash()
+    kernel = module._flash_attention
     shapes, compiling = [], compiling_flag(monkeypatch)
 
-    def spy(q, k, v, **options):
+    def spy(q, k, v, *args):
         if compiling[0] or not while_compiling:
             shapes.append(tuple(q.shape))
-        return kernel(q, k, v, **options)
+        return kernel(q, k, v, *args)
 
-    monkeypatch.setattr(attention, "_pallas_flash", lambda: spy)
+    monkeypatch.setattr(module, "_flash_attention", spy)
     return shapes
 
 

@@ -302,20 +302,51 @@ def _xla_in_place_of_cudnn(monkeypatch):
     monkeypatch.setattr(jax.nn, "dot_product_attention", xla_attention)
 
 
-def _reference_in_place_of_pallas(monkeypatch):
-    """Programs lowered as on a TPU, plain attention standing in for the Pallas kernel (which
-    takes equal head counts: grouped heads must arrive repeated)."""
+class _PlainFlash:
+    """JAX's Pallas flash module's calls that the TPU path makes without a mask, written as plain
+    attention: the residual-saving forward ((output, softmax sum l, shift m), where l and m may
+    be any pair with the same exp(s - m) / l) and the backward from them, each for equal head
+    counts (grouped heads must arrive repeated)."""
 
-    def flash_attention(q, k, v, *, causal, sm_scale, ab=None, segment_ids=None):
-        assert q.shape[1] == k.shape[1] == v.shape[1] and ab is None and segment_ids is None
-        q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-        s = jnp.einsum("bhle,bhse->bhls", q, k) * sm_scale
+    class BlockSizes:
+        get_default = staticmethod(lambda *shape: None)
+
+    @staticmethod
+    def _scores(q, k, causal, sm_scale):
+        assert q.shape[1] == k.shape[1]
+        s = jnp.einsum("bhle,bhse->bhls", q.astype(jnp.float32), k.astype(jnp.float32))
+        s = s * sm_scale
         if causal:
             s = jnp.where(jnp.tri(s.shape[-2], s.shape[-1], dtype=bool), s, -jnp.inf)
-        return jnp.einsum("bhls,bhse->bhle", jax.nn.softmax(s), v)
+        return s
 
+    @classmethod
+    def _flash_attention(cls, q, k, v, ab, segment_ids, save_residuals, causal, sm_scale, *_):
+        assert ab is None and segment_ids is None and save_residuals
+        s = cls._scores(q, k, causal, sm_scale)
+        top = s.max(-1)
+        total = jnp.exp(s - top[..., None]).sum(-1)
+        p = jnp.exp(s - top[..., None]) / total[..., None]
+        out = jnp.einsum("bhls,bhse->bhle", p, v.astype(jnp.float32)).astype(q.dtype)
+        return out, total, top
+
+    @classmethod
+    def _flash_attention_bwd(cls, save_residuals, causal, sm_scale, block_sizes, debug, res, do):
+        q, k, v, _, _, o, total, top = res
+        p = jnp.exp(cls._scores(q, k, causal, sm_scale) - top[..., None]) / total[..., None]
+        do = do.astype(jnp.float32)
+        dv = jnp.einsum("bhls,bhle->bhse", p, do)
+        dp = jnp.einsum("bhle,bhse->bhls", do, v.astype(jnp.float32))
+        ds = p * (dp - (o.astype(jnp.float32) * do).sum(-1, keepdims=True)) * sm_scale
+        dq = jnp.einsum("bhls,bhse->bhle", ds, k.astype(jnp.float32))
+        dk = jnp.einsum("bhls,bhle->bhse", ds, q.astype(jnp.float32))
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+def _reference_in_place_of_pallas(monkeypatch):
+    """Programs lowered as on a TPU, plain attention standing in for the Pallas kernel."""
     monkeypatch.setattr(attention, "_platform", lambda: "tpu")
-    monkeypatch.setattr(attention, "_pallas_flash", lambda: flash_attention)
+    monkeypatch.setattr(attention, "_flash", lambda: _PlainFlash)
 
 
 @pytest.mark.parametrize("kernel", ["cudnn", "pallas"])
@@ -374,14 +405,21 @@ def test_a_step_lowers_to_cudnns_kernels_for_nvidia_gpus(
 def test_a_step_lowers_to_the_pallas_kernel_for_tpus(monkeypatch, dtype):
     """The TPU path against JAX's real Pallas flash kernel, with no TPU here: a training step's
     causal attention over grouped heads (repeated for the kernel) lowers for TPU to the kernel's
-    Mosaic calls forward and backward, the outputs shaped and typed as the op promises."""
+    Mosaic calls, forward once and backward from its residuals (the backward ran the forward
+    kernel again, 4 calls), the outputs shaped and typed as the op promises."""
     q, k, v = (t.to(dev).requires_grad_() for t in _qkv((1, 4, 256, 64), (1, 2, 256, 64), dtype))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     out.float().square().sum().backward()
     wanted = [out, q.grad, k.grad, v.grad]
     before = counters.COUNTERS.get("Attention::pallas", 0)
     lowered = lowered_as_on("tpu", wanted, monkeypatch)
-    assert lowered.as_text().count("tpu_custom_call") >= 2  # the forward and the backward's
+    kernels = re.findall(r'tpu_custom_call.*kernel_name = "(\w+)"', lowered.as_text())
+    # the forward once: the backward starts from its residuals
+    assert kernels == [
+        "_flash_attention_kernel",
+        "_flash_attention_dkv_kernel",
+        "_flash_attention_dq_kernel",
+    ], kernels
     assert counters.COUNTERS.get("Attention::pallas", 0) > before
     results = jax.tree.leaves(lowered.out_info)
     assert [(r.shape, r.dtype) for r in results] == [

@@ -138,10 +138,13 @@ def _platform() -> str:
     return backend
 
 
-def _pallas_flash():
-    """The Pallas TPU flash kernel, or None where this JAX has none."""
+def _flash():
+    """JAX's Pallas TPU flash attention module, or None where this JAX has none. Its
+    residual-saving forward and its backward from those residuals are private
+    (``_flash_attention``, ``_flash_attention_bwd``), as PyTorch/XLA calls them: the public
+    function differentiated runs the forward kernel twice."""
     try:
-        from jax.experimental.pallas.ops.tpu.flash_attention import flash_attention
+        from jax.experimental.pallas.ops.tpu import flash_attention
     except ImportError:
         return None
     return flash_attention
@@ -169,7 +172,7 @@ def _implementation(q, k, v, mask: str | None, causal: bool, dropout_p: float) -
         mask,
         causal,
         dropout_p > 0,
-        has_pallas=platform != "tpu" or _pallas_flash() is not None,
+        has_pallas=platform != "tpu" or _flash() is not None,
     )
 
 
@@ -463,19 +466,70 @@ def _cudnn_here(q, k, v, causal: bool, scale: float) -> tuple:
     return out.transpose(0, 2, 1, 3), lse.transpose(0, 2, 1)
 
 
-def _pallas(q, k, v, causal: bool, scale: float, *extras, named: tuple = ()):
-    """The Pallas TPU flash kernel on (B, H, L, E) arrays, key/value heads repeated per group.
-    ``extras`` are the kernel's optional operands ``named`` (``_EXTRAS``): ``"ab"``, a (B, H, L,
-    S) bias added to the scores before ``scale``; ``"segments"``, the queries' and keys' segment
-    ids (B, L) and (B, S), int32."""
+def _pallas(q, k, v, causal: bool, scale: float, *extras, named: tuple = ()) -> tuple:
+    """The Pallas TPU flash kernel's results on (B, H, L, E) arrays, key/value heads repeated per
+    group: (output, log-sum-exp (B, H, L)) without extras, (output,) with. ``extras`` are the
+    kernel's optional operands ``named`` (``_EXTRAS``): ``"ab"``, a (B, H, L, S) bias added to
+    the scores before ``scale``; ``"segments"``, the queries' and keys' segment ids (B, L) and
+    (B, S), int32."""
+    k, v = _repeated(q, k, v)
+    return _fused("pallas", q, k, v, causal, scale, *extras, named=named)
+
+
+def _repeated(q, k, v) -> tuple:
+    """k and v with each key/value head repeated for its group of query heads."""
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
-    return _fused("pallas", q, k, v, causal, scale, *extras, named=named)[0]
+    return k, v
+
+
+def _pallas_backward(q, k, v, out, lse, grad, causal: bool, scale: float) -> tuple:
+    """(dq, dk, dv) of ``_pallas`` without extras, by the kernel's backward from the forward's
+    output and log-sum-exp: its forward does not run again. Grouped heads' gradients are summed
+    over their group."""
+    group = q.shape[1] // k.shape[1]
+    repeated = _repeated(q, k, v)
+    if _PARTITIONED.get():
+        grads = _split_backward(causal, scale)(q, *repeated, out, lse, grad)
+    else:
+        grads = _pallas_backward_here(q, *repeated, out, lse, grad, causal=causal, scale=scale)
+    dq, dk, dv = grads
+    if group > 1:
+        dk, dv = (g.reshape(k.shape[0], k.shape[1], group, *g.shape[2:]).sum(2) for g in (dk, dv))
+    return dq, dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 def _pallas_here(q, k, v, causal: bool, scale: float, *extras, named: tuple = ()) -> tuple:
-    return (_pallas_kernel(causal, scale, named)(q, k, v, *extras),)
+    return _pallas_kernel(causal, scale, named)(q, k, v, *extras)
+
+
+def _block_sizes(q, k):
+    batch, heads, q_len, head_dim = q.shape
+    return _flash().BlockSizes.get_default(batch, heads, q_len, k.shape[2], head_dim)
+
+
+def _pallas_forward_here(q, k, v, causal: bool, scale: float) -> tuple:
+    """(output, log-sum-exp) of the kernel on (q, k, v): its residuals ``l`` (the softmax's sum)
+    and ``m`` (its shift) as one, ``m + log(l)``. Without a mask every query sees a key, so no
+    row's sum is lost to a huge shift."""
+    with jax.enable_x64(False):
+        out, total, top = _flash()._flash_attention(
+            q, k, v, None, None, True, causal, scale, _block_sizes(q, k), False
+        )
+    return out, top + jnp.log(total)
+
+
+def _pallas_backward_here(q, k, v, out, lse, grad, causal: bool, scale: float) -> tuple:
+    """(dq, dk, dv): the kernel's backward given the log-sum-exp as its shift and a sum of 1,
+    which make the same probabilities, ``exp(s - m) / l``."""
+    lse = lse.astype(jnp.float32)
+    residuals = (q, k, v, None, None, out, jnp.ones_like(lse), lse)
+    with jax.enable_x64(False):
+        grads = _flash()._flash_attention_bwd(
+            False, causal, scale, _block_sizes(q, k), False, residuals, grad.astype(out.dtype)
+        )
+    return grads[:3]
 
 
 @cache
@@ -485,31 +539,38 @@ def _pallas_kernel(causal: bool, scale: float, named: tuple = ()):
     Pallas kernels are written for 32-bit types: under spmd_torch's ``jax_enable_x64`` their grid
     indices become int64 and they fail to trace (the flash kernel's ``lax.select`` of an index
     and a literal 0), and JAX differentiates a scan's body (``scan_layers``) outside any context
-    the lowering sets."""
+    the lowering sets. Without extras its backward starts from the forward's residuals; with
+    them it differentiates the kernel (its forward runs again: the residuals' shift can swallow
+    a sum where a mask leaves a query no key)."""
+    if not named:
+        forward = partial(_pallas_forward_here, causal=causal, scale=scale)
+        backward = partial(_pallas_backward_here, causal=causal, scale=scale)
+        attend = jax.custom_vjp(forward)
+        attend.defvjp(
+            lambda *qkv: (results := forward(*qkv), (*qkv, *results)),
+            lambda saved, cotangents: backward(*saved, cotangents[0]),
+        )
+        return attend
     wrt = _differentiable(named)
 
     def kernel(q, k, v, *extras):
         given = dict(zip(_flat_names(named), extras))
-        ids = _segment_ids()(given["q_ids"], given["kv_ids"]) if "q_ids" in given else None
+        ids = _flash().SegmentIds(given["q_ids"], given["kv_ids"]) if "q_ids" in given else None
         with jax.enable_x64(False):
-            return _pallas_flash()(
+            out = _flash().flash_attention(
                 q, k, v, ab=given.get("ab"), segment_ids=ids, causal=causal, sm_scale=scale
             )
+        return (out,)
 
-    def pullback(saved, cotangent):
+    def pullback(saved, cotangents):
         with jax.enable_x64(False):
-            grads = jax.vjp(lambda *d: kernel(*d, *saved[wrt:]), *saved[:wrt])[1](cotangent)
+            pull = jax.vjp(lambda *d: kernel(*d, *saved[wrt:])[0], *saved[:wrt])[1]
+            grads = pull(cotangents[0])
         return *grads, *(None for _ in saved[wrt:])
 
     attend = jax.custom_vjp(kernel)
     attend.defvjp(lambda *args: (kernel(*args), args), pullback)
     return attend
-
-
-def _segment_ids():
-    from jax.experimental.pallas.ops.tpu.flash_attention import SegmentIds
-
-    return SegmentIds
 
 
 # (q, k, v, causal, scale, *extras, named=...) -> results; only the Pallas kernel takes extras
@@ -528,7 +589,13 @@ _QKV = ("b h q d", "b g k d", "b g k d")  # q's, k's and v's dimensions, named a
 # ``_split_over_batch_and_heads`` reads them
 _EXTRAS = {"ab": {"ab": "b h q k"}, "segments": {"q_ids": "b q", "kv_ids": "b k"}}
 # the Pallas kernel's optional operands in the order given, "ab" first (differentiable)
-_OUTPUTS = {"cudnn": ("b h q d", "b h q"), "pallas": ("b h q d",)}
+_OUTPUT_AND_LSE = ("b h q d", "b h q")
+
+
+def _outputs(impl: str, named: tuple) -> tuple:
+    """The dimensions of kernel ``impl``'s results: the output, and its log-sum-exp unless the
+    Pallas kernel takes extras."""
+    return ("b h q d",) if impl == "pallas" and named else _OUTPUT_AND_LSE
 
 
 def _flat_names(named: tuple) -> tuple:
@@ -555,10 +622,11 @@ def _differentiable(named: tuple) -> int:
 def _split_kernel(impl: str, causal: bool, scale: float, named: tuple = ()):
     """Kernel ``impl`` (``_HERE``) as an op the partitioner splits over batch and heads,
     differentiable: forward, each device runs it on its shards of q, k, v and the extras
-    ``named``; backward, on those and the output's cotangent, differentiating it there (its
-    forward runs again inside: the residuals it saves are the kernel's own, which cannot leave
-    the shard's function). Results after the output (cuDNN's log-sum-exp, a residual) take no
-    cotangent."""
+    ``named``; backward, the Pallas kernel's backward from the forward's residuals
+    (``_split_backward``), or, for cuDNN's kernel and the Pallas kernel with extras, on those and
+    the output's cotangent, differentiating it there (its forward runs again inside: the residuals
+    it saves are the kernel's own, which cannot leave the shard's function). Results after the
+    output (the log-sum-exp) take no cotangent."""
     kernel = partial(_HERE[impl], **({"named": named} if named else {}))
     operands = (*_QKV, *(_EXTRAS[e][n] for e in named for n in _EXTRAS[e]))
     wrt = _differentiable(named)
@@ -567,20 +635,40 @@ def _split_kernel(impl: str, causal: bool, scale: float, named: tuple = ()):
         q, k, v, *extras = args
         return kernel(q, k, v, causal, scale, *extras)
 
+    forward = _split_over_batch_and_heads(forward_here, operands, _outputs(impl, named))
+    attend = jax.custom_vjp(forward)
+    if impl == "pallas" and not named:
+        backward = _split_backward(causal, scale)
+        attend.defvjp(
+            lambda *qkv: (results := forward(*qkv), (*qkv, *results)),
+            lambda saved, cotangents: backward(*saved, cotangents[0]),
+        )
+        return attend
+
     def pullback_here(*args):
         *args, cotangent = args
         pull = jax.vjp(lambda *d: forward_here(*d, *args[wrt:])[0], *args[:wrt])[1]
         return pull(cotangent)
 
-    forward = _split_over_batch_and_heads(forward_here, operands, _OUTPUTS[impl])
     backward = _split_over_batch_and_heads(pullback_here, (*operands, "b h q d"), operands[:wrt])
 
     def pullback(saved, cotangents):
         return *backward(*saved, cotangents[0]), *(None for _ in saved[wrt:])
 
-    attend = jax.custom_vjp(forward)
     attend.defvjp(lambda *args: (forward(*args), args), pullback)
     return attend
+
+
+@cache
+def _split_backward(causal: bool, scale: float):
+    """``_pallas_backward_here`` on (q, k, v, output, log-sum-exp, cotangent) as an op the
+    partitioner splits over batch and heads."""
+
+    def backward_here(q, k, v, out, lse, grad):
+        return _pallas_backward_here(q, k, v, out, lse, grad, causal=causal, scale=scale)
+
+    operands = (*_QKV, *_OUTPUT_AND_LSE, "b h q d")
+    return _split_over_batch_and_heads(backward_here, operands, _QKV)
 
 
 def _split_over_batch_and_heads(fn, operands: tuple, results: tuple):
@@ -650,14 +738,13 @@ def _batch_and_heads(sharding, shape: tuple) -> dict:
     }
 
 
-def _kernel(impl: str, causal: bool, scale: float, biased: bool = False):
-    """The fused kernel's output as a function of (q, k, v) (and the bias, ``biased``), for
+def _kernel(impl: str, causal: bool, scale: float):
+    """The fused kernel's output as a function of (q, k, v), or (q, k, v, bias) for the Pallas
+    kernel (which, without a bias, has a backward of its own: ``_pallas_backward``), for
     ``jax.vjp``."""
     if impl == "cudnn":
         return lambda q, k, v: _cudnn(q, k, v, causal, scale)[0]
-    if biased:
-        return partial(_pallas_biased, causal=causal, scale=scale)
-    return partial(_pallas, causal=causal, scale=scale)
+    return partial(_pallas_biased, causal=causal, scale=scale)
 
 
 def _pallas_biased(q, k, v, bias, causal: bool, scale: float):
@@ -668,7 +755,7 @@ def _pallas_biased(q, k, v, bias, causal: bool, scale: float):
     in the blockwise form), with no gradient."""
     scaled = q if scale == 1.0 else (q * scale).astype(q.dtype)
     ab = jnp.maximum(bias.astype(jnp.float32), MASK_VALUE)
-    out = _pallas(scaled, k, v, causal, 1.0, ab, named=("ab",))
+    (out,) = _pallas(scaled, k, v, causal, 1.0, ab, named=("ab",))
     seen = bias > -jnp.inf
     if causal:
         seen = seen & jnp.tri(q.shape[2], k.shape[2], dtype=bool)
@@ -727,10 +814,11 @@ def _attention(
         out, lse = _cudnn(q, k, v, is_causal, scale)
     elif impl == "pallas":
         if attn_bias is None:
-            out = _pallas(q, k, v, is_causal, scale)
+            out, lse = _pallas(q, k, v, is_causal, scale)
         else:
             out = _pallas_biased(q, k, v, attn_bias, is_causal, scale)
-        lse = blockwise_forward(q, k, v, attn_bias, is_causal, scale, 0.0, None, BLOCK)[1]
+            lse = blockwise_forward(q, k, v, attn_bias, is_causal, scale, 0.0, None, BLOCK)[1]
+        lse = lse.astype(jnp.promote_types(q.dtype, jnp.float32))
     elif impl == "blockwise":
         words = jax.random.key_data(key) if dropout_p else None  # a residual must be an array
         out, lse = _blockwise_attend(q, k, v, attn_bias, words, is_causal, scale, dropout_p)
@@ -765,10 +853,12 @@ def _attention_backward(
     impl = _implementation(q, k, v, _mask_kind(attn_bias, q, k), is_causal, dropout_p)
     counters.bump(f"AttentionBackward::{impl}")
     scale = _scale(q, scale)
+    if impl == "pallas" and attn_bias is None:
+        return *_pallas_backward(q, k, v, out, lse, grad, is_causal, scale), None
     if impl in ("cudnn", "pallas"):
         biased = attn_bias is not None
         operands = (q, k, v, attn_bias) if biased else (q, k, v)
-        primal, pullback = jax.vjp(_kernel(impl, is_causal, scale, biased), *operands)
+        primal, pullback = jax.vjp(_kernel(impl, is_causal, scale), *operands)
         grads = pullback(grad.astype(primal.dtype))
         return grads if biased else (*grads, None)
     key = _key_of(philox_seed)
@@ -859,7 +949,7 @@ def _segmented_attention(q, k, v, q_segment_ids, kv_segment_ids, causal, scale):
     counters.bump(f"Attention::{impl}")
     segments = _segments(q_segment_ids, kv_segment_ids, causal)
     if impl == "pallas":
-        out = _pallas(q, k, v, causal, scale, segments.q, segments.kv, named=("segments",))
+        (out,) = _pallas(q, k, v, causal, scale, segments.q, segments.kv, named=("segments",))
         lse = blockwise_forward(q, k, v, segments, False, scale, 0.0, None, BLOCK)[1]
     elif impl == "blockwise":
         out, lse = _blockwise_attend(q, k, v, segments, None, False, scale, 0.0)
@@ -880,7 +970,7 @@ def _segmented_attention_backward(
         ids = (segments.q, segments.kv)
 
         def attend(q, k, v):
-            return _pallas(q, k, v, causal, scale, *ids, named=("segments",))
+            return _pallas(q, k, v, causal, scale, *ids, named=("segments",))[0]
 
         primal, pullback = jax.vjp(attend, q, k, v)
         grads = pullback(grad.astype(primal.dtype))
