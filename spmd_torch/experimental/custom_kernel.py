@@ -195,7 +195,7 @@ def _segmented(q, k, v, causal: bool, q_segment_ids, kv_segment_ids, sm_scale: f
     (``lowering/attention.py``). Inputs keep their dtype; the output has ``q``'s."""
     flat = [t.reshape(-1, t.shape[-3], t.shape[-2], t.shape[-1]) for t in (q, k, v)]
     ids = [t.reshape(-1, t.shape[-1]) for t in (q_segment_ids, kv_segment_ids)]
-    out, _ = torch.ops.xla.segmented_attention(*flat, *ids, causal, float(sm_scale))
+    out, _, _ = torch.ops.xla.segmented_attention(*flat, *ids, causal, float(sm_scale))
     return out.reshape(q.shape)
 
 

@@ -3,6 +3,8 @@ against a float64 eager-CPU attention written out here, masks, SPMD sharding, ar
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -137,27 +139,44 @@ def test_fully_masked_query_averages_all_values():
     assert_close(out[:, :, 1:], attention_float64(q, k, v, True, q_ids, kv_ids)[:, :, 1:].float())
 
 
-def test_fully_masked_query_backpropagates_as_the_kernel():
-    # The kernel adds the mask value to the scores, so their gradient is the softmax's (at even
-    # probabilities) rather than zero: here, scores that are 0 in value and the scores in gradient.
-    q, k, v = _qkv((1, 2, 6, 4))
-    q_ids, kv_ids = torch.tensor([[2, 1, 1, 3, 1, 1]]), torch.ones(1, 6, dtype=torch.int64)
-    cotangent = _randn(1, 2, 6, 4, seed=9)
+def _fully_masked_rows_step(shape, q_ids, kv_ids, sm_scale):
+    """A causal step where some queries' segments have no key, against float64: the kernel gives
+    such a query the mask value on every score, so its scores' gradient is the softmax's at even
+    probabilities rather than zero: scores that are 0 in value and the scores in gradient."""
+    q, k, v = _qkv(shape)
+    cotangent = _randn(*shape, seed=9)
     leaves64 = [t.double().requires_grad_() for t in (q, k, v)]
-    scores = leaves64[0] @ leaves64[1].transpose(-2, -1) * 0.5
+    scores = leaves64[0] @ leaves64[1].transpose(-2, -1) * sm_scale
     masked_row = (q_ids != 1)[..., None, :, None]
-    visible = torch.ones(6, 6, dtype=torch.bool).tril() & masked_row.logical_not()
+    visible = torch.ones(shape[2], shape[2], dtype=torch.bool).tril() & masked_row.logical_not()
     scores = torch.where(masked_row, scores - scores.detach(), scores.masked_fill(~visible, -1e300))
     expected = torch.softmax(scores, -1) @ leaves64[2]
     expected_grads = torch.autograd.grad(expected, leaves64, cotangent.double())
 
     leaves = [t.to(dev).requires_grad_() for t in (q, k, v)]
-    out = flash_attention(*leaves, True, q_ids.to(dev), kv_ids.to(dev), 0.5)
+    out = flash_attention(*leaves, True, q_ids.to(dev), kv_ids.to(dev), sm_scale)
     grads = torch.autograd.grad(out, leaves, cotangent.to(dev))
+    spmd_torch.sync()
     assert_close(out, expected.float())
     assert_close(
         list(grads), [g.float() for g in expected_grads], **tolerance(torch.float32, "grad")
     )
+
+
+def test_fully_masked_query_backpropagates_as_the_kernel():
+    q_ids, kv_ids = torch.tensor([[2, 1, 1, 3, 1, 1]]), torch.ones(1, 6, dtype=torch.int64)
+    _fully_masked_rows_step((1, 2, 6, 4), q_ids, kv_ids, 0.5)
+
+
+def test_fully_masked_query_on_the_tpu_kernel_backpropagates_from_its_residuals(monkeypatch):
+    """The kernel's backward starts from the forward's shift and sum: where a query sees no key
+    the shift is the mask value, and the sum (the keys averaged) must survive to the backward,
+    which one log-sum-exp would not carry."""
+    q_ids, kv_ids = torch.ones(1, 128, dtype=torch.int64), torch.ones(1, 128, dtype=torch.int64)
+    q_ids[0, 0], q_ids[0, 70] = 2, 3
+    with pallas_interpreted(monkeypatch):
+        with assert_counter_delta("AttentionBackward::pallas", 1):
+            _fully_masked_rows_step((1, 2, 128, 32), q_ids, kv_ids, 0.25)
 
 
 def test_bfloat16_output_is_the_float64_result_rounded_once():
@@ -368,6 +387,26 @@ def test_ab_and_segment_ids_reach_the_tpu_kernel_with_float64s_values(
     grads64 = torch.autograd.grad(expected, list(leaves64.values()), cotangent.double())
     assert_close(out, expected.float())
     assert_close(list(grads), [g.float() for g in grads64], kind="grad")
+
+
+@pytest.mark.parametrize("extras", ["segments", "ab"])
+def test_the_tpu_kernel_runs_its_forward_once_with_segment_ids(monkeypatch, extras):
+    """Lowered for TPU, a step with segment ids calls the kernel's forward once: its backward
+    starts from the forward's residuals (shift and sum). With ``ab`` (ATen's op, one slot for
+    them) the backward runs the forward again."""
+    q, k, v = (t.to(dev).requires_grad_() for t in _qkv((2, 2, 128, 32)))
+    ids = _packed_ids(2, 128).to(dev)
+    options = {"q_segment_ids": ids, "kv_segment_ids": ids}
+    if extras == "ab":
+        options = {"ab": _randn(2, 2, 128, 128).to(dev)}
+    out = flash_attention(q, k, v, causal=True, **options)
+    grads = torch.autograd.grad(out.sum(), [q, k, v])
+    text = lowered_as_on("tpu", [out, *grads], monkeypatch).as_text()
+    kernels = re.findall(r'tpu_custom_call.*kernel_name = "(\w+)"', text)
+    forward = ["_flash_attention_kernel"] * (1 if extras == "segments" else 2)
+    assert sorted(kernels) == sorted(
+        [*forward, "_flash_attention_dkv_kernel", "_flash_attention_dq_kernel"]
+    ), kernels
 
 
 def test_segment_ids_hold_no_whole_mask():

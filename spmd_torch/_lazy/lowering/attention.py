@@ -468,10 +468,10 @@ def _cudnn_here(q, k, v, causal: bool, scale: float) -> tuple:
 
 def _pallas(q, k, v, causal: bool, scale: float, *extras, named: tuple = ()) -> tuple:
     """The Pallas TPU flash kernel's results on (B, H, L, E) arrays, key/value heads repeated per
-    group: (output, log-sum-exp (B, H, L)) without extras, (output,) with. ``extras`` are the
-    kernel's optional operands ``named`` (``_EXTRAS``): ``"ab"``, a (B, H, L, S) bias added to
-    the scores before ``scale``; ``"segments"``, the queries' and keys' segment ids (B, L) and
-    (B, S), int32."""
+    group: (output, shift, sum), the softmax's residuals (B, H, L) (its probabilities are
+    ``exp(s - shift) / sum``), or (output,) with an ``ab``. ``extras`` are the kernel's optional
+    operands ``named`` (``_EXTRAS``): ``"ab"``, a (B, H, L, S) bias added to the scores before
+    ``scale``; ``"segments"``, the queries' and keys' segment ids (B, L) and (B, S), int32."""
     k, v = _repeated(q, k, v)
     return _fused("pallas", q, k, v, causal, scale, *extras, named=named)
 
@@ -484,16 +484,16 @@ def _repeated(q, k, v) -> tuple:
     return k, v
 
 
-def _pallas_backward(q, k, v, out, lse, grad, causal: bool, scale: float) -> tuple:
-    """(dq, dk, dv) of ``_pallas`` without extras, by the kernel's backward from the forward's
-    output and log-sum-exp: its forward does not run again. Grouped heads' gradients are summed
-    over their group."""
+def _pallas_backward(q, k, v, *rest, causal: bool, scale: float, named: tuple = ()) -> tuple:
+    """(dq, dk, dv) of ``_pallas`` from (*extras, output, shift, sum, cotangent) ``rest``, by the
+    kernel's backward from the forward's residuals: its forward does not run again. Grouped
+    heads' gradients are summed over their group."""
     group = q.shape[1] // k.shape[1]
     repeated = _repeated(q, k, v)
     if _PARTITIONED.get():
-        grads = _split_backward(causal, scale)(q, *repeated, out, lse, grad)
+        grads = _split_backward(causal, scale, named)(q, *repeated, *rest)
     else:
-        grads = _pallas_backward_here(q, *repeated, out, lse, grad, causal=causal, scale=scale)
+        grads = _pallas_backward_here(q, *repeated, *rest, causal=causal, scale=scale, named=named)
     dq, dk, dv = grads
     if group > 1:
         dk, dv = (g.reshape(k.shape[0], k.shape[1], group, *g.shape[2:]).sum(2) for g in (dk, dv))
@@ -509,27 +509,40 @@ def _block_sizes(q, k):
     return _flash().BlockSizes.get_default(batch, heads, q_len, k.shape[2], head_dim)
 
 
-def _pallas_forward_here(q, k, v, causal: bool, scale: float) -> tuple:
-    """(output, log-sum-exp) of the kernel on (q, k, v): its residuals ``l`` (the softmax's sum)
-    and ``m`` (its shift) as one, ``m + log(l)``. Without a mask every query sees a key, so no
-    row's sum is lost to a huge shift."""
+def _given(named: tuple, extras: tuple) -> tuple:
+    """(ab or None, SegmentIds or None) from the kernel's optional operands."""
+    given = dict(zip(_flat_names(named), extras))
+    ids = _flash().SegmentIds(given["q_ids"], given["kv_ids"]) if "q_ids" in given else None
+    return given.get("ab"), ids
+
+
+def _pallas_forward_here(q, k, v, *extras, causal: bool, scale: float, named: tuple) -> tuple:
+    """(output, shift, sum): the kernel's residual-saving form, its residuals ``m`` and ``l``."""
     with jax.enable_x64(False):
         out, total, top = _flash()._flash_attention(
-            q, k, v, None, None, True, causal, scale, _block_sizes(q, k), False
+            q, k, v, *_given(named, extras), True, causal, scale, _block_sizes(q, k), False
         )
-    return out, top + jnp.log(total)
+    return out, top, total
 
 
-def _pallas_backward_here(q, k, v, out, lse, grad, causal: bool, scale: float) -> tuple:
-    """(dq, dk, dv): the kernel's backward given the log-sum-exp as its shift and a sum of 1,
-    which make the same probabilities, ``exp(s - m) / l``."""
-    lse = lse.astype(jnp.float32)
-    residuals = (q, k, v, None, None, out, jnp.ones_like(lse), lse)
+def _pallas_backward_here(q, k, v, *rest, causal: bool, scale: float, named: tuple) -> tuple:
+    """(dq, dk, dv): the kernel's backward from (*extras, output, shift, sum, cotangent)."""
+    *extras, out, top, total, grad = rest
+    residuals = (q, k, v, *_given(named, extras), out, total, top)
+    residuals = (*residuals[:-2], *(r.astype(jnp.float32) for r in residuals[-2:]))
     with jax.enable_x64(False):
         grads = _flash()._flash_attention_bwd(
             False, causal, scale, _block_sizes(q, k), False, residuals, grad.astype(out.dtype)
         )
     return grads[:3]
+
+
+def _keeps_residuals(named: tuple) -> bool:
+    """Whether the Pallas kernel's results are its residuals, for a backward of its own: not with
+    ``ab``, whose op (ATen's) has one slot for the softmax's residuals, and a query whose every
+    key is masked has a sum that one log-sum-exp loses (``m + log(l) = m`` in float32). Then its
+    backward differentiates the kernel, whose forward runs again."""
+    return "ab" not in named
 
 
 @cache
@@ -539,26 +552,26 @@ def _pallas_kernel(causal: bool, scale: float, named: tuple = ()):
     Pallas kernels are written for 32-bit types: under spmd_torch's ``jax_enable_x64`` their grid
     indices become int64 and they fail to trace (the flash kernel's ``lax.select`` of an index
     and a literal 0), and JAX differentiates a scan's body (``scan_layers``) outside any context
-    the lowering sets. Without extras its backward starts from the forward's residuals; with
-    them it differentiates the kernel (its forward runs again: the residuals' shift can swallow
-    a sum where a mask leaves a query no key)."""
-    if not named:
-        forward = partial(_pallas_forward_here, causal=causal, scale=scale)
-        backward = partial(_pallas_backward_here, causal=causal, scale=scale)
+    the lowering sets."""
+    wrt = _differentiable(named)
+    if _keeps_residuals(named):
+        forward = partial(_pallas_forward_here, causal=causal, scale=scale, named=named)
+        backward = partial(_pallas_backward_here, causal=causal, scale=scale, named=named)
         attend = jax.custom_vjp(forward)
         attend.defvjp(
-            lambda *qkv: (results := forward(*qkv), (*qkv, *results)),
-            lambda saved, cotangents: backward(*saved, cotangents[0]),
+            lambda *args: (results := forward(*args), (*args, *results)),
+            lambda saved, cotangents: (
+                *backward(*saved, cotangents[0]),
+                *(None for _ in saved[wrt:-3]),
+            ),
         )
         return attend
-    wrt = _differentiable(named)
 
     def kernel(q, k, v, *extras):
-        given = dict(zip(_flat_names(named), extras))
-        ids = _flash().SegmentIds(given["q_ids"], given["kv_ids"]) if "q_ids" in given else None
+        ab, ids = _given(named, extras)
         with jax.enable_x64(False):
             out = _flash().flash_attention(
-                q, k, v, ab=given.get("ab"), segment_ids=ids, causal=causal, sm_scale=scale
+                q, k, v, ab=ab, segment_ids=ids, causal=causal, sm_scale=scale
             )
         return (out,)
 
@@ -589,13 +602,15 @@ _QKV = ("b h q d", "b g k d", "b g k d")  # q's, k's and v's dimensions, named a
 # ``_split_over_batch_and_heads`` reads them
 _EXTRAS = {"ab": {"ab": "b h q k"}, "segments": {"q_ids": "b q", "kv_ids": "b k"}}
 # the Pallas kernel's optional operands in the order given, "ab" first (differentiable)
-_OUTPUT_AND_LSE = ("b h q d", "b h q")
+_OUTPUTS = {"cudnn": ("b h q d", "b h q"), "pallas": ("b h q d", "b h q", "b h q")}
 
 
 def _outputs(impl: str, named: tuple) -> tuple:
-    """The dimensions of kernel ``impl``'s results: the output, and its log-sum-exp unless the
-    Pallas kernel takes extras."""
-    return ("b h q d",) if impl == "pallas" and named else _OUTPUT_AND_LSE
+    """The dimensions of kernel ``impl``'s results: cuDNN's output and log-sum-exp, the Pallas
+    kernel's output and residuals (its output alone where it keeps none)."""
+    if impl == "pallas" and not _keeps_residuals(named):
+        return ("b h q d",)
+    return _OUTPUTS[impl]
 
 
 def _flat_names(named: tuple) -> tuple:
@@ -637,11 +652,14 @@ def _split_kernel(impl: str, causal: bool, scale: float, named: tuple = ()):
 
     forward = _split_over_batch_and_heads(forward_here, operands, _outputs(impl, named))
     attend = jax.custom_vjp(forward)
-    if impl == "pallas" and not named:
-        backward = _split_backward(causal, scale)
+    if impl == "pallas" and _keeps_residuals(named):
+        backward = _split_backward(causal, scale, named)
         attend.defvjp(
-            lambda *qkv: (results := forward(*qkv), (*qkv, *results)),
-            lambda saved, cotangents: backward(*saved, cotangents[0]),
+            lambda *args: (results := forward(*args), (*args, *results)),
+            lambda saved, cotangents: (
+                *backward(*saved, cotangents[0]),
+                *(None for _ in saved[wrt:-3]),
+            ),
         )
         return attend
 
@@ -660,14 +678,15 @@ def _split_kernel(impl: str, causal: bool, scale: float, named: tuple = ()):
 
 
 @cache
-def _split_backward(causal: bool, scale: float):
-    """``_pallas_backward_here`` on (q, k, v, output, log-sum-exp, cotangent) as an op the
-    partitioner splits over batch and heads."""
+def _split_backward(causal: bool, scale: float, named: tuple = ()):
+    """``_pallas_backward_here`` on (q, k, v, *extras, output, shift, sum, cotangent) as an op
+    the partitioner splits over batch and heads."""
 
-    def backward_here(q, k, v, out, lse, grad):
-        return _pallas_backward_here(q, k, v, out, lse, grad, causal=causal, scale=scale)
+    def backward_here(*args):  # positional only, as every operand of a split op
+        return _pallas_backward_here(*args, causal=causal, scale=scale, named=named)
 
-    operands = (*_QKV, *_OUTPUT_AND_LSE, "b h q d")
+    extras = (_EXTRAS[e][n] for e in named for n in _EXTRAS[e])
+    operands = (*_QKV, *extras, *_OUTPUTS["pallas"], "b h q d")
     return _split_over_batch_and_heads(backward_here, operands, _QKV)
 
 
@@ -814,7 +833,8 @@ def _attention(
         out, lse = _cudnn(q, k, v, is_causal, scale)
     elif impl == "pallas":
         if attn_bias is None:
-            out, lse = _pallas(q, k, v, is_causal, scale)
+            out, top, total = _pallas(q, k, v, is_causal, scale)
+            lse = top + jnp.log(total)  # every query sees a key: the sum survives
         else:
             out = _pallas_biased(q, k, v, attn_bias, is_causal, scale)
             lse = blockwise_forward(q, k, v, attn_bias, is_causal, scale, 0.0, None, BLOCK)[1]
@@ -854,7 +874,9 @@ def _attention_backward(
     counters.bump(f"AttentionBackward::{impl}")
     scale = _scale(q, scale)
     if impl == "pallas" and attn_bias is None:
-        return *_pallas_backward(q, k, v, out, lse, grad, is_causal, scale), None
+        lse = lse.astype(jnp.float32)
+        residuals = (out, lse, jnp.ones_like(lse))  # exp(s - lse) / 1: the same probabilities
+        return *_pallas_backward(q, k, v, *residuals, grad, causal=is_causal, scale=scale), None
     if impl in ("cudnn", "pallas"):
         biased = attn_bias is not None
         operands = (q, k, v, attn_bias) if biased else (q, k, v)
@@ -893,22 +915,22 @@ def _attention_backward(
 _LIBRARY = torch.library.Library("xla", "FRAGMENT")
 _LIBRARY.define(
     "segmented_attention(Tensor q, Tensor k, Tensor v, Tensor q_segment_ids, "
-    "Tensor kv_segment_ids, bool causal, float scale) -> (Tensor, Tensor)"
+    "Tensor kv_segment_ids, bool causal, float scale) -> (Tensor, Tensor, Tensor)"
 )
 _LIBRARY.define(
     "segmented_attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, "
-    "Tensor q_segment_ids, Tensor kv_segment_ids, Tensor out, Tensor lse, bool causal, "
-    "float scale) -> (Tensor, Tensor, Tensor)"
+    "Tensor q_segment_ids, Tensor kv_segment_ids, Tensor out, Tensor shift, Tensor total, "
+    "bool causal, float scale) -> (Tensor, Tensor, Tensor)"
 )
 
 
-def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
+def _statistic(q: torch.Tensor) -> torch.Tensor:
+    return q.new_empty(q.shape[:-1], dtype=torch.promote_types(q.dtype, torch.float32))
 
 
 @torch.library.register_fake("xla::segmented_attention", lib=_LIBRARY)
 def _segmented_attention_shapes(q, k, v, q_segment_ids, kv_segment_ids, causal, scale):
-    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=_lse_dtype(q.dtype))
+    return torch.empty_like(q), _statistic(q), _statistic(q)
 
 
 @torch.library.register_fake("xla::segmented_attention_backward", lib=_LIBRARY)
@@ -921,10 +943,9 @@ def _save_for_backward(ctx, inputs: tuple, output: tuple) -> None:
     ctx.save_for_backward(q, k, v, q_segment_ids, kv_segment_ids, *output)
 
 
-def _segmented_attention_grads(ctx, grad, lse_grad):
-    q, k, v, q_segment_ids, kv_segment_ids, out, lse = ctx.saved_tensors
+def _segmented_attention_grads(ctx, grad, *statistics_grads):
     dq, dk, dv = torch.ops.xla.segmented_attention_backward(
-        grad, q, k, v, q_segment_ids, kv_segment_ids, out, lse, ctx.causal, ctx.scale
+        grad, *ctx.saved_tensors, ctx.causal, ctx.scale
     )
     return dq, dk, dv, None, None, None, None
 
@@ -943,39 +964,44 @@ def _segments(q_segment_ids, kv_segment_ids, causal: bool) -> Segments:
 
 @lowers(torch.ops.xla.segmented_attention.default)
 def _segmented_attention(q, k, v, q_segment_ids, kv_segment_ids, causal, scale):
-    """(output, log-sum-exp) of (B, H, L, E) attention over segments: the Pallas kernel on TPU,
-    the blockwise form (plain for few keys on CPU) elsewhere."""
+    """(output, shift, sum) of (B, H, L, E) attention over segments, its softmax's
+    probabilities being ``exp(s - shift) / sum``: the Pallas kernel's residuals on TPU (where a
+    query sees no key, the sum counts the keys it averages, which a log-sum-exp would lose to the
+    mask value), the log-sum-exp and 1 from the blockwise form (plain for few keys on CPU)
+    elsewhere."""
     impl = _implementation(q, k, v, "segments", causal, 0.0)
     counters.bump(f"Attention::{impl}")
     segments = _segments(q_segment_ids, kv_segment_ids, causal)
     if impl == "pallas":
-        (out,) = _pallas(q, k, v, causal, scale, segments.q, segments.kv, named=("segments",))
-        lse = blockwise_forward(q, k, v, segments, False, scale, 0.0, None, BLOCK)[1]
-    elif impl == "blockwise":
-        out, lse = _blockwise_attend(q, k, v, segments, None, False, scale, 0.0)
+        ids = (segments.q, segments.kv)
+        out, shift, total = _pallas(q, k, v, causal, scale, *ids, named=("segments",))
     else:
-        out, lse = _traced_forward(q, k, v, segments, False, scale, 0.0, None, _block(impl, k))
-    return out.astype(q.dtype), lse.astype(jnp.promote_types(q.dtype, jnp.float32))
+        if impl == "blockwise":
+            out, shift = _blockwise_attend(q, k, v, segments, None, False, scale, 0.0)
+        else:
+            out, shift = _traced_forward(
+                q, k, v, segments, False, scale, 0.0, None, _block(impl, k)
+            )
+        total = jnp.ones_like(shift)
+    wide = jnp.promote_types(q.dtype, jnp.float32)
+    return out.astype(q.dtype), shift.astype(wide), total.astype(wide)
 
 
 @lowers(torch.ops.xla.segmented_attention_backward.default)
 def _segmented_attention_backward(
-    grad, q, k, v, q_segment_ids, kv_segment_ids, out, lse, causal, scale
+    grad, q, k, v, q_segment_ids, kv_segment_ids, out, shift, total, causal, scale
 ):
-    """(dq, dk, dv) with the forward's implementation."""
+    """(dq, dk, dv) with the forward's implementation, from its residuals."""
     impl = _implementation(q, k, v, "segments", causal, 0.0)
     counters.bump(f"AttentionBackward::{impl}")
     segments = _segments(q_segment_ids, kv_segment_ids, causal)
     if impl == "pallas":
         ids = (segments.q, segments.kv)
-
-        def attend(q, k, v):
-            return _pallas(q, k, v, causal, scale, *ids, named=("segments",))[0]
-
-        primal, pullback = jax.vjp(attend, q, k, v)
-        grads = pullback(grad.astype(primal.dtype))
-    else:
-        grads = _traced_backward(
-            grad, q, k, v, segments, out, lse, False, scale, 0.0, None, _block(impl, k), False
-        )[:3]
+        residuals = (out, shift, total, grad)
+        return _pallas_backward(
+            q, k, v, *ids, *residuals, causal=causal, scale=scale, named=("segments",)
+        )
+    grads = _traced_backward(
+        grad, q, k, v, segments, out, shift, False, scale, 0.0, None, _block(impl, k), False
+    )[:3]
     return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
