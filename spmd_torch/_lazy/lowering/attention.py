@@ -528,8 +528,8 @@ def _pallas_forward_here(q, k, v, *extras, causal: bool, scale: float, named: tu
 def _pallas_backward_here(q, k, v, *rest, causal: bool, scale: float, named: tuple) -> tuple:
     """(dq, dk, dv): the kernel's backward from (*extras, output, shift, sum, cotangent)."""
     *extras, out, top, total, grad = rest
-    residuals = (q, k, v, *_given(named, extras), out, total, top)
-    residuals = (*residuals[:-2], *(r.astype(jnp.float32) for r in residuals[-2:]))
+    ab, ids = _given(named, extras)
+    residuals = (q, k, v, ab, ids, out, total.astype(jnp.float32), top.astype(jnp.float32))
     with jax.enable_x64(False):
         grads = _flash()._flash_attention_bwd(
             False, causal, scale, _block_sizes(q, k), False, residuals, grad.astype(out.dtype)
