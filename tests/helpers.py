@@ -490,14 +490,15 @@ def cudnn_stood_in(monkeypatch):
             shapes.append(tuple(q.shape))
         return attention.blockwise_forward(q, k, v, None, causal, scale, 0.0, None, k.shape[2])
 
+    kernel = attention._cudnn_here
     monkeypatch.setattr(attention, "_platform", lambda: "cuda")
-    monkeypatch.setitem(attention._HERE, "cudnn", stand_in)
+    monkeypatch.setattr(attention, "_cudnn_here", stand_in)
     for forget in _forget_on_another_platform():
         forget()
     try:
         yield shapes
     finally:
-        attention._HERE["cudnn"] = attention._cudnn_here
+        monkeypatch.setattr(attention, "_cudnn_here", kernel)
         for forget in _forget_on_another_platform():
             forget()
 

@@ -1,17 +1,16 @@
 """torch_xla.experimental.custom_kernel on JAX: ``flash_attention`` as the fused attention op.
 
-PyTorch/XLA runs a Pallas TPU kernel here. This one is the fused op that
-``F.scaled_dot_product_attention`` becomes (``_scaled_dot_product_fused_attention_overrideable``,
-one node forward and one backward), lowered per platform as that is (``lowering/attention.py``):
-the Pallas flash kernel on TPU, ``ab`` and segment ids given to it as they are; elsewhere
-blockwise attention, whose memory grows linearly with the sequence. Half-precision inputs without
-a bias reach cuDNN's kernel on an NVIDIA GPU (products accumulated in float32, as the TPU kernel
-does); with one, or in float32, the attention computes in float32. Segment ids alone make an op of
-their own (``xla::segmented_attention``), which off TPU builds each key block's mask from them, so
-memory still grows linearly with the sequence. ``ab`` (with segment ids or not) enters as a bias
-(``[batch, heads, q_seq_len, kv_seq_len]``, the segment mask added), held whole; causal masking
-alone needs none. Under a ``partition_spec`` the kernel runs on each device's batch and heads
-(the partitioner's rule for the fused kernels).
+PyTorch/XLA runs a Pallas TPU kernel here. This one is an attention op of the engine, one node
+forward and one backward, lowered per platform (``lowering/attention.py``): the Pallas flash
+kernel on TPU, ``ab`` and segment ids given to it as they are, its backward starting from the
+forward's residuals; elsewhere blockwise attention, whose memory grows linearly with the
+sequence. Without ``ab`` or segment ids it is the fused op ``F.scaled_dot_product_attention``
+becomes (``_scaled_dot_product_fused_attention_overrideable``): half-precision inputs reach
+cuDNN's kernel on an NVIDIA GPU (products accumulated in float32, as the TPU kernel does). With
+them it is an op of our own (``xla::flash_kernel_attention``), which off TPU builds each key
+block's mask from the ids (memory still linear in the sequence; ``ab`` is held whole, ``[batch,
+heads, q_seq_len, kv_seq_len]``) and computes in float32 or wider. Under a ``partition_spec`` the
+kernel runs on each device's batch and heads (the partitioner's rule for the fused kernels).
 
 The grouped matmuls of mixture-of-experts layers (``gmm``, ``tgmm``, ``gmm_backward`` and the
 autograd Function ``GMM``) are ``jax.lax.ragged_dot`` and ``ragged_dot_general`` over the rows of
@@ -86,8 +85,8 @@ def flash_attention(
     included (``ab`` is held whole). Products accumulate and the softmax runs in float32
     (float64 for float64 inputs), as in the kernel, and the result has ``q``'s dtype. bfloat16 or
     float16 inputs without segment ids or ``ab`` enter the fused op as they are, which runs cuDNN's
-    kernel on an NVIDIA GPU; ``sm_scale`` is then a constant of the program (a new value compiles
-    anew), where otherwise it is a program input.
+    kernel on an NVIDIA GPU. ``sm_scale`` is then a constant of the program (a new value compiles
+    anew), as it is with segment ids or ``ab``; for other inputs it is a program input.
 
     A masked score gets :data:`DEFAULT_MASK_VALUE` added, as in the kernel: a query whose every
     key is masked (segment ids, with ``causal`` or not) attends to all keys evenly, i.e. its output
@@ -163,68 +162,38 @@ def _attention(
     sm_scale: float,
     ab: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The kernel's arithmetic as the fused attention op. Half-precision inputs without a bias
-    go in as they are, ``sm_scale`` as the op's scale (a constant of the program), so that an
-    NVIDIA GPU runs cuDNN's kernel: its products accumulate in float32 as the TPU kernel's do.
-    Otherwise ``(q k^T + ab) * sm_scale + mask`` is ``(q * sm_scale) k^T + bias`` in float32 or
-    wider, ``sm_scale`` a program input; a bias holds ``ab`` and the segment mask, the causal mask
-    too when a query may lose every key (its row then averages them all, as the kernel's does)."""
-    heads, q_len, kv_len = q.shape[-3], q.shape[-2], k.shape[-2]
-    if q_segment_ids is not None and ab is None:
-        return _segmented(q, k, v, causal, q_segment_ids, kv_segment_ids, sm_scale)
-    visible = _visible(q, k, causal and q_segment_ids is not None, q_segment_ids, kv_segment_ids)
-    if ab is None and visible is None and q.dtype in _HALF and q.dtype == k.dtype == v.dtype:
-        flat = [t.reshape(-1, heads, t.shape[-2], t.shape[-1]) for t in (q, k, v)]
-        return _fused(*flat, None, causal, sm_scale).reshape(q.shape)
+    """The kernel's arithmetic as an attention op. With ``ab`` or segment ids, the kernel's own
+    op (``xla::flash_kernel_attention``): the Pallas kernel takes them as they are on TPU, and
+    elsewhere each key block's mask is built from the ids. Otherwise ATen's fused op:
+    half-precision inputs go in as they are, ``sm_scale`` as the op's scale (a constant of the
+    program), so that an NVIDIA GPU runs cuDNN's kernel, whose products accumulate in float32 as
+    the TPU kernel's do; other inputs as ``(q * sm_scale) k^T`` in float32 or wider,
+    ``sm_scale`` a program input."""
+    heads = q.shape[-3]
+    flat = [t.reshape(-1, heads, t.shape[-2], t.shape[-1]) for t in (q, k, v)]
+    if ab is not None or q_segment_ids is not None:
+        ids = [
+            None if t is None else t.reshape(-1, t.shape[-1])
+            for t in (q_segment_ids, kv_segment_ids)
+        ]
+        bias = None if ab is None else ab.reshape(-1, *ab.shape[-3:])
+        out, _, _ = torch.ops.xla.flash_kernel_attention(*flat, bias, *ids, causal, float(sm_scale))
+        return out.reshape(q.shape)
+    if q.dtype in _HALF and q.dtype == k.dtype == v.dtype:
+        return _fused(*flat, causal, sm_scale).reshape(q.shape)
     wide = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     wide = torch.promote_types(wide, torch.float32)
-    bias = None if ab is None else ab.to(wide) * sm_scale
-    if visible is not None:
-        mask = torch.where(visible, 0.0, DEFAULT_MASK_VALUE).to(wide)
-        bias = mask if bias is None else bias + mask
-    if bias is not None:
-        bias = bias.reshape(-1, bias.shape[-3], q_len, kv_len)
     flat = [t.to(wide).reshape(-1, heads, t.shape[-2], t.shape[-1]) for t in (q * sm_scale, k, v)]
-    out = _fused(*flat, bias, causal and q_segment_ids is None, 1.0)
-    return out.reshape(q.shape).to(q.dtype)
+    return _fused(*flat, causal, 1.0).reshape(q.shape).to(q.dtype)
 
 
-def _segmented(q, k, v, causal: bool, q_segment_ids, kv_segment_ids, sm_scale: float):
-    """Attention over segments as an op of its own, the ids as they are: the Pallas kernel takes
-    them on TPU, and elsewhere each key block's mask is built from them, never the whole mask
-    (``lowering/attention.py``). Inputs keep their dtype; the output has ``q``'s."""
-    flat = [t.reshape(-1, t.shape[-3], t.shape[-2], t.shape[-1]) for t in (q, k, v)]
-    ids = [t.reshape(-1, t.shape[-1]) for t in (q_segment_ids, kv_segment_ids)]
-    out, _, _ = torch.ops.xla.segmented_attention(*flat, *ids, causal, float(sm_scale))
-    return out.reshape(q.shape)
-
-
-def _fused(q, k, v, bias, causal: bool, scale: float) -> torch.Tensor:
-    """The fused attention op's output. Under SPMD the partitioner splits it as it splits its
+def _fused(q, k, v, causal: bool, scale: float) -> torch.Tensor:
+    """ATen's fused attention op's output. Under SPMD the partitioner splits it as it splits its
     inputs, a fused kernel by spmd_torch's rule (``lowering/attention.py``): each device runs it
     on its own batch and heads, as PyTorch/XLA runs its kernel under a ``partition_spec``."""
     return torch.ops.aten._scaled_dot_product_fused_attention_overrideable(
-        q, k, v, bias, 0.0, causal, scale=scale
+        q, k, v, None, 0.0, causal, scale=scale
     )[0]
-
-
-def _visible(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    causal: bool,
-    q_segment_ids: torch.Tensor | None,
-    kv_segment_ids: torch.Tensor | None,
-) -> torch.Tensor | None:
-    """Which keys each query may see, broadcastable to the scores; None when all of them."""
-    visible = None
-    if q_segment_ids is not None:
-        same = q_segment_ids.unsqueeze(-1) == kv_segment_ids.unsqueeze(-2)
-        visible = same.unsqueeze(-3)  # [*batch, 1 (heads), q_seq_len, kv_seq_len]
-    if causal:
-        rows = torch.arange(q.shape[-2], device=q.device).unsqueeze(-1)
-        below = torch.arange(k.shape[-2], device=q.device) <= rows
-        visible = below if visible is None else visible & below
-    return visible
 
 
 def _check_arguments(

@@ -390,23 +390,42 @@ def test_ab_and_segment_ids_reach_the_tpu_kernel_with_float64s_values(
 
 
 @pytest.mark.parametrize("extras", ["segments", "ab"])
-def test_the_tpu_kernel_runs_its_forward_once_with_segment_ids(monkeypatch, extras):
-    """Lowered for TPU, a step with segment ids calls the kernel's forward once: its backward
-    starts from the forward's residuals (shift and sum). With ``ab`` (ATen's op, one slot for
-    them) the backward runs the forward again."""
+def test_the_tpu_kernel_runs_its_forward_once_with_segment_ids_or_ab(monkeypatch, extras):
+    """Lowered for TPU, a step with segment ids or ``ab`` calls the kernel's forward once: its
+    backward starts from the forward's residuals, shift and sum (the op is ours: ATen's has one
+    slot for them, and the backward ran the forward again)."""
     q, k, v = (t.to(dev).requires_grad_() for t in _qkv((2, 2, 128, 32)))
     ids = _packed_ids(2, 128).to(dev)
     options = {"q_segment_ids": ids, "kv_segment_ids": ids}
     if extras == "ab":
-        options = {"ab": _randn(2, 2, 128, 128).to(dev)}
+        options = {"ab": _randn(2, 2, 128, 128).to(dev).requires_grad_()}
     out = flash_attention(q, k, v, causal=True, **options)
-    grads = torch.autograd.grad(out.sum(), [q, k, v])
+    grads = torch.autograd.grad(out.sum(), [q, k, v, *options.values()][: 3 + (extras == "ab")])
     text = lowered_as_on("tpu", [out, *grads], monkeypatch).as_text()
     kernels = re.findall(r'tpu_custom_call.*kernel_name = "(\w+)"', text)
-    forward = ["_flash_attention_kernel"] * (1 if extras == "segments" else 2)
-    assert sorted(kernels) == sorted(
-        [*forward, "_flash_attention_dkv_kernel", "_flash_attention_dq_kernel"]
-    ), kernels
+    assert sorted(kernels) == [
+        "_flash_attention_dkv_kernel",
+        "_flash_attention_dq_kernel",
+        "_flash_attention_kernel",
+    ], kernels
+
+
+def test_a_row_of_minus_inf_in_ab_gives_zeros_on_the_tpu_kernel(monkeypatch):
+    """The kernel would make NaNs of a query whose every score ``ab`` sets to ``-inf``; it gives
+    zeros and finite gradients, as the blockwise form (and PyTorch's attention) does."""
+    q, k, v = _qkv((1, 2, 128, 32))
+    ab = _randn(1, 2, 128, 128, seed=4)
+    ab[0, 1, 5] = -torch.inf
+    leaves = [t.to(dev).requires_grad_() for t in (q, k, v, ab)]
+    with pallas_interpreted(monkeypatch):
+        with assert_counter_delta("Attention::pallas", 1):
+            out = flash_attention(*leaves[:3], sm_scale=0.25, ab=leaves[3])
+            grads = torch.autograd.grad(out.sum(), leaves)
+            spmd_torch.sync()
+    expected = attention_float64(q, k, v, sm_scale=0.25, ab=ab).nan_to_num(0.0)
+    assert_close(out, expected.float())
+    assert torch.count_nonzero(out.cpu()[0, 1, 5]) == 0
+    assert all(bool(g.cpu().isfinite().all()) for g in grads)
 
 
 def test_segment_ids_hold_no_whole_mask():
@@ -419,7 +438,7 @@ def test_segment_ids_hold_no_whole_mask():
     ids = _packed_ids(1, seq).to(dev)
     out = flash_attention(q, k, v, causal=True, q_segment_ids=ids, kv_segment_ids=ids)
     ops = [str(n.op) for n in graph.pending_program([out]).nodes]
-    assert ops.count("xla.segmented_attention.default") == 1, ops
+    assert ops.count("xla.flash_kernel_attention.default") == 1, ops
     torch.autograd.grad(out.sum(), [q, k, v])
     spmd_torch.sync()
     cache = engine.current().cache

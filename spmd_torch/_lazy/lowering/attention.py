@@ -17,9 +17,9 @@ dropout, which forward and backward share, so both halves of one attention use o
   grows linearly with the sequence. ``plain`` is the same code with one block, called once (no
   loop).
 
-``custom_kernel.flash_attention``'s segment ids (packed sequences) are an op of our own,
-``xla::segmented_attention`` and its backward: the Pallas kernel takes the ids as they are, and
-the blockwise and plain forms build each key block's mask from them (``Segments``).
+``custom_kernel.flash_attention`` with ``ab`` or segment ids (packed sequences) is an op of our
+own, ``xla::flash_kernel_attention`` and its backward: the Pallas kernel takes both as they are,
+and the blockwise and plain forms build each key block's mask from the ids (``Segments``).
 
 Where XLA's partitioner splits the program (SPMD), either fused kernel is a ``custom_partitioning``
 op with a rule of ours, split over batch and heads, each device running the kernel on its own
@@ -466,14 +466,18 @@ def _cudnn_here(q, k, v, causal: bool, scale: float) -> tuple:
     return out.transpose(0, 2, 1, 3), lse.transpose(0, 2, 1)
 
 
-def _pallas(q, k, v, causal: bool, scale: float, *extras, named: tuple = ()) -> tuple:
+def _pallas(
+    q, k, v, causal: bool, scale: float, *extras, named: tuple = (), residuals: bool = True
+) -> tuple:
     """The Pallas TPU flash kernel's results on (B, H, L, E) arrays, key/value heads repeated per
     group: (output, shift, sum), the softmax's residuals (B, H, L) (its probabilities are
-    ``exp(s - shift) / sum``), or (output,) with an ``ab``. ``extras`` are the kernel's optional
-    operands ``named`` (``_EXTRAS``): ``"ab"``, a (B, H, L, S) bias added to the scores before
-    ``scale``; ``"segments"``, the queries' and keys' segment ids (B, L) and (B, S), int32."""
+    ``exp(s - shift) / sum``), for ``_pallas_backward``; or, without ``residuals``, (output,),
+    differentiable by JAX (the backward then runs the forward again: for an op that has no slot
+    for both residuals). ``extras`` are the kernel's optional operands ``named`` (``_EXTRAS``):
+    ``"ab"``, a (B, H, L, S) bias added to the scores before ``scale``; ``"segments"``, the
+    queries' and keys' segment ids (B, L) and (B, S), int32."""
     k, v = _repeated(q, k, v)
-    return _fused("pallas", q, k, v, causal, scale, *extras, named=named)
+    return _fused("pallas", q, k, v, causal, scale, *extras, named=named, residuals=residuals)
 
 
 def _repeated(q, k, v) -> tuple:
@@ -485,23 +489,19 @@ def _repeated(q, k, v) -> tuple:
 
 
 def _pallas_backward(q, k, v, *rest, causal: bool, scale: float, named: tuple = ()) -> tuple:
-    """(dq, dk, dv) of ``_pallas`` from (*extras, output, shift, sum, cotangent) ``rest``, by the
-    kernel's backward from the forward's residuals: its forward does not run again. Grouped
-    heads' gradients are summed over their group."""
+    """(dq, dk, dv, and dab with an ``ab``) of ``_pallas`` from (*extras, output, shift, sum,
+    cotangent) ``rest``, by the kernel's backward from the forward's residuals: its forward does
+    not run again. Grouped heads' gradients are summed over their group."""
     group = q.shape[1] // k.shape[1]
     repeated = _repeated(q, k, v)
     if _PARTITIONED.get():
         grads = _split_backward(causal, scale, named)(q, *repeated, *rest)
     else:
         grads = _pallas_backward_here(q, *repeated, *rest, causal=causal, scale=scale, named=named)
-    dq, dk, dv = grads
+    dq, dk, dv, *dab = grads
     if group > 1:
         dk, dv = (g.reshape(k.shape[0], k.shape[1], group, *g.shape[2:]).sum(2) for g in (dk, dv))
-    return dq, dk.astype(k.dtype), dv.astype(v.dtype)
-
-
-def _pallas_here(q, k, v, causal: bool, scale: float, *extras, named: tuple = ()) -> tuple:
-    return _pallas_kernel(causal, scale, named)(q, k, v, *extras)
+    return dq, dk.astype(k.dtype), dv.astype(v.dtype), *dab
 
 
 def _block_sizes(q, k):
@@ -526,7 +526,8 @@ def _pallas_forward_here(q, k, v, *extras, causal: bool, scale: float, named: tu
 
 
 def _pallas_backward_here(q, k, v, *rest, causal: bool, scale: float, named: tuple) -> tuple:
-    """(dq, dk, dv): the kernel's backward from (*extras, output, shift, sum, cotangent)."""
+    """(dq, dk, dv, and dab with an ``ab``): the kernel's backward from (*extras, output, shift,
+    sum, cotangent)."""
     *extras, out, top, total, grad = rest
     ab, ids = _given(named, extras)
     residuals = (q, k, v, ab, ids, out, total.astype(jnp.float32), top.astype(jnp.float32))
@@ -534,19 +535,11 @@ def _pallas_backward_here(q, k, v, *rest, causal: bool, scale: float, named: tup
         grads = _flash()._flash_attention_bwd(
             False, causal, scale, _block_sizes(q, k), False, residuals, grad.astype(out.dtype)
         )
-    return grads[:3]
-
-
-def _keeps_residuals(named: tuple) -> bool:
-    """Whether the Pallas kernel's results are its residuals, for a backward of its own: not with
-    ``ab``, whose op (ATen's) has one slot for the softmax's residuals, and a query whose every
-    key is masked has a sum that one log-sum-exp loses (``m + log(l) = m`` in float32). Then its
-    backward differentiates the kernel, whose forward runs again."""
-    return "ab" not in named
+    return grads[: _differentiable(named)]
 
 
 @cache
-def _pallas_kernel(causal: bool, scale: float, named: tuple = ()):
+def _pallas_kernel(causal: bool, scale: float, named: tuple = (), residuals: bool = True):
     """The Pallas flash kernel on (q, k, v, *extras ``named``), differentiable in q, k, v and
     ``ab``, traced with 64-bit types off forward and backward wherever JAX traces them. JAX's
     Pallas kernels are written for 32-bit types: under spmd_torch's ``jax_enable_x64`` their grid
@@ -554,7 +547,7 @@ def _pallas_kernel(causal: bool, scale: float, named: tuple = ()):
     and a literal 0), and JAX differentiates a scan's body (``scan_layers``) outside any context
     the lowering sets."""
     wrt = _differentiable(named)
-    if _keeps_residuals(named):
+    if residuals:
         forward = partial(_pallas_forward_here, causal=causal, scale=scale, named=named)
         backward = partial(_pallas_backward_here, causal=causal, scale=scale, named=named)
         attend = jax.custom_vjp(forward)
@@ -586,16 +579,21 @@ def _pallas_kernel(causal: bool, scale: float, named: tuple = ()):
     return attend
 
 
-# (q, k, v, causal, scale, *extras, named=...) -> results; only the Pallas kernel takes extras
-_HERE = {"cudnn": _cudnn_here, "pallas": _pallas_here}
-
-
-def _fused(impl: str, q, k, v, causal: bool, scale: float, *extras, named: tuple = ()) -> tuple:
+def _fused(
+    impl: str, q, k, v, causal: bool, scale: float, *extras, named=(), residuals=True
+) -> tuple:
     """Fused kernel ``impl``'s results; on each device's batch and heads where the partitioner
-    splits the program."""
+    splits the program. Only the Pallas kernel takes extras."""
     if _PARTITIONED.get():
-        return _split_kernel(impl, causal, scale, named)(q, k, v, *extras)
-    return _HERE[impl](q, k, v, causal, scale, *extras, **({"named": named} if named else {}))
+        return _split_kernel(impl, causal, scale, named, residuals)(q, k, v, *extras)
+    return _here(impl, q, k, v, causal, scale, *extras, named=named, residuals=residuals)
+
+
+def _here(impl: str, q, k, v, causal: bool, scale: float, *extras, named, residuals) -> tuple:
+    """Fused kernel ``impl``'s results on the arrays as they are."""
+    if impl == "cudnn":
+        return _cudnn_here(q, k, v, causal, scale)
+    return _pallas_kernel(causal, scale, named, residuals)(q, k, v, *extras)
 
 
 _QKV = ("b h q d", "b g k d", "b g k d")  # q's, k's and v's dimensions, named as
@@ -605,12 +603,10 @@ _EXTRAS = {"ab": {"ab": "b h q k"}, "segments": {"q_ids": "b q", "kv_ids": "b k"
 _OUTPUTS = {"cudnn": ("b h q d", "b h q"), "pallas": ("b h q d", "b h q", "b h q")}
 
 
-def _outputs(impl: str, named: tuple) -> tuple:
+def _outputs(impl: str, residuals: bool) -> tuple:
     """The dimensions of kernel ``impl``'s results: cuDNN's output and log-sum-exp, the Pallas
-    kernel's output and residuals (its output alone where it keeps none)."""
-    if impl == "pallas" and not _keeps_residuals(named):
-        return ("b h q d",)
-    return _OUTPUTS[impl]
+    kernel's output and residuals (its output alone without ``residuals``)."""
+    return _OUTPUTS[impl] if residuals else ("b h q d",)
 
 
 def _flat_names(named: tuple) -> tuple:
@@ -634,15 +630,15 @@ def _differentiable(named: tuple) -> int:
 
 
 @cache
-def _split_kernel(impl: str, causal: bool, scale: float, named: tuple = ()):
-    """Kernel ``impl`` (``_HERE``) as an op the partitioner splits over batch and heads,
+def _split_kernel(impl: str, causal: bool, scale: float, named=(), residuals=True):
+    """Kernel ``impl`` (``_here``) as an op the partitioner splits over batch and heads,
     differentiable: forward, each device runs it on its shards of q, k, v and the extras
     ``named``; backward, the Pallas kernel's backward from the forward's residuals
-    (``_split_backward``), or, for cuDNN's kernel and the Pallas kernel with extras, on those and
-    the output's cotangent, differentiating it there (its forward runs again inside: the residuals
+    (``_split_backward``), or, for cuDNN's kernel and the Pallas kernel without ``residuals``, on
+    those and the output's cotangent, differentiating it there (its forward runs again inside: the residuals
     it saves are the kernel's own, which cannot leave the shard's function). Results after the
     output (the log-sum-exp) take no cotangent."""
-    kernel = partial(_HERE[impl], **({"named": named} if named else {}))
+    kernel = partial(_here, impl, named=named, residuals=residuals)
     operands = (*_QKV, *(_EXTRAS[e][n] for e in named for n in _EXTRAS[e]))
     wrt = _differentiable(named)
 
@@ -650,9 +646,9 @@ def _split_kernel(impl: str, causal: bool, scale: float, named: tuple = ()):
         q, k, v, *extras = args
         return kernel(q, k, v, causal, scale, *extras)
 
-    forward = _split_over_batch_and_heads(forward_here, operands, _outputs(impl, named))
+    forward = _split_over_batch_and_heads(forward_here, operands, _outputs(impl, residuals))
     attend = jax.custom_vjp(forward)
-    if impl == "pallas" and _keeps_residuals(named):
+    if impl == "pallas" and residuals:
         backward = _split_backward(causal, scale, named)
         attend.defvjp(
             lambda *args: (results := forward(*args), (*args, *results)),
@@ -687,7 +683,7 @@ def _split_backward(causal: bool, scale: float, named: tuple = ()):
 
     extras = (_EXTRAS[e][n] for e in named for n in _EXTRAS[e])
     operands = (*_QKV, *extras, *_OUTPUTS["pallas"], "b h q d")
-    return _split_over_batch_and_heads(backward_here, operands, _QKV)
+    return _split_over_batch_and_heads(backward_here, operands, operands[: _differentiable(named)])
 
 
 def _split_over_batch_and_heads(fn, operands: tuple, results: tuple):
@@ -774,7 +770,7 @@ def _pallas_biased(q, k, v, bias, causal: bool, scale: float):
     in the blockwise form), with no gradient."""
     scaled = q if scale == 1.0 else (q * scale).astype(q.dtype)
     ab = jnp.maximum(bias.astype(jnp.float32), MASK_VALUE)
-    (out,) = _pallas(scaled, k, v, causal, 1.0, ab, named=("ab",))
+    (out,) = _pallas(scaled, k, v, causal, 1.0, ab, named=("ab",), residuals=False)
     seen = bias > -jnp.inf
     if causal:
         seen = seen & jnp.tri(q.shape[2], k.shape[2], dtype=bool)
@@ -904,23 +900,24 @@ def _attention_backward(
     return dq, dk, dv, dbias
 
 
-# --- attention over segments (packed sequences): an op of our own --------------------------------
+# --- the Pallas kernel's attention, with ab and segment ids: an op of our own ------------------
 #
-# ``custom_kernel.flash_attention`` with segment ids: a query sees only keys of its own segment.
-# As a mask tensor the ids would be a (batch, q_len, kv_len) bias held whole and would keep
-# attention off the Pallas kernel, which takes the ids as they are; as an op of their own they
-# reach the kernel on TPU, and elsewhere the blockwise form builds each key block's mask from them
-# (``Segments``), so memory still grows linearly with the sequence.
+# ``custom_kernel.flash_attention`` with ``ab`` or segment ids: ``(q k^T + ab) * scale``, a query
+# seeing only keys of its own segment. As a mask tensor given to ATen's op the ids would be a
+# (batch, q_len, kv_len) bias held whole, and ATen's op has one slot for the softmax's residuals
+# where a query whose every key is masked needs two; as an op of their own the ids and ``ab``
+# reach the Pallas kernel as they are on TPU, its backward starting from its residuals, and
+# elsewhere the blockwise form builds each key block's mask from the ids (``Segments``).
 
 _LIBRARY = torch.library.Library("xla", "FRAGMENT")
 _LIBRARY.define(
-    "segmented_attention(Tensor q, Tensor k, Tensor v, Tensor q_segment_ids, "
-    "Tensor kv_segment_ids, bool causal, float scale) -> (Tensor, Tensor, Tensor)"
+    "flash_kernel_attention(Tensor q, Tensor k, Tensor v, Tensor? ab, Tensor? q_segment_ids, "
+    "Tensor? kv_segment_ids, bool causal, float scale) -> (Tensor, Tensor, Tensor)"
 )
 _LIBRARY.define(
-    "segmented_attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, "
-    "Tensor q_segment_ids, Tensor kv_segment_ids, Tensor out, Tensor shift, Tensor total, "
-    "bool causal, float scale) -> (Tensor, Tensor, Tensor)"
+    "flash_kernel_attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor? ab, "
+    "Tensor? q_segment_ids, Tensor? kv_segment_ids, Tensor out, Tensor shift, Tensor total, "
+    "bool causal, float scale) -> (Tensor, Tensor, Tensor, Tensor)"
 )
 
 
@@ -928,80 +925,122 @@ def _statistic(q: torch.Tensor) -> torch.Tensor:
     return q.new_empty(q.shape[:-1], dtype=torch.promote_types(q.dtype, torch.float32))
 
 
-@torch.library.register_fake("xla::segmented_attention", lib=_LIBRARY)
-def _segmented_attention_shapes(q, k, v, q_segment_ids, kv_segment_ids, causal, scale):
+@torch.library.register_fake("xla::flash_kernel_attention", lib=_LIBRARY)
+def _flash_kernel_attention_shapes(q, k, v, *rest):
     return torch.empty_like(q), _statistic(q), _statistic(q)
 
 
-@torch.library.register_fake("xla::segmented_attention_backward", lib=_LIBRARY)
-def _segmented_attention_backward_shapes(grad, q, k, v, *rest):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+@torch.library.register_fake("xla::flash_kernel_attention_backward", lib=_LIBRARY)
+def _flash_kernel_attention_backward_shapes(grad, q, k, v, ab, *rest):
+    dab = q.new_empty(0) if ab is None else torch.empty_like(ab)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dab
 
 
 def _save_for_backward(ctx, inputs: tuple, output: tuple) -> None:
-    q, k, v, q_segment_ids, kv_segment_ids, ctx.causal, ctx.scale = inputs
-    ctx.save_for_backward(q, k, v, q_segment_ids, kv_segment_ids, *output)
+    *tensors, ctx.causal, ctx.scale = inputs
+    ctx.save_for_backward(*tensors, *output)
 
 
-def _segmented_attention_grads(ctx, grad, *statistics_grads):
-    dq, dk, dv = torch.ops.xla.segmented_attention_backward(
-        grad, *ctx.saved_tensors, ctx.causal, ctx.scale
+def _flash_kernel_attention_grads(ctx, grad, *statistics_grads):
+    saved = ctx.saved_tensors
+    dq, dk, dv, dab = torch.ops.xla.flash_kernel_attention_backward(
+        grad, *saved, ctx.causal, ctx.scale
     )
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None if saved[3] is None else dab, None, None, None, None
 
 
 torch.library.register_autograd(
-    "xla::segmented_attention",
-    _segmented_attention_grads,
+    "xla::flash_kernel_attention",
+    _flash_kernel_attention_grads,
     setup_context=_save_for_backward,
     lib=_LIBRARY,
 )
+
+
+class _KernelProblem:
+    """One call of the op as each implementation takes it: ``impl``; for the Pallas kernel its
+    extras, ``ab`` (``-inf`` as ``MASK_VALUE``: a row of them would be NaNs in the kernel) and
+    the ids, and which queries see a key (``alive``: a query whose every score ``ab`` sets to
+    ``-inf`` gives zeros, as in PyTorch and the blockwise form); for the blockwise form its mask
+    (``Segments``, or ``ab * scale`` with the segment mask added) and whether causal masking is
+    left to it (it is folded into the segment mask where there is one)."""
+
+    def __init__(self, q, k, v, ab, q_segment_ids, kv_segment_ids, causal: bool, scale: float):
+        mask = "scores" if ab is not None else "segments"
+        self.impl = _implementation(q, k, v, mask, causal, 0.0)
+        has_ids = q_segment_ids is not None
+        segments = _segments(q_segment_ids, kv_segment_ids, causal) if has_ids else None
+        if self.impl == "pallas":
+            self.named = (("ab",) if ab is not None else ()) + (("segments",) if has_ids else ())
+            self.extras = () if ab is None else (jnp.maximum(ab.astype(jnp.float32), MASK_VALUE),)
+            self.extras += () if segments is None else (segments.q, segments.kv)
+            self.alive = None
+            if ab is not None:
+                seen = ab > -jnp.inf
+                if causal:
+                    seen = seen & jnp.tri(q.shape[2], k.shape[2], dtype=bool)
+                self.alive = seen.any(-1, keepdims=True)
+            return
+        wide = jnp.promote_types(accumulation_dtype(q.dtype) or q.dtype, jnp.float32)
+        self.causal = causal and not has_ids
+        if ab is None:
+            self.bias = segments
+        else:
+            self.bias = ab.astype(wide) * scale
+            if segments is not None:
+                seen = segments.seen(segments.kv, 0)[:, None]
+                self.bias = self.bias + jnp.where(seen, 0.0, MASK_VALUE).astype(wide)
 
 
 def _segments(q_segment_ids, kv_segment_ids, causal: bool) -> Segments:
     return Segments(q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32), causal)
 
 
-@lowers(torch.ops.xla.segmented_attention.default)
-def _segmented_attention(q, k, v, q_segment_ids, kv_segment_ids, causal, scale):
-    """(output, shift, sum) of (B, H, L, E) attention over segments, its softmax's
-    probabilities being ``exp(s - shift) / sum``: the Pallas kernel's residuals on TPU (where a
+@lowers(torch.ops.xla.flash_kernel_attention.default)
+def _flash_kernel_attention(q, k, v, ab, q_segment_ids, kv_segment_ids, causal, scale):
+    """(output, shift, sum) of (B, H, L, E) attention as the Pallas kernel computes it, its
+    softmax's probabilities being ``exp(s - shift) / sum``: the kernel's residuals on TPU (where a
     query sees no key, the sum counts the keys it averages, which a log-sum-exp would lose to the
     mask value), the log-sum-exp and 1 from the blockwise form (plain for few keys on CPU)
     elsewhere."""
-    impl = _implementation(q, k, v, "segments", causal, 0.0)
-    counters.bump(f"Attention::{impl}")
-    segments = _segments(q_segment_ids, kv_segment_ids, causal)
-    if impl == "pallas":
-        ids = (segments.q, segments.kv)
-        out, shift, total = _pallas(q, k, v, causal, scale, *ids, named=("segments",))
+    p = _KernelProblem(q, k, v, ab, q_segment_ids, kv_segment_ids, causal, scale)
+    counters.bump(f"Attention::{p.impl}")
+    if p.impl == "pallas":
+        out, shift, total = _pallas(q, k, v, causal, scale, *p.extras, named=p.named)
+        if p.alive is not None:
+            out = jnp.where(p.alive, out, 0).astype(out.dtype)
     else:
-        if impl == "blockwise":
-            out, shift = _blockwise_attend(q, k, v, segments, None, False, scale, 0.0)
+        if p.impl == "blockwise":
+            out, shift = _blockwise_attend(q, k, v, p.bias, None, p.causal, scale, 0.0)
         else:
             out, shift = _traced_forward(
-                q, k, v, segments, False, scale, 0.0, None, _block(impl, k)
+                q, k, v, p.bias, p.causal, scale, 0.0, None, _block(p.impl, k)
             )
         total = jnp.ones_like(shift)
     wide = jnp.promote_types(q.dtype, jnp.float32)
     return out.astype(q.dtype), shift.astype(wide), total.astype(wide)
 
 
-@lowers(torch.ops.xla.segmented_attention_backward.default)
-def _segmented_attention_backward(
-    grad, q, k, v, q_segment_ids, kv_segment_ids, out, shift, total, causal, scale
+@lowers(torch.ops.xla.flash_kernel_attention_backward.default)
+def _flash_kernel_attention_backward(
+    grad, q, k, v, ab, q_segment_ids, kv_segment_ids, out, shift, total, causal, scale
 ):
-    """(dq, dk, dv) with the forward's implementation, from its residuals."""
-    impl = _implementation(q, k, v, "segments", causal, 0.0)
-    counters.bump(f"AttentionBackward::{impl}")
-    segments = _segments(q_segment_ids, kv_segment_ids, causal)
-    if impl == "pallas":
-        ids = (segments.q, segments.kv)
+    """(dq, dk, dv, dab: empty without ``ab``) with the forward's implementation, from its
+    residuals."""
+    p = _KernelProblem(q, k, v, ab, q_segment_ids, kv_segment_ids, causal, scale)
+    counters.bump(f"AttentionBackward::{p.impl}")
+    if p.impl == "pallas":
+        if p.alive is not None:
+            grad = jnp.where(p.alive, grad, 0).astype(grad.dtype)
         residuals = (out, shift, total, grad)
-        return _pallas_backward(
-            q, k, v, *ids, *residuals, causal=causal, scale=scale, named=("segments",)
+        dq, dk, dv, *dab = _pallas_backward(
+            q, k, v, *p.extras, *residuals, causal=causal, scale=scale, named=p.named
         )
-    grads = _traced_backward(
-        grad, q, k, v, segments, out, shift, False, scale, 0.0, None, _block(impl, k), False
-    )[:3]
-    return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
+    else:
+        block = _block(p.impl, k)
+        dq, dk, dv, *dab = _traced_backward(
+            grad, q, k, v, p.bias, out, shift, p.causal, scale, 0.0, None, block, ab is not None
+        )
+        dab = [d * scale for d in dab if d is not None]
+    dab = jnp.zeros((0,), q.dtype) if ab is None else dab[0].reshape(ab.shape).astype(ab.dtype)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dab
