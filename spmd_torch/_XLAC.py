@@ -34,7 +34,6 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import jax.version
@@ -72,8 +71,8 @@ from spmd_torch.debug.metrics import metrics_report as _xla_metrics_report
 from spmd_torch.debug.metrics import short_metrics_report as _short_xla_metrics_report
 from spmd_torch.distributed.spmd import xla_sharding as xs
 from spmd_torch.distributed.spmd.xla_sharded_tensor import annotated_tiling
-from spmd_torch.experimental import custom_kernel
 from spmd_torch.experimental.callback import on_ready_callback
+from spmd_torch.experimental.custom_kernel import run_traced_kernel as _xla_tpu_custom_call
 from spmd_torch.experimental.distributed_checkpoint._preemption import (
     activate_preemption_sync_manager as _activate_preemption_sync_manager,
 )
@@ -602,21 +601,6 @@ def _xla_wait_device_ops(devices: Sequence[str] = ()) -> None:
 
 
 # --- ops -----------------------------------------------------------------------------------------
-
-
-def _xla_tpu_custom_call(
-    inputs: Sequence[torch.Tensor],
-    payload: Any,
-    output_shapes: Sequence,
-    output_dtypes: Sequence[torch.dtype],
-) -> list[torch.Tensor]:
-    """A Pallas kernel's outputs on xla tensors, from the payload ``trace_pallas`` gives.
-
-    Example:
-        >>> payload, tensors = custom_kernel.trace_pallas(add_vectors, x, y)
-        >>> (out,) = _xla_tpu_custom_call(tensors, payload, [x.shape], [x.dtype])
-    """
-    return custom_kernel.run_traced_kernel(inputs, payload, output_shapes, output_dtypes)
 
 
 def _xla_dot_general(

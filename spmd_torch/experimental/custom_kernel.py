@@ -42,6 +42,7 @@ import spmd_torch.distributed.spmd as xs
 from spmd_torch import config
 from spmd_torch._internal.jax_workarounds import jax_import_guard  # noqa: F401  PyTorch/XLA's re-export
 from spmd_torch._lazy import dispatch
+from spmd_torch._lazy.lowering import attention
 from spmd_torch._lazy.lowering.dtypes import to_jax_dtype
 from spmd_torch.core.xla_builder import call_jax
 
@@ -59,7 +60,7 @@ __all__ = [
     "trace_pallas",
 ]
 
-DEFAULT_MASK_VALUE = -0.7 * float(torch.finfo(torch.float32).max)
+DEFAULT_MASK_VALUE = attention.MASK_VALUE
 """What the kernel adds to a masked score: finite, so a row with every key masked stays finite."""
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -169,22 +170,27 @@ def _attention(
     program), so that an NVIDIA GPU runs cuDNN's kernel, whose products accumulate in float32 as
     the TPU kernel's do; other inputs as ``(q * sm_scale) k^T`` in float32 or wider,
     ``sm_scale`` a program input."""
-    heads = q.shape[-3]
-    flat = [t.reshape(-1, heads, t.shape[-2], t.shape[-1]) for t in (q, k, v)]
     if ab is not None or q_segment_ids is not None:
         ids = [
             None if t is None else t.reshape(-1, t.shape[-1])
             for t in (q_segment_ids, kv_segment_ids)
         ]
-        bias = None if ab is None else ab.reshape(-1, *ab.shape[-3:])
-        out, _, _ = torch.ops.xla.flash_kernel_attention(*flat, bias, *ids, causal, float(sm_scale))
+        bias = None if ab is None else _batched(ab)
+        out, _, _ = torch.ops.xla.flash_kernel_attention(
+            _batched(q), _batched(k), _batched(v), bias, *ids, causal, float(sm_scale)
+        )
         return out.reshape(q.shape)
     if q.dtype in _HALF and q.dtype == k.dtype == v.dtype:
-        return _fused(*flat, causal, sm_scale).reshape(q.shape)
+        return _fused(_batched(q), _batched(k), _batched(v), causal, sm_scale).reshape(q.shape)
     wide = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     wide = torch.promote_types(wide, torch.float32)
-    flat = [t.to(wide).reshape(-1, heads, t.shape[-2], t.shape[-1]) for t in (q * sm_scale, k, v)]
+    flat = [_batched(t.to(wide)) for t in (q * sm_scale, k, v)]
     return _fused(*flat, causal, 1.0).reshape(q.shape).to(q.dtype)
+
+
+def _batched(t: torch.Tensor) -> torch.Tensor:
+    """``[*batch, heads, len, dim]`` as ``[batch, heads, len, dim]``."""
+    return t.reshape(-1, *t.shape[-3:])
 
 
 def _fused(q, k, v, causal: bool, scale: float) -> torch.Tensor:
@@ -373,7 +379,13 @@ def run_traced_kernel(
     output_dtypes: Sequence[torch.dtype],
 ) -> list[torch.Tensor]:
     """The kernel's outputs on xla tensors, checked against the shapes and dtypes the caller
-    expects (a mismatch is a ValueError naming both: PyTorch/XLA would read the buffers wrongly)."""
+    expects (a mismatch is a ValueError naming both: PyTorch/XLA would read the buffers wrongly).
+    ``torch_xla._XLAC._xla_tpu_custom_call`` is this function.
+
+    Example:
+        >>> payload, tensors = trace_pallas(add_vectors, x, y)
+        >>> (out,) = run_traced_kernel(tensors, payload, [x.shape], [x.dtype])
+    """
     if not isinstance(payload, TracedKernel):
         raise NotImplementedError(
             f"_xla_tpu_custom_call: payload of type {type(payload).__name__}; a serialised "

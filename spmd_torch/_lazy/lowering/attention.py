@@ -82,8 +82,8 @@ def choose(
 
     ``platform`` is ``cuda``/``gpu``, ``rocm``, ``tpu`` or ``cpu``; ``mask`` is None, ``'bool'``,
     ``'float'``, ``'scores'`` (a float mask shaped like the scores) or ``'segments'`` (segment
-    ids): the Pallas kernel takes the last two as they are; ``q_shape`` is (batch, heads, q_len, head_dim), ``k_shape``/``v_shape`` are
-    (batch, kv_heads, kv_len, head_dim). A pure function of its arguments: forward and backward
+    ids): the Pallas kernel takes the last two as they are; ``q_shape`` is (batch, heads, q_len,
+    head_dim), ``k_shape``/``v_shape`` are (batch, kv_heads, kv_len, head_dim). A pure function of its arguments: forward and backward
     ask it the same question and get the same answer."""
     q_len, head_dim = q_shape[-2], q_shape[-1]
     kv_len, v_head_dim = k_shape[-2], v_shape[-1]
@@ -550,15 +550,7 @@ def _pallas_kernel(causal: bool, scale: float, named: tuple = (), residuals: boo
     if residuals:
         forward = partial(_pallas_forward_here, causal=causal, scale=scale, named=named)
         backward = partial(_pallas_backward_here, causal=causal, scale=scale, named=named)
-        attend = jax.custom_vjp(forward)
-        attend.defvjp(
-            lambda *args: (results := forward(*args), (*args, *results)),
-            lambda saved, cotangents: (
-                *backward(*saved, cotangents[0]),
-                *(None for _ in saved[wrt:-3]),
-            ),
-        )
-        return attend
+        return _from_residuals(forward, backward, wrt)
 
     def kernel(q, k, v, *extras):
         ab, ids = _given(named, extras)
@@ -576,6 +568,21 @@ def _pallas_kernel(causal: bool, scale: float, named: tuple = (), residuals: boo
 
     attend = jax.custom_vjp(kernel)
     attend.defvjp(lambda *args: (kernel(*args), args), pullback)
+    return attend
+
+
+def _from_residuals(forward, backward, wrt: int):
+    """``forward`` of (q, k, v, *extras) -> (output, shift, sum), differentiable by
+    ``backward`` of (*operands, output, shift, sum, cotangent): the first ``wrt`` operands take
+    its cotangents, the other extras none."""
+    attend = jax.custom_vjp(forward)
+    attend.defvjp(
+        lambda *args: (results := forward(*args), (*args, *results)),
+        lambda saved, cotangents: (
+            *backward(*saved, cotangents[0]),
+            *(None for _ in saved[wrt:-3]),
+        ),
+    )
     return attend
 
 
@@ -613,6 +620,10 @@ def _flat_names(named: tuple) -> tuple:
     return tuple(name for extra in named for name in _EXTRAS[extra])
 
 
+def _extra_dims(named: tuple) -> tuple:
+    return tuple(_EXTRAS[extra][name] for extra in named for name in _EXTRAS[extra])
+
+
 def _differentiable(named: tuple) -> int:
     """How many leading operands take cotangents: q, k, v, and ``ab`` where given."""
     return 4 if "ab" in named else 3
@@ -635,11 +646,11 @@ def _split_kernel(impl: str, causal: bool, scale: float, named=(), residuals=Tru
     differentiable: forward, each device runs it on its shards of q, k, v and the extras
     ``named``; backward, the Pallas kernel's backward from the forward's residuals
     (``_split_backward``), or, for cuDNN's kernel and the Pallas kernel without ``residuals``, on
-    those and the output's cotangent, differentiating it there (its forward runs again inside: the residuals
-    it saves are the kernel's own, which cannot leave the shard's function). Results after the
-    output (the log-sum-exp) take no cotangent."""
+    those and the output's cotangent, differentiating it there (its forward runs again inside:
+    the residuals it saves are the kernel's own, which cannot leave the shard's function).
+    Results after the output (the log-sum-exp, the residuals) take no cotangent."""
     kernel = partial(_here, impl, named=named, residuals=residuals)
-    operands = (*_QKV, *(_EXTRAS[e][n] for e in named for n in _EXTRAS[e]))
+    operands = (*_QKV, *_extra_dims(named))
     wrt = _differentiable(named)
 
     def forward_here(*args):  # positional only: custom_partitioning binds no keywords
@@ -647,17 +658,8 @@ def _split_kernel(impl: str, causal: bool, scale: float, named=(), residuals=Tru
         return kernel(q, k, v, causal, scale, *extras)
 
     forward = _split_over_batch_and_heads(forward_here, operands, _outputs(impl, residuals))
-    attend = jax.custom_vjp(forward)
     if impl == "pallas" and residuals:
-        backward = _split_backward(causal, scale, named)
-        attend.defvjp(
-            lambda *args: (results := forward(*args), (*args, *results)),
-            lambda saved, cotangents: (
-                *backward(*saved, cotangents[0]),
-                *(None for _ in saved[wrt:-3]),
-            ),
-        )
-        return attend
+        return _from_residuals(forward, _split_backward(causal, scale, named), wrt)
 
     def pullback_here(*args):
         *args, cotangent = args
@@ -669,6 +671,7 @@ def _split_kernel(impl: str, causal: bool, scale: float, named=(), residuals=Tru
     def pullback(saved, cotangents):
         return *backward(*saved, cotangents[0]), *(None for _ in saved[wrt:])
 
+    attend = jax.custom_vjp(forward)
     attend.defvjp(lambda *args: (forward(*args), args), pullback)
     return attend
 
@@ -681,8 +684,7 @@ def _split_backward(causal: bool, scale: float, named: tuple = ()):
     def backward_here(*args):  # positional only, as every operand of a split op
         return _pallas_backward_here(*args, causal=causal, scale=scale, named=named)
 
-    extras = (_EXTRAS[e][n] for e in named for n in _EXTRAS[e])
-    operands = (*_QKV, *extras, *_OUTPUTS["pallas"], "b h q d")
+    operands = (*_QKV, *_extra_dims(named), *_OUTPUTS["pallas"], "b h q d")
     return _split_over_batch_and_heads(backward_here, operands, operands[: _differentiable(named)])
 
 
@@ -769,12 +771,19 @@ def _pallas_biased(q, k, v, bias, causal: bool, scale: float):
     ``MASK_VALUE``: a row of them would be NaNs in the kernel, and is zeros, as in PyTorch (and
     in the blockwise form), with no gradient."""
     scaled = q if scale == 1.0 else (q * scale).astype(q.dtype)
-    ab = jnp.maximum(bias.astype(jnp.float32), MASK_VALUE)
+    ab, alive = _kernel_ab(bias, causal)
     (out,) = _pallas(scaled, k, v, causal, 1.0, ab, named=("ab",), residuals=False)
+    return jnp.where(alive, out, 0).astype(out.dtype)
+
+
+def _kernel_ab(bias, causal: bool) -> tuple:
+    """(the kernel's ``ab``, which queries see a key): ``-inf`` goes in as ``MASK_VALUE``, since a
+    row of them would be NaNs in the kernel, and such a row's output is to be zeros, as in
+    PyTorch and the blockwise form (``alive``, (B, H, L, 1), is False there)."""
     seen = bias > -jnp.inf
     if causal:
-        seen = seen & jnp.tri(q.shape[2], k.shape[2], dtype=bool)
-    return jnp.where(seen.any(-1, keepdims=True), out, 0).astype(out.dtype)
+        seen = seen & jnp.tri(bias.shape[2], bias.shape[3], dtype=bool)
+    return jnp.maximum(bias.astype(jnp.float32), MASK_VALUE), seen.any(-1, keepdims=True)
 
 
 def _scale(q, scale) -> float:
@@ -959,9 +968,7 @@ torch.library.register_autograd(
 
 class _KernelProblem:
     """One call of the op as each implementation takes it: ``impl``; for the Pallas kernel its
-    extras, ``ab`` (``-inf`` as ``MASK_VALUE``: a row of them would be NaNs in the kernel) and
-    the ids, and which queries see a key (``alive``: a query whose every score ``ab`` sets to
-    ``-inf`` gives zeros, as in PyTorch and the blockwise form); for the blockwise form its mask
+    extras, ``ab`` and the ids, and which queries see a key (``alive``, ``_kernel_ab``); for the blockwise form its mask
     (``Segments``, or ``ab * scale`` with the segment mask added) and whether causal masking is
     left to it (it is folded into the segment mask where there is one)."""
 
@@ -972,14 +979,11 @@ class _KernelProblem:
         segments = _segments(q_segment_ids, kv_segment_ids, causal) if has_ids else None
         if self.impl == "pallas":
             self.named = (("ab",) if ab is not None else ()) + (("segments",) if has_ids else ())
-            self.extras = () if ab is None else (jnp.maximum(ab.astype(jnp.float32), MASK_VALUE),)
-            self.extras += () if segments is None else (segments.q, segments.kv)
-            self.alive = None
+            self.extras, self.alive = (), None
             if ab is not None:
-                seen = ab > -jnp.inf
-                if causal:
-                    seen = seen & jnp.tri(q.shape[2], k.shape[2], dtype=bool)
-                self.alive = seen.any(-1, keepdims=True)
+                kernel_ab, self.alive = _kernel_ab(ab, causal)
+                self.extras = (kernel_ab,)
+            self.extras += () if segments is None else (segments.q, segments.kv)
             return
         wide = jnp.promote_types(accumulation_dtype(q.dtype) or q.dtype, jnp.float32)
         self.causal = causal and not has_ids
