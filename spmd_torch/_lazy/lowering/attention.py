@@ -19,7 +19,7 @@ dropout, which forward and backward share, so both halves of one attention use o
 
 ``custom_kernel.flash_attention`` with ``ab`` or segment ids (packed sequences) is an op of our
 own, ``xla::flash_kernel_attention`` and its backward: the Pallas kernel takes both as they are,
-and the blockwise and plain forms build each key block's mask from the ids (``Segments``).
+and the blockwise and plain forms build each key block's mask from the ids (``BlockMask``).
 
 Where XLA's partitioner splits the program (SPMD), either fused kernel is a ``custom_partitioning``
 op with a rule of ours, split over batch and heads, each device running the kernel on its own
@@ -185,13 +185,16 @@ class _Problem:
     value per row (``shift``: a row masked by a huge finite value keeps its log-sum-exp, which
     that value would otherwise swallow); the keys padded to whole blocks."""
 
-    def __init__(self, q, k, v, bias, causal: bool, scale: float, dropout_p: float, key, block):
+    def __init__(
+        self, q, k, v, bias, causal: bool, scale: float, dropout_p: float, key, block, soft_cap
+    ):
         batch, heads, self.q_len, _ = q.shape
         kv_heads, self.kv_len = k.shape[1], k.shape[2]
         self.group = heads // kv_heads
         self.wide = jnp.promote_types(accumulation_dtype(q.dtype) or q.dtype, jnp.float32)
         self.q = q.astype(self.wide).reshape(batch, kv_heads, self.group, self.q_len, -1)
         self.scale, self.causal, self.dropout_p, self.key = scale, causal, dropout_p, key
+        self.soft_cap = soft_cap
         self.block = min(block, self.kv_len)
         self.blocks = -(-self.kv_len // self.block)
         padding = self.blocks * self.block - self.kv_len
@@ -199,12 +202,12 @@ class _Problem:
         self.v = _pad_keys(v.astype(self.wide), padding, axis=2)
         self.bias = None if bias is None else _grouped_bias(bias, heads, kv_heads, self.group)
         self.shift = None
-        if isinstance(bias, Segments):
-            self.shift = bias.shift().astype(self.wide)
+        if isinstance(bias, BlockMask):
+            self.shift = bias.shift(self.kv_len).astype(self.wide)
         elif self.bias is not None and self.bias.dtype != jnp.bool_:
             top = self.bias.max(-1, keepdims=True).astype(self.wide)
             self.shift = jnp.where(top == -jnp.inf, 0, top)
-        if isinstance(self.bias, Segments):
+        if isinstance(self.bias, BlockMask):
             self.bias = self.bias.padded(padding)
         elif self.bias is not None and self.bias.shape[-1] != 1:
             self.bias = _pad_keys(self.bias, padding, axis=4)
@@ -218,15 +221,25 @@ class _Problem:
         return start, k, v
 
     def bias_block(self, start):
-        if isinstance(self.bias, Segments):
+        if isinstance(self.bias, BlockMask):
             return self.bias.block(start, self.block)
         if self.bias is None or self.bias.shape[-1] == 1:
             return self.bias
         return lax.dynamic_slice_in_dim(self.bias, start, self.block, axis=4)
 
-    def scores(self, j, start, k):
-        """Block ``j``'s scaled, biased and masked scores (B, Hk, G, L, block)."""
+    def logits(self, k):
+        """The scaled scores of keys ``k`` (B, Hk, G, L, block), soft-capped (``cap *
+        tanh(s / cap)``) where there is a cap."""
         s = jnp.einsum("bhgle,bhse->bhgls", self.q, k, precision=precision()) * self.scale
+        return s if self.soft_cap is None else jnp.tanh(s / self.soft_cap) * self.soft_cap
+
+    def uncapped(self, ds, logits):
+        """The gradient of the scores before the soft cap, from theirs after it (``ds``)."""
+        return ds if self.soft_cap is None else ds * (1 - jnp.square(logits / self.soft_cap))
+
+    def scores(self, start, logits):
+        """Block ``logits``' (from key ``start``) biased and masked scores (B, Hk, G, L, block)."""
+        s = logits
         bias = self.bias_block(start)
         if bias is not None and bias.dtype == jnp.bool_:
             s = jnp.where(bias, s, -jnp.inf)
@@ -253,40 +266,53 @@ class _Problem:
         return keep.reshape(shape).astype(self.wide) / (1 - self.dropout_p)
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=("q", "kv"), meta_fields=("causal",))
+@partial(
+    jax.tree_util.register_dataclass,
+    data_fields=("q", "kv"),
+    meta_fields=("q_len", "causal", "window"),
+)
 @dataclasses.dataclass(frozen=True)
-class Segments:
-    """Segment ids standing for a mask, built one key block at a time (never whole): query ``i``
-    sees key ``j`` where their ids are equal, and ``j <= i`` too when ``causal``. An unseen score
-    gets ``MASK_VALUE``, finite as in the Pallas kernel, so a query that sees no key averages
-    them all. ``q`` is (B, L), ``kv`` (B, S), int32."""
+class BlockMask:
+    """A mask built one key block at a time (never whole), from segment ids and positions: query
+    ``i`` sees key ``j`` where their ids are equal (where there are ids), ``j <= i`` when
+    ``causal``, and ``|i - j| <= window`` where there is a window. An unseen score gets
+    ``MASK_VALUE``, finite as in the Pallas kernels, so a query that sees no key averages them
+    all. ``q`` is (B, L), ``kv`` (B, S), int32, or both None; ``q_len`` is L."""
 
-    q: jax.Array
-    kv: jax.Array
-    causal: bool
+    q: jax.Array | None
+    kv: jax.Array | None
+    q_len: int
+    causal: bool = False
+    window: int | None = None
 
-    def seen(self, kv, start):
-        """(B, L, len(kv)): which of these keys, the first at ``start``, each query sees."""
-        seen = self.q[:, :, None] == kv[:, None, :]
+    def seen(self, start, size: int):
+        """(B or 1, L, size): which of ``size`` keys from ``start`` each query sees."""
+        shape = (self.q_len, size)
+        rows = lax.broadcasted_iota(jnp.int32, shape, 0)
+        cols = start + lax.broadcasted_iota(jnp.int32, shape, 1)
+        seen = jnp.ones((1, *shape), bool)
+        if self.q is not None:
+            kv = lax.dynamic_slice_in_dim(self.kv, start, size, axis=1)
+            seen = self.q[:, :, None] == kv[:, None, :]
         if self.causal:
-            shape = (self.q.shape[1], kv.shape[1])
-            rows = lax.broadcasted_iota(jnp.int32, shape, 0)
-            seen = seen & (start + lax.broadcasted_iota(jnp.int32, shape, 1) <= rows)
+            seen = seen & (cols <= rows)
+        if self.window is not None:
+            seen = seen & (jnp.abs(rows - cols) <= self.window)
         return seen
 
     def block(self, start, size: int):
         """The mask of ``size`` keys from ``start``, broadcasting against (B, Hk, G, L, size)."""
-        kv = lax.dynamic_slice_in_dim(self.kv, start, size, axis=1)
-        return jnp.where(self.seen(kv, start), 0.0, MASK_VALUE)[:, None, None]
+        return jnp.where(self.seen(start, size), 0.0, MASK_VALUE)[:, None, None]
 
-    def shift(self):
+    def shift(self, kv_len: int):
         """The mask's largest value in each row (0 or ``MASK_VALUE``), as ``_Problem`` keeps."""
-        seen = self.seen(self.kv, 0).any(-1)
+        seen = self.seen(0, kv_len).any(-1)
         return jnp.where(seen, 0.0, MASK_VALUE)[:, None, None, :, None]
 
-    def padded(self, padding: int) -> Segments:
+    def padded(self, padding: int) -> BlockMask:
         """Keys added past the last (the blockwise form masks them by position)."""
-        return Segments(self.q, _pad_keys(self.kv, padding, axis=1), self.causal)
+        kv = None if self.kv is None else _pad_keys(self.kv, padding, axis=1)
+        return dataclasses.replace(self, kv=kv)
 
 
 def _pad_keys(x, padding: int, axis: int):
@@ -299,7 +325,7 @@ def _pad_keys(x, padding: int, axis: int):
 
 def _grouped_bias(bias, heads: int, kv_heads: int, group: int):
     """A mask broadcasting against (B, H, L, S), reshaped to broadcast against (B, Hk, G, L, S)."""
-    if isinstance(bias, Segments):
+    if isinstance(bias, BlockMask):
         return bias
     bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
     b, h, q_len, kv_len = bias.shape
@@ -317,15 +343,15 @@ def _over_blocks(step, init, blocks: int):
     return carry, jax.tree.map(lambda y: y[None], ys)
 
 
-def blockwise_forward(q, k, v, bias, causal, scale, dropout_p, key, block):
+def blockwise_forward(q, k, v, bias, causal, scale, dropout_p, key, block, soft_cap=None):
     """(output (B, H, L, Ev), log-sum-exp (B, H, L)) by an online softmax over key blocks."""
-    p = _Problem(q, k, v, bias, causal, scale, dropout_p, key, block)
+    p = _Problem(q, k, v, bias, causal, scale, dropout_p, key, block, soft_cap)
     rows = p.q.shape[:-1]
 
     def step(carry, j):
         top, total, acc = carry
         start, kj, vj = p.keys(j)
-        s = p.scores(j, start, kj)
+        s = p.scores(start, p.logits(kj))
         new_top = jnp.maximum(top, s.max(-1))
         safe_top = jnp.where(new_top == -jnp.inf, 0, new_top)
         probs = jnp.exp(s - safe_top[..., None])
@@ -350,10 +376,10 @@ def blockwise_forward(q, k, v, bias, causal, scale, dropout_p, key, block):
 
 
 def blockwise_backward(
-    grad, q, k, v, bias, out, lse, causal, scale, dropout_p, key, block, bias_grad
+    grad, q, k, v, bias, out, lse, causal, scale, dropout_p, key, block, bias_grad, soft_cap=None
 ):
     """(dq, dk, dv, dbias or None): each key block's probabilities recomputed from ``lse``."""
-    p = _Problem(q, k, v, bias, causal, scale, dropout_p, key, block)
+    p = _Problem(q, k, v, bias, causal, scale, dropout_p, key, block, soft_cap)
     rows = p.q.shape[:-1]
     grad = grad.astype(p.wide).reshape(rows + (-1,))
     lse = lse.astype(p.wide).reshape(rows)
@@ -365,7 +391,8 @@ def blockwise_backward(
     def step(carry, j):
         dq, dbias = carry
         start, kj, vj = p.keys(j)
-        probs = jnp.exp(p.scores(j, start, kj) - safe_lse[..., None])
+        logits = p.logits(kj)
+        probs = jnp.exp(p.scores(start, logits) - safe_lse[..., None])
         kept = p.kept(j, probs.shape)
         dropped = probs if kept is None else probs * kept
         dv = jnp.einsum("bhgls,bhgle->bhse", dropped, grad, precision=precision())
@@ -373,8 +400,9 @@ def blockwise_backward(
         if kept is not None:
             dprobs = dprobs * kept
         ds = probs * (dprobs - delta[..., None])
-        dq = dq + jnp.einsum("bhgls,bhse->bhgle", ds, kj, precision=precision()) * p.scale
-        dk = jnp.einsum("bhgls,bhgle->bhse", ds, p.q, precision=precision()) * p.scale
+        dlogits = p.uncapped(ds, logits)
+        dq = dq + jnp.einsum("bhgls,bhse->bhgle", dlogits, kj, precision=precision()) * p.scale
+        dk = jnp.einsum("bhgls,bhgle->bhse", dlogits, p.q, precision=precision()) * p.scale
         if not bias_grad:
             return (dq, dbias), (dk, dv)
         block_shape = p.bias.shape[:-1] + (ds.shape[-1] if per_block_bias else 1,)
@@ -393,7 +421,7 @@ def blockwise_backward(
     return dq.reshape(q.shape), dk, dv, dbias
 
 
-def _differentiable_blockwise(causal: bool, scale: float, dropout_p: float):
+def _differentiable_blockwise(causal: bool, scale: float, dropout_p: float, soft_cap=None):
     """The blockwise forward as a function of (q, k, v, mask, key) whose JAX derivative is the
     blockwise backward. Outside a loop nothing differentiates it (autograd records the backward
     op); inside a scan's body JAX does, and would otherwise keep every key block's
@@ -404,7 +432,7 @@ def _differentiable_blockwise(causal: bool, scale: float, dropout_p: float):
     @jax.custom_vjp
     def attend(q, k, v, bias, words):
         key = None if words is None else wrap_key(words)
-        return blockwise_forward(q, k, v, bias, causal, scale, dropout_p, key, BLOCK)
+        return blockwise_forward(q, k, v, bias, causal, scale, dropout_p, key, BLOCK, soft_cap)
 
     def forward(q, k, v, bias, words):
         out, lse = attend(q, k, v, bias, words)
@@ -414,7 +442,20 @@ def _differentiable_blockwise(causal: bool, scale: float, dropout_p: float):
         q, k, v, bias, words, out, lse = saved
         key = None if words is None else wrap_key(words)
         dq, dk, dv, dbias = blockwise_backward(
-            cotangents[0], q, k, v, bias, out, lse, causal, scale, dropout_p, key, BLOCK, True
+            cotangents[0],
+            q,
+            k,
+            v,
+            bias,
+            out,
+            lse,
+            causal,
+            scale,
+            dropout_p,
+            key,
+            BLOCK,
+            True,
+            soft_cap,
         )
         dtypes = [x.dtype for x in (q, k, v)]
         dq, dk, dv = (g.astype(d) for g, d in zip((dq, dk, dv), dtypes))
@@ -425,8 +466,10 @@ def _differentiable_blockwise(causal: bool, scale: float, dropout_p: float):
 
 
 @traced_once
-def _blockwise_attend(q, k, v, bias, words, causal: bool, scale: float, dropout_p: float):
-    return _differentiable_blockwise(causal, scale, dropout_p)(q, k, v, bias, words)
+def _blockwise_attend(
+    q, k, v, bias, words, causal: bool, scale: float, dropout_p: float, soft_cap=None
+):
+    return _differentiable_blockwise(causal, scale, dropout_p, soft_cap)(q, k, v, bias, words)
 
 
 # Every layer's attention is the same trace: JAX traces each form once per shapes and arguments.
@@ -916,7 +959,7 @@ def _attention_backward(
 # (batch, q_len, kv_len) bias held whole, and ATen's op has one slot for the softmax's residuals
 # where a query whose every key is masked needs two; as an op of their own the ids and ``ab``
 # reach the Pallas kernel as they are on TPU, its backward starting from its residuals, and
-# elsewhere the blockwise form builds each key block's mask from the ids (``Segments``).
+# elsewhere the blockwise form builds each key block's mask from the ids (``BlockMask``).
 
 _LIBRARY = torch.library.Library("xla", "FRAGMENT")
 _LIBRARY.define(
@@ -969,7 +1012,7 @@ torch.library.register_autograd(
 class _KernelProblem:
     """One call of the op as each implementation takes it: ``impl``; for the Pallas kernel its
     extras, ``ab`` and the ids, and which queries see a key (``alive``, ``_kernel_ab``); for the blockwise form its mask
-    (``Segments``, or ``ab * scale`` with the segment mask added) and whether causal masking is
+    (``BlockMask``, or ``ab * scale`` with the segment mask added) and whether causal masking is
     left to it (it is folded into the segment mask where there is one)."""
 
     def __init__(self, q, k, v, ab, q_segment_ids, kv_segment_ids, causal: bool, scale: float):
@@ -992,12 +1035,13 @@ class _KernelProblem:
         else:
             self.bias = ab.astype(wide) * scale
             if segments is not None:
-                seen = segments.seen(segments.kv, 0)[:, None]
+                seen = segments.seen(0, k.shape[2])[:, None]
                 self.bias = self.bias + jnp.where(seen, 0.0, MASK_VALUE).astype(wide)
 
 
-def _segments(q_segment_ids, kv_segment_ids, causal: bool) -> Segments:
-    return Segments(q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32), causal)
+def _segments(q_segment_ids, kv_segment_ids, causal: bool) -> BlockMask:
+    ids = (t.astype(jnp.int32) for t in (q_segment_ids, kv_segment_ids))
+    return BlockMask(*ids, q_segment_ids.shape[1], causal)
 
 
 @lowers(torch.ops.xla.flash_kernel_attention.default)
