@@ -391,11 +391,12 @@ def _forget_on_another_platform() -> list:
     shapes."""
     from spmd_torch._lazy import compile as compile_module
     from spmd_torch._lazy import loop
-    from spmd_torch._lazy.lowering import attention
+    from spmd_torch._lazy.lowering import attention, splash
 
     return [
         attention._pallas_kernel.cache_clear,
         attention._split_kernel.cache_clear,
+        splash._split.cache_clear,
         compile_module.clear_cache,
         loop._RESIDUALS.clear,
     ]

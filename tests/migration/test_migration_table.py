@@ -933,6 +933,15 @@ def check_trace_pallas(fn):
     assert out.cpu().tolist() == [4, 6]
 
 
+def check_splash_attention(fn):
+    from spmd_torch.experimental.splash_attention import SplashAttentionConfig
+
+    q = torch.zeros(1, 1, 4, 2)  # every score 0: each query averages the values it sees
+    v = torch.arange(8.0).reshape(1, 1, 4, 2)
+    out = fn(_xla(q), _xla(q), _xla(v), SplashAttentionConfig().to_json(), causal=True)
+    assert out.cpu()[0, 0, :, 0].tolist() == [0.0, 1.0, 2.0, 3.0]  # mean of 0, 2, ... up to 2i
+
+
 def check_assume_pure(fn):
     traces = []
 
@@ -1440,6 +1449,7 @@ CHECKS: dict[str, Callable] = {
     "gmm": check_gmm,
     "make_kernel_from_pallas": check_make_kernel_from_pallas,
     "trace_pallas": check_trace_pallas,
+    "splash_attention": check_splash_attention,
     "assume_pure": check_assume_pure,
     "PureModule": check_pure_module,
     "scan_gru": check_scan_gru,

@@ -21,6 +21,7 @@ from . import (  # noqa: F401  (each module fills LOWERINGS at import)
     rnn,
     sharding,
     special,
+    splash,
 )
 from .registry import LOWERINGS, EngineOp, Lowering, lowers, register_table
 
