@@ -109,6 +109,7 @@ _MASKS = {
     "full": {"causal": False},
     "causal_window": {"window": 24},
     "full_window": {"causal": False, "window": 7},
+    "wide_window": {"causal": False, "window": 129},  # at 640 its edges touch tiles' corners
     "segments": {"ids": True},
     "segments_window_cap": {"ids": True, "window": 40, "soft_cap": 2.0},
     "full_segments_cap": {"causal": False, "ids": True, "soft_cap": 1.5},

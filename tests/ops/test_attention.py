@@ -116,12 +116,43 @@ def test_long_keys_go_blockwise_and_match_eager():
     assert counters.COUNTERS.get("Attention::blockwise", 0) > before
 
 
+@pytest.mark.parametrize("queries, keys", [(600, 600), (641, 700), (700, 600)])
+def test_causal_attention_over_query_tiles_matches_eager(queries, keys):
+    """Past one tile of queries (``Q_BLOCK``) causal attention leaves out the tiles above the
+    diagonal: eager's values and gradients, with grouped heads, the queries padded to whole
+    tiles, and more keys than queries or fewer."""
+    q, k, v = _qkv((1, 4, queries, 8), (1, 2, keys, 8))
+    assert_matches_eager(
+        F.scaled_dot_product_attention, q, k, v, grad=True, is_causal=True, enable_gqa=True
+    )
+
+
+def _tiles(causal=False, mask=None, seq=1024):
+    zeros = jnp.zeros((1, 1, seq, 8))
+    problem = attention._Problem(
+        zeros, zeros, zeros, mask, causal, 1.0, 0.0, None, attention.BLOCK, None
+    )
+    return len(problem.tiles)
+
+
+def test_the_blockwise_form_visits_only_tiles_a_query_sees():
+    """1,024 queries in 4 tiles of 256 against 8 key blocks of 128 (32 tiles): causal, query
+    tile r sees key blocks 0 to 2r + 1 (20 tiles); a causal window of 128, blocks 2r - 1 to
+    2r + 1 (11); with segment ids every tile, where a query that sees no key averages them all."""
+    window = attention.BlockMask(None, None, 1024, causal=True, window=128)
+    ids = jnp.zeros((1, 1024), jnp.int32)
+    assert _tiles() == 8  # one tile of every query
+    assert _tiles(causal=True) == 20
+    assert _tiles(mask=window) == 11
+    assert _tiles(mask=attention.BlockMask(ids, ids, 1024, causal=True, window=128)) == 8
+
+
 def test_plain_attention_lowers_without_a_loop_and_long_keys_with_one():
     """Plain attention is the blockwise code with one block, called once: no one-trip loop for
     XLA to take apart at every layer (a 32-layer step had 64); blockwise keeps its scan."""
     for keys, loops in ((10, 0), (400, 2)):
         leaves = [t.to(dev).requires_grad_() for t in _qkv((1, 2, 24, 8), (1, 2, keys, 8))]
-        out = F.scaled_dot_product_attention(*leaves, is_causal=True)
+        out = F.scaled_dot_product_attention(*leaves)
         grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
         assert graph.pending_hlo(list(grads)).count(" while(") == loops, keys
         spmd_torch.sync()

@@ -14,8 +14,9 @@ dropout, which forward and backward share, so both halves of one attention use o
   ``PLAIN_MAX_KEYS`` keys on CPU, where it is as fast as the blockwise form or faster;
 - ``blockwise``: everywhere else, an online softmax over blocks of ``BLOCK`` keys (``lax.scan``)
   that saves the log-sum-exp; the backward recomputes each block's probabilities from it, so memory
-  grows linearly with the sequence. ``plain`` is the same code with one block, called once (no
-  loop).
+  grows linearly with the sequence. Where the mask is a band of positions (causal, a sliding
+  window) the queries are cut into tiles too and the tiles outside the band are never computed.
+  ``plain`` is the same code with one block, called once (no loop).
 
 ``custom_kernel.flash_attention`` with ``ab`` or segment ids (packed sequences) is an op of our
 own, ``xla::flash_kernel_attention`` and its backward: the Pallas kernel takes both as they are,
@@ -45,6 +46,7 @@ from functools import cache, partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
@@ -60,6 +62,7 @@ from .registry import lowers
 aten = torch.ops.aten
 
 BLOCK = 128  # keys per block of the blockwise form
+Q_BLOCK = 256  # queries per tile where the blockwise form skips tiles outside a band
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # the Pallas kernel's, for segment ids
 PLAIN_MAX_KEYS = 384  # on CPU, up to this many keys plain attention is as fast or faster
 _CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -183,7 +186,13 @@ class _Problem:
     """One attention in grouped form: q (B, Hk, G, L, E) against k/v (B, Hk, S, E), float32 or
     wider; the mask as a (b, h, g, l, s) array broadcasting against the scores, less its largest
     value per row (``shift``: a row masked by a huge finite value keeps its log-sum-exp, which
-    that value would otherwise swallow); the keys padded to whole blocks."""
+    that value would otherwise swallow); the keys padded to whole blocks.
+
+    The loops run over ``tiles``, (query tile, key block) pairs. Where the mask is a band of
+    positions (causal, a window) whose outside adds exactly nothing, the queries are cut into
+    tiles of ``Q_BLOCK`` (padded to whole tiles) and the pairs wholly outside the band are left
+    out: causal attention computes about half the scores. Otherwise one tile holds every query and
+    every key block is visited."""
 
     def __init__(
         self, q, k, v, bias, causal: bool, scale: float, dropout_p: float, key, block, soft_cap
@@ -192,12 +201,18 @@ class _Problem:
         kv_heads, self.kv_len = k.shape[1], k.shape[2]
         self.group = heads // kv_heads
         self.wide = jnp.promote_types(accumulation_dtype(q.dtype) or q.dtype, jnp.float32)
-        self.q = q.astype(self.wide).reshape(batch, kv_heads, self.group, self.q_len, -1)
         self.scale, self.causal, self.dropout_p, self.key = scale, causal, dropout_p, key
         self.soft_cap = soft_cap
         self.block = min(block, self.kv_len)
-        self.blocks = -(-self.kv_len // self.block)
-        padding = self.blocks * self.block - self.kv_len
+        blocks = -(-self.kv_len // self.block)
+        padding = blocks * self.block - self.kv_len
+        band = _band(bias, causal, self.q_len, self.kv_len)
+        self.q_block = Q_BLOCK if band and blocks > 1 and self.q_len > Q_BLOCK else self.q_len
+        self.q_tiles = -(-self.q_len // self.q_block)
+        self.rows = self.q_tiles * self.q_block  # the queries padded to whole tiles
+        self.tiles = _visible_tiles(self, blocks, band)
+        q = q.astype(self.wide).reshape(batch, kv_heads, self.group, self.q_len, -1)
+        self.q = self.pad_rows(q)
         self.k = _pad_keys(k.astype(self.wide), padding, axis=2)
         self.v = _pad_keys(v.astype(self.wide), padding, axis=2)
         self.bias = None if bias is None else _grouped_bias(bias, heads, kv_heads, self.group)
@@ -207,11 +222,32 @@ class _Problem:
         elif self.bias is not None and self.bias.dtype != jnp.bool_:
             top = self.bias.max(-1, keepdims=True).astype(self.wide)
             self.shift = jnp.where(top == -jnp.inf, 0, top)
+        if self.shift is not None:
+            self.shift = self.pad_rows(self.shift)
         if isinstance(self.bias, BlockMask):
             self.bias = self.bias.padded(padding)
-        elif self.bias is not None and self.bias.shape[-1] != 1:
-            self.bias = _pad_keys(self.bias, padding, axis=4)
+        elif self.bias is not None:
+            if self.bias.shape[-1] != 1:
+                self.bias = _pad_keys(self.bias, padding, axis=4)
+            self.bias = self.pad_rows(self.bias)
         self.padded = padding > 0
+
+    def pad_rows(self, x, value=0):
+        """``x`` (..., L, ...) along axis 3 padded to whole query tiles; one that broadcasts
+        along it (size 1) as it is."""
+        if x.shape[3] == 1 or self.rows == self.q_len:
+            return x
+        widths = [(0, 0)] * x.ndim
+        widths[3] = (0, self.rows - self.q_len)
+        return jnp.pad(x, widths, constant_values=value)
+
+    def unpad_rows(self, x):
+        return x if self.rows == self.q_len else lax.slice_in_dim(x, 0, self.q_len, axis=3)
+
+    def queries(self, i):
+        """Query tile ``i``: its first index and queries."""
+        first = i * self.q_block
+        return first, _tile(self.q, first, self.q_block, axis=3)
 
     def keys(self, j):
         """Key block ``j``: its first index, keys and values."""
@@ -220,50 +256,108 @@ class _Problem:
         v = lax.dynamic_slice_in_dim(self.v, start, self.block, axis=2)
         return start, k, v
 
-    def bias_block(self, start):
+    def bias_tile(self, first, start):
+        """The mask of the queries from ``first`` against the key block from ``start``."""
         if isinstance(self.bias, BlockMask):
-            return self.bias.block(start, self.block)
-        if self.bias is None or self.bias.shape[-1] == 1:
-            return self.bias
-        return lax.dynamic_slice_in_dim(self.bias, start, self.block, axis=4)
+            return self.bias.block(first, self.q_block, start, self.block)
+        if self.bias is None:
+            return None
+        bias = _tile(self.bias, first, self.q_block, axis=3)
+        return bias if bias.shape[-1] == 1 else _tile(bias, start, self.block, axis=4)
 
-    def logits(self, k):
-        """The scaled scores of keys ``k`` (B, Hk, G, L, block), soft-capped (``cap *
-        tanh(s / cap)``) where there is a cap."""
-        s = jnp.einsum("bhgle,bhse->bhgls", self.q, k, precision=precision()) * self.scale
+    def logits(self, q, k):
+        """The scaled scores of queries ``q`` against keys ``k`` (B, Hk, G, l, block),
+        soft-capped (``cap * tanh(s / cap)``) where there is a cap."""
+        s = jnp.einsum("bhgle,bhse->bhgls", q, k, precision=precision()) * self.scale
         return s if self.soft_cap is None else jnp.tanh(s / self.soft_cap) * self.soft_cap
 
     def uncapped(self, ds, logits):
         """The gradient of the scores before the soft cap, from theirs after it (``ds``)."""
         return ds if self.soft_cap is None else ds * (1 - jnp.square(logits / self.soft_cap))
 
-    def scores(self, start, logits):
-        """Block ``logits``' (from key ``start``) biased and masked scores (B, Hk, G, L, block)."""
+    def scores(self, first, start, logits):
+        """The biased and masked scores of the query tile from ``first`` against the key block
+        from ``start``, from their ``logits``."""
         s = logits
-        bias = self.bias_block(start)
+        bias = self.bias_tile(first, start)
         if bias is not None and bias.dtype == jnp.bool_:
             s = jnp.where(bias, s, -jnp.inf)
         elif bias is not None:
-            s = s + bias.astype(s.dtype) - self.shift
-        cols = start + lax.broadcasted_iota(jnp.int32, (self.q_len, self.block), 1)
+            s = s + bias.astype(s.dtype) - _tile(self.shift, first, self.q_block, axis=3)
+        shape = (self.q_block, self.block)
+        cols = start + lax.broadcasted_iota(jnp.int32, shape, 1)
         visible = None
         if self.causal:
-            visible = cols <= lax.broadcasted_iota(jnp.int32, (self.q_len, self.block), 0)
+            visible = cols <= first + lax.broadcasted_iota(jnp.int32, shape, 0)
         if self.padded:
             inside = cols < self.kv_len
             visible = inside if visible is None else visible & inside
         return s if visible is None else jnp.where(visible, s, -jnp.inf)
 
-    def kept(self, j, shape):
-        """Block ``j``'s dropout factors (0 or 1 / (1 - p)), or None without dropout."""
+    def kept(self, t, shape):
+        """Tile ``t``'s dropout factors (0 or 1 / (1 - p)), or None without dropout."""
         if not self.dropout_p:
             return None
         # Drawn flat: XLA:CPU takes up to tens of seconds to compile a 5-d draw; a flat one
         # compiles in a fraction of a second and shards alike.
         flat = (math.prod(shape),)
         rate = jnp.asarray(1 - self.dropout_p, draw_dtype(self.wide))
-        keep = jax.random.bernoulli(jax.random.fold_in(self.key, j), rate, flat)
+        keep = jax.random.bernoulli(jax.random.fold_in(self.key, t), rate, flat)
         return keep.reshape(shape).astype(self.wide) / (1 - self.dropout_p)
+
+
+def _band(bias, causal: bool, q_len: int, kv_len: int) -> tuple | None:
+    """(lowest, highest) key-minus-query offset a query may see, where the mask is that band of
+    positions and nothing outside it adds to any query's attention; None otherwise.
+
+    Causal masking by ``-inf`` is such a band. A ``BlockMask`` gives unseen scores a finite
+    value, so a query that sees no key averages every key: only without segment ids, and where
+    every query sees a key by position, is its band's outside nothing."""
+    if isinstance(bias, BlockMask) and bias.q is None:
+        window = math.inf if bias.window is None else bias.window
+        lowest, highest = -window, min(0 if bias.causal else math.inf, window)
+        every_query_sees_a_key = q_len - 1 + lowest <= kv_len - 1
+        return (lowest, highest) if every_query_sees_a_key else None
+    if causal and not isinstance(bias, BlockMask):
+        return (-math.inf, 0)
+    return None
+
+
+def _visible_tiles(p: _Problem, blocks: int, band: tuple | None):
+    """(tile index, query tile, key block) of every pair with a query and key in ``band`` (every
+    pair without one), as an int32 array (pairs, 3); the tile index numbers dropout's draws."""
+    rows, cols = np.meshgrid(np.arange(p.q_tiles), np.arange(blocks), indexing="ij")
+    index = rows * blocks + cols
+    if band is not None:
+        first, last = rows * p.q_block, np.minimum((rows + 1) * p.q_block, p.q_len) - 1
+        start, end = cols * p.block, np.minimum((cols + 1) * p.block, p.kv_len) - 1
+        inside = (start - last <= band[1]) & (end - first >= band[0])
+        rows, cols, index = rows[inside], cols[inside], index[inside]
+    return np.stack([index.ravel(), rows.ravel(), cols.ravel()], axis=1).astype(np.int32)
+
+
+def _tile(x, first, size: int, axis: int):
+    """``size`` entries of ``x`` from ``first`` along ``axis``; ``x`` itself where that is all of
+    it or it broadcasts there."""
+    if x.shape[axis] in (1, size):
+        return x
+    return lax.dynamic_slice_in_dim(x, first, size, axis=axis)
+
+
+def _add_at(x, update, starts: tuple):
+    """``x`` with ``update`` added to its entries from ``starts``."""
+    if x.shape == update.shape:
+        return x + update
+    starts = tuple(jnp.asarray(n, jnp.int32) for n in starts)  # one index type, under x64 too
+    current = lax.dynamic_slice(x, starts, update.shape)
+    return lax.dynamic_update_slice(x, current + update, starts)
+
+
+def _put_tile(x, update, first, axis: int):
+    """``x`` with ``update`` written over its entries from ``first`` along ``axis``."""
+    if x.shape[axis] == update.shape[axis]:
+        return update
+    return lax.dynamic_update_slice_in_dim(x, update, first, axis=axis)
 
 
 @partial(
@@ -273,7 +367,7 @@ class _Problem:
 )
 @dataclasses.dataclass(frozen=True)
 class BlockMask:
-    """A mask built one key block at a time (never whole), from segment ids and positions: query
+    """A mask built one tile at a time (never whole), from segment ids and positions: query
     ``i`` sees key ``j`` where their ids are equal (where there are ids), ``j <= i`` when
     ``causal``, and ``|i - j| <= window`` where there is a window. An unseen score gets
     ``MASK_VALUE``, finite as in the Pallas kernels, so a query that sees no key averages them
@@ -285,24 +379,28 @@ class BlockMask:
     causal: bool = False
     window: int | None = None
 
-    def seen(self, start, size: int):
-        """(B or 1, L, size): which of ``size`` keys from ``start`` each query sees."""
-        shape = (self.q_len, size)
-        rows = lax.broadcasted_iota(jnp.int32, shape, 0)
-        cols = start + lax.broadcasted_iota(jnp.int32, shape, 1)
+    def seen(self, start, size: int, first=0, rows: int | None = None):
+        """(B or 1, rows, size): which of ``size`` keys from ``start`` each of ``rows`` queries
+        from ``first`` (all of them by default) sees."""
+        rows = self.q_len if rows is None else rows
+        shape = (rows, size)
+        query = first + lax.broadcasted_iota(jnp.int32, shape, 0)
+        key = start + lax.broadcasted_iota(jnp.int32, shape, 1)
         seen = jnp.ones((1, *shape), bool)
         if self.q is not None:
+            q = _tile(self.q, first, rows, axis=1)
             kv = lax.dynamic_slice_in_dim(self.kv, start, size, axis=1)
-            seen = self.q[:, :, None] == kv[:, None, :]
+            seen = q[:, :, None] == kv[:, None, :]
         if self.causal:
-            seen = seen & (cols <= rows)
+            seen = seen & (key <= query)
         if self.window is not None:
-            seen = seen & (jnp.abs(rows - cols) <= self.window)
+            seen = seen & (jnp.abs(query - key) <= self.window)
         return seen
 
-    def block(self, start, size: int):
-        """The mask of ``size`` keys from ``start``, broadcasting against (B, Hk, G, L, size)."""
-        return jnp.where(self.seen(start, size), 0.0, MASK_VALUE)[:, None, None]
+    def block(self, first, rows: int, start, size: int):
+        """The mask of ``rows`` queries from ``first`` against ``size`` keys from ``start``,
+        broadcasting against (B, Hk, G, rows, size)."""
+        return jnp.where(self.seen(start, size, first, rows), 0.0, MASK_VALUE)[:, None, None]
 
     def shift(self, kv_len: int):
         """The mask's largest value in each row (0 or ``MASK_VALUE``), as ``_Problem`` keeps."""
@@ -334,13 +432,12 @@ def _grouped_bias(bias, heads: int, kv_heads: int, group: int):
     return bias.reshape(b, h, 1, q_len, kv_len)
 
 
-def _over_blocks(step, init, blocks: int):
-    """``lax.scan(step, init, arange(blocks))``; one block (plain attention) is one call, no loop:
-    JAX keeps a one-trip loop, which XLA then has to take apart at every attention."""
-    if blocks > 1:
-        return lax.scan(step, init, jnp.arange(blocks))
-    carry, ys = step(init, 0)
-    return carry, jax.tree.map(lambda y: y[None], ys)
+def _over_tiles(step, init, tiles):
+    """``lax.scan(step, init, tiles)``, the carry alone; one tile (plain attention) is one call,
+    no loop: JAX keeps a one-trip loop, which XLA then has to take apart at every attention."""
+    if len(tiles) > 1:
+        return lax.scan(lambda carry, tile: (step(carry, tile), None), init, jnp.asarray(tiles))[0]
+    return step(init, tuple(int(n) for n in tiles[0]))
 
 
 def blockwise_forward(q, k, v, bias, causal, scale, dropout_p, key, block, soft_cap=None):
@@ -348,26 +445,31 @@ def blockwise_forward(q, k, v, bias, causal, scale, dropout_p, key, block, soft_
     p = _Problem(q, k, v, bias, causal, scale, dropout_p, key, block, soft_cap)
     rows = p.q.shape[:-1]
 
-    def step(carry, j):
+    def step(carry, tile):
         top, total, acc = carry
+        t, i, j = tile
+        first, qi = p.queries(i)
         start, kj, vj = p.keys(j)
-        s = p.scores(start, p.logits(kj))
-        new_top = jnp.maximum(top, s.max(-1))
+        s = p.scores(first, start, p.logits(qi, kj))
+        top_i, total_i, acc_i = (_tile(x, first, p.q_block, axis=3) for x in carry)
+        new_top = jnp.maximum(top_i, s.max(-1))
         safe_top = jnp.where(new_top == -jnp.inf, 0, new_top)
         probs = jnp.exp(s - safe_top[..., None])
-        rescale = jnp.exp(top - safe_top)
-        total = rescale * total + probs.sum(-1)
-        kept = p.kept(j, probs.shape)
+        rescale = jnp.exp(top_i - safe_top)
+        total_i = rescale * total_i + probs.sum(-1)
+        kept = p.kept(t, probs.shape)
         dropped = probs if kept is None else probs * kept
         update = jnp.einsum("bhgls,bhse->bhgle", dropped, vj, precision=precision())
-        return (new_top, total, rescale[..., None] * acc + update), None
+        acc_i = rescale[..., None] * acc_i + update
+        updated = zip((top, total, acc), (new_top, total_i, acc_i))
+        return tuple(_put_tile(x, x_i, first, axis=3) for x, x_i in updated)
 
     start = (
         jnp.full(rows, -jnp.inf, p.wide),
         jnp.zeros(rows, p.wide),
         jnp.zeros(rows + (v.shape[-1],), p.wide),
     )
-    (top, total, acc), _ = _over_blocks(step, start, p.blocks)
+    top, total, acc = (p.unpad_rows(x) for x in _over_tiles(step, start, p.tiles))
     empty = total == 0  # every key masked: zeros, as PyTorch's _safe_softmax
     out = jnp.where(empty[..., None], 0, acc / jnp.where(empty, 1, total)[..., None])
     lse = jnp.where(empty, -jnp.inf, top + jnp.log(jnp.where(empty, 1, total)))
@@ -378,47 +480,51 @@ def blockwise_forward(q, k, v, bias, causal, scale, dropout_p, key, block, soft_
 def blockwise_backward(
     grad, q, k, v, bias, out, lse, causal, scale, dropout_p, key, block, bias_grad, soft_cap=None
 ):
-    """(dq, dk, dv, dbias or None): each key block's probabilities recomputed from ``lse``."""
+    """(dq, dk, dv, dbias or None): each tile's probabilities recomputed from ``lse``."""
     p = _Problem(q, k, v, bias, causal, scale, dropout_p, key, block, soft_cap)
-    rows = p.q.shape[:-1]
-    grad = grad.astype(p.wide).reshape(rows + (-1,))
-    lse = lse.astype(p.wide).reshape(rows)
-    safe_lse = jnp.where(lse == -jnp.inf, 0, lse)
-    delta = (grad * out.astype(p.wide).reshape(grad.shape)).sum(-1)  # rowsum(dO * O)
+    grouped = p.q.shape[:3] + (p.q_len,)
+    grad = p.pad_rows(grad.astype(p.wide).reshape(grouped + (-1,)))
+    lse = lse.astype(p.wide).reshape(grouped)
+    safe_lse = p.pad_rows(jnp.where(lse == -jnp.inf, 0, lse)[..., None])[..., 0]
+    delta = (grad * p.pad_rows(out.astype(p.wide).reshape(grouped + (-1,)))).sum(-1)
     bias_grad = bias_grad and isinstance(p.bias, jax.Array) and p.bias.dtype != jnp.bool_
-    per_block_bias = bias_grad and p.bias.shape[-1] != 1
 
-    def step(carry, j):
-        dq, dbias = carry
+    def step(carry, tile):
+        dq, dk, dv, dbias = carry
+        t, i, j = tile
+        first, qi = p.queries(i)
         start, kj, vj = p.keys(j)
-        logits = p.logits(kj)
-        probs = jnp.exp(p.scores(start, logits) - safe_lse[..., None])
-        kept = p.kept(j, probs.shape)
+        grad_i = _tile(grad, first, p.q_block, axis=3)
+        logits = p.logits(qi, kj)
+        lse_i = _tile(safe_lse, first, p.q_block, axis=3)
+        probs = jnp.exp(p.scores(first, start, logits) - lse_i[..., None])
+        kept = p.kept(t, probs.shape)
         dropped = probs if kept is None else probs * kept
-        dv = jnp.einsum("bhgls,bhgle->bhse", dropped, grad, precision=precision())
-        dprobs = jnp.einsum("bhgle,bhse->bhgls", grad, vj, precision=precision())
+        dv_j = jnp.einsum("bhgls,bhgle->bhse", dropped, grad_i, precision=precision())
+        dprobs = jnp.einsum("bhgle,bhse->bhgls", grad_i, vj, precision=precision())
         if kept is not None:
             dprobs = dprobs * kept
-        ds = probs * (dprobs - delta[..., None])
+        ds = probs * (dprobs - _tile(delta, first, p.q_block, axis=3)[..., None])
         dlogits = p.uncapped(ds, logits)
-        dq = dq + jnp.einsum("bhgls,bhse->bhgle", dlogits, kj, precision=precision()) * p.scale
-        dk = jnp.einsum("bhgls,bhgle->bhse", dlogits, p.q, precision=precision()) * p.scale
-        if not bias_grad:
-            return (dq, dbias), (dk, dv)
-        block_shape = p.bias.shape[:-1] + (ds.shape[-1] if per_block_bias else 1,)
-        reduced = _sum_to(ds, block_shape)
-        if per_block_bias:
-            return (dq, dbias), (dk, dv, reduced)
-        return (dq, dbias + reduced), (dk, dv)
+        dq_i = jnp.einsum("bhgls,bhse->bhgle", dlogits, kj, precision=precision()) * p.scale
+        dk_j = jnp.einsum("bhgls,bhgle->bhse", dlogits, qi, precision=precision()) * p.scale
+        dq = _add_at(dq, dq_i, (0, 0, 0, first, 0))
+        dk = _add_at(dk, dk_j, (0, 0, start, 0))
+        dv = _add_at(dv, dv_j, (0, 0, start, 0))
+        if bias_grad:
+            reduced = _sum_to(ds, tuple(1 if n == 1 else m for n, m in zip(dbias.shape, ds.shape)))
+            at = (first if dbias.shape[3] > 1 else 0, start if dbias.shape[4] > 1 else 0)
+            dbias = _add_at(dbias, reduced, (0, 0, 0, *at))
+        return dq, dk, dv, dbias
 
-    dbias = jnp.zeros(p.bias.shape, p.wide) if bias_grad and not per_block_bias else None
-    (dq, dbias), blocks = _over_blocks(step, (jnp.zeros_like(p.q), dbias), p.blocks)
-    dk, dv = (_unblock(b, p.kv_len) for b in blocks[:2])
-    if per_block_bias:
-        dbias = _unblock(blocks[2], p.kv_len, axis=4)
+    dbias = jnp.zeros(p.bias.shape, p.wide) if bias_grad else None
+    init = (jnp.zeros_like(p.q), jnp.zeros_like(p.k), jnp.zeros_like(p.v), dbias)
+    dq, dk, dv, dbias = _over_tiles(step, init, p.tiles)
+    dk, dv = (lax.slice_in_dim(x, 0, p.kv_len, axis=2) for x in (dk, dv))
     if dbias is not None:
-        dbias = dbias.reshape(bias.shape)
-    return dq.reshape(q.shape), dk, dv, dbias
+        dbias = lax.slice_in_dim(dbias, 0, min(dbias.shape[4], p.kv_len), axis=4)
+        dbias = p.unpad_rows(dbias).reshape(bias.shape)
+    return p.unpad_rows(dq).reshape(q.shape), dk, dv, dbias
 
 
 def _differentiable_blockwise(causal: bool, scale: float, dropout_p: float, soft_cap=None):
@@ -481,13 +587,6 @@ def _sum_to(x, shape: tuple):
     """``x`` summed over the axes where ``shape`` is 1 (a broadcast operand's gradient)."""
     axes = tuple(i for i, (n, m) in enumerate(zip(x.shape, shape)) if m == 1 and n != 1)
     return x.sum(axes, keepdims=True) if axes else x
-
-
-def _unblock(blocks, length: int, axis: int = 2):
-    """Per-block results stacked on axis 0 -> one array along ``axis``, the padding cut off."""
-    moved = jnp.moveaxis(blocks, 0, axis)  # (..., blocks, block, ...)
-    joined = moved.reshape(moved.shape[:axis] + (-1,) + moved.shape[axis + 2 :])
-    return lax.slice_in_dim(joined, 0, length, axis=axis)
 
 
 # --- the fused kernels --------------------------------------------------------------------------
