@@ -486,10 +486,13 @@ def cudnn_stood_in(monkeypatch):
 
     shapes, compiling = [], compiling_flag(monkeypatch)
 
-    def stand_in(q, k, v, causal, scale):
+    def stand_in(q, k, v, causal, scale, window=None):
         if compiling[0]:
             shapes.append(tuple(q.shape))
-        return attention.blockwise_forward(q, k, v, None, causal, scale, 0.0, None, k.shape[2])
+        mask = (
+            None if window is None else attention.BlockMask(None, None, q.shape[2], window=window)
+        )
+        return attention.blockwise_forward(q, k, v, mask, causal, scale, 0.0, None, k.shape[2])
 
     kernel = attention._cudnn_here
     monkeypatch.setattr(attention, "_platform", lambda: "cuda")

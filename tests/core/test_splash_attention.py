@@ -21,8 +21,10 @@ from tests.helpers import (
     assert_close,
     assert_compiles,
     assert_counter_delta,
+    cudnn_stood_in,
     lowered_as_on,
     pallas_interpreted,
+    tolerance,
 )
 
 dev = spmd_torch.device()
@@ -154,16 +156,75 @@ def test_a_long_packed_sequence_holds_no_whole_mask():
     assert analysis.temp_size_in_bytes < seq * seq * 4, analysis.temp_size_in_bytes
 
 
-@pytest.mark.parametrize("window", [None, 16], ids=["causal", "window"])
-def test_half_precision_lowers_to_cudnn_for_nvidia_gpus_where_it_applies(monkeypatch, window):
+@pytest.mark.parametrize(
+    "causal, window, cudnn",
+    [(True, None, True), (True, 16, True), (False, 16, False)],
+    ids=["causal", "causal_window", "full_window"],
+)
+def test_half_precision_lowers_to_cudnn_for_nvidia_gpus_where_it_applies(
+    monkeypatch, causal, window, cudnn
+):
     """Lowered for CUDA (``lowered_as_on``): bf16 causal attention with grouped heads is cuDNN's
-    kernel each way; with a window it is the blockwise form (cuDNN's window is not taken)."""
+    kernel each way, with a window too (cuDNN's sliding window of ``window + 1`` keys, the
+    query's own included); a window looking ahead too is the blockwise form (cuDNN's window
+    looks back only)."""
     q, k, v = (t.to(torch.bfloat16).to(dev).requires_grad_() for t in _inputs(seq=96, dim=32))
-    out = splash_attention(q, k, v, _config(window))
+    out = splash_attention(q, k, v, _config(window), causal=causal)
     grads = torch.autograd.grad(out.float().sum(), [q, k, v])
     text = lowered_as_on("cuda", [out, *grads], monkeypatch).as_text()
-    cudnn = "__cudnn$fmhaSoftmax(" in text and "__cudnn$fmhaSoftmaxBackward(" in text
-    assert cudnn == (window is None)
+    forward = re.findall(r"__cudnn\$fmhaSoftmax\(.*", text)
+    backward = re.findall(r"__cudnn\$fmhaSoftmaxBackward\(.*", text)
+    assert (len(forward) > 0, len(backward)) == ((True, 1) if cudnn else (False, 0))
+    if window is not None and cudnn:
+        length = f"sliding_window_length\\22: {window + 1}"  # the config's quotes escaped
+        assert all(length in call for call in forward + backward), forward + backward
+
+
+def test_sharded_windowed_attention_runs_cudnn_on_each_devices_shard(monkeypatch):
+    """Under SPMD with the config's (4, 2) mesh, on the NVIDIA GPU path (cuDNN's kernel stood in
+    for, told the window): causal bf16 attention within a window is the kernel on each device's
+    batch of 1, forward and backward, with float64 attention's values."""
+    xr.use_spmd()
+    try:
+        mesh = xs.Mesh(np.arange(8), (4, 2), ("data", "fsdp"))
+        config = SplashAttentionConfig(
+            mesh=str(mesh), attentiontype_local_sliding=True, slide_window_size=16
+        ).to_json()
+        q, k, v = (t.to(torch.bfloat16) for t in _inputs(batch=8, kv_heads=2, seq=96, dim=32))
+        with cudnn_stood_in(monkeypatch) as shapes:
+            leaves = [t.to(dev).requires_grad_() for t in (q, k, v)]
+            out = splash_attention(*leaves, config)
+            grads = torch.autograd.grad(out.float().sum(), leaves)
+            spmd_torch.sync()
+    finally:
+        xr.reset()
+    assert shapes and set(shapes) == {(1, 4, 96, 32)}, shapes
+    leaves64 = [t.double().requires_grad_() for t in (q, k, v)]
+    expected = splash_float64(*leaves64, None, True, 16)
+    grads64 = torch.autograd.grad(expected.sum(), leaves64)
+    assert_close(out, expected.to(torch.bfloat16), **tolerance(torch.bfloat16))
+    expected_grads = [g.to(torch.bfloat16) for g in grads64]
+    assert_close(list(grads), expected_grads, tol="attention", kind="grad")
+
+
+def test_the_cudnn_path_gives_float64s_values_with_a_window(monkeypatch):
+    """On the NVIDIA GPU path (cuDNN's kernel stood in for by plain attention on this host, told
+    the window), bf16 causal attention within a window of 24 keys: float64 attention's output
+    and gradients within bf16's tolerance, the kernel's window passed each way."""
+    q, k, v = (t.to(torch.bfloat16) for t in _inputs(seq=96, dim=32))
+    cotangent = _randn(*q.shape, seed=9).to(torch.bfloat16)
+    with cudnn_stood_in(monkeypatch):
+        leaves = [t.to(dev).requires_grad_() for t in (q, k, v)]
+        with assert_counter_delta("Attention::cudnn", 1):
+            out = splash_attention(*leaves, _config(24))
+            grads = torch.autograd.grad(out, leaves, cotangent.to(dev))
+            spmd_torch.sync()
+    leaves64 = [t.double().requires_grad_() for t in (q, k, v)]
+    expected = splash_float64(*leaves64, None, True, 24)
+    grads64 = torch.autograd.grad(expected, leaves64, cotangent.double())
+    assert_close(out, expected.to(torch.bfloat16), **tolerance(torch.bfloat16))
+    expected_grads = [g.to(torch.bfloat16) for g in grads64]
+    assert_close(list(grads), expected_grads, tol="attention", kind="grad")
 
 
 # ---- the TPU path: JAX's Pallas splash kernel -----------------------------------------------

@@ -592,16 +592,18 @@ def _sum_to(x, shape: tuple):
 # --- the fused kernels --------------------------------------------------------------------------
 
 
-def _cudnn(q, k, v, causal: bool, scale: float):
-    """cuDNN flash attention on (B, H, L, E) arrays: (output, log-sum-exp)."""
-    return _fused("cudnn", q, k, v, causal, scale)
+def _cudnn(q, k, v, causal: bool, scale: float, window: int | None = None):
+    """cuDNN flash attention on (B, H, L, E) arrays: (output, log-sum-exp). With ``window``
+    (causal only, as cuDNN takes it) query ``i`` sees keys ``i - window`` to ``i``."""
+    return _fused("cudnn", q, k, v, causal, scale, window=window)
 
 
-def _cudnn_here(q, k, v, causal: bool, scale: float) -> tuple:
+def _cudnn_here(q, k, v, causal: bool, scale: float, window: int | None = None) -> tuple:
     out, lse = jax.nn.dot_product_attention(
         *(x.transpose(0, 2, 1, 3) for x in (q, k, v)),  # JAX's layout: (B, L, H, E)
         scale=scale,
         is_causal=causal,
+        local_window_size=None if window is None else (window, 0),
         implementation="cudnn",
         return_residual=True,
     )
@@ -729,19 +731,22 @@ def _from_residuals(forward, backward, wrt: int):
 
 
 def _fused(
-    impl: str, q, k, v, causal: bool, scale: float, *extras, named=(), residuals=True
+    impl: str, q, k, v, causal: bool, scale: float, *extras, named=(), residuals=True, window=None
 ) -> tuple:
     """Fused kernel ``impl``'s results; on each device's batch and heads where the partitioner
-    splits the program. Only the Pallas kernel takes extras."""
+    splits the program. Only the Pallas kernel takes extras, only cuDNN's a window."""
     if _PARTITIONED.get():
-        return _split_kernel(impl, causal, scale, named, residuals)(q, k, v, *extras)
-    return _here(impl, q, k, v, causal, scale, *extras, named=named, residuals=residuals)
+        return _split_kernel(impl, causal, scale, named, residuals, window)(q, k, v, *extras)
+    options = {"named": named, "residuals": residuals, "window": window}
+    return _here(impl, q, k, v, causal, scale, *extras, **options)
 
 
-def _here(impl: str, q, k, v, causal: bool, scale: float, *extras, named, residuals) -> tuple:
+def _here(
+    impl: str, q, k, v, causal: bool, scale: float, *extras, named, residuals, window
+) -> tuple:
     """Fused kernel ``impl``'s results on the arrays as they are."""
     if impl == "cudnn":
-        return _cudnn_here(q, k, v, causal, scale)
+        return _cudnn_here(q, k, v, causal, scale, window)
     return _pallas_kernel(causal, scale, named, residuals)(q, k, v, *extras)
 
 
@@ -783,7 +788,7 @@ def _differentiable(named: tuple) -> int:
 
 
 @cache
-def _split_kernel(impl: str, causal: bool, scale: float, named=(), residuals=True):
+def _split_kernel(impl: str, causal: bool, scale: float, named=(), residuals=True, window=None):
     """Kernel ``impl`` (``_here``) as an op the partitioner splits over batch and heads,
     differentiable: forward, each device runs it on its shards of q, k, v and the extras
     ``named``; backward, the Pallas kernel's backward from the forward's residuals
@@ -791,7 +796,7 @@ def _split_kernel(impl: str, causal: bool, scale: float, named=(), residuals=Tru
     those and the output's cotangent, differentiating it there (its forward runs again inside:
     the residuals it saves are the kernel's own, which cannot leave the shard's function).
     Results after the output (the log-sum-exp, the residuals) take no cotangent."""
-    kernel = partial(_here, impl, named=named, residuals=residuals)
+    kernel = partial(_here, impl, named=named, residuals=residuals, window=window)
     operands = (*_QKV, *_extra_dims(named))
     wrt = _differentiable(named)
 
@@ -897,12 +902,12 @@ def _batch_and_heads(sharding, shape: tuple) -> dict:
     }
 
 
-def _kernel(impl: str, causal: bool, scale: float):
+def _kernel(impl: str, causal: bool, scale: float, window: int | None = None):
     """The fused kernel's output as a function of (q, k, v), or (q, k, v, bias) for the Pallas
     kernel (which, without a bias, has a backward of its own: ``_pallas_backward``), for
     ``jax.vjp``."""
     if impl == "cudnn":
-        return lambda q, k, v: _cudnn(q, k, v, causal, scale)[0]
+        return lambda q, k, v: _cudnn(q, k, v, causal, scale, window)[0]
     return partial(_pallas_biased, causal=causal, scale=scale)
 
 

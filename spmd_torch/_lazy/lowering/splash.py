@@ -11,8 +11,9 @@ chosen per platform when the program is traced:
   for sequences a multiple of 128 long in 32 or 16-bit floats; it skips the key blocks the mask
   hides. Its forward saves the log-sum-exp and its backward starts from it: the forward kernel
   runs once per step (PyTorch/XLA's wrapper runs it again inside the backward).
-- ``cudnn``: cuDNN flash attention on NVIDIA GPUs, for bf16/fp16 without segment ids, window or
-  soft cap; its backward differentiates the kernel (the forward runs again inside).
+- ``cudnn``: cuDNN flash attention on NVIDIA GPUs, for bf16/fp16 without segment ids or soft cap,
+  with a window only where causal (cuDNN's sliding window looks back only); its backward
+  differentiates the kernel (the forward runs again inside).
 - ``plain`` or ``blockwise`` elsewhere, as for any attention (``attention.py``): the mask built
   one key block at a time (``BlockMask``), the cap applied to each block's scores and
   differentiated through.
@@ -101,8 +102,9 @@ def _implementation(q, k, segment_ids, window, soft_cap, causal: bool) -> str:
         and kv_len % _LANES == 0
     ):
         return "splash"
-    plain_case = segment_ids is None and window is None and soft_cap is None
-    mask = None if plain_case else "segments"  # not one cuDNN takes
+    # cuDNN takes a window on causal attention; ids and a soft cap are a mask it does not take
+    kernel_case = segment_ids is None and soft_cap is None and (window is None or causal)
+    mask = None if kernel_case else "segments"
     return attention.choose(
         platform, q.dtype, q.shape, k.shape, k.shape, mask, causal, False, has_pallas=False
     )
@@ -127,7 +129,7 @@ def _splash_attention(q, k, v, segment_ids, causal, window, soft_cap, blocks):
         forward = _kernel("forward", options, segment_ids is not None)
         out, lse = forward(q, k, v, *_given(segment_ids))
     elif impl == "cudnn":
-        out, lse = attention._cudnn(q, k, v, causal, 1.0)
+        out, lse = attention._cudnn(q, k, v, causal, 1.0, window)
     else:
         mask, mask_causal = _mask(q, segment_ids, causal, window)
         if impl == "blockwise":
@@ -154,8 +156,8 @@ def _splash_attention_backward(
         backward = _kernel("backward", options, segment_ids is not None)
         dq, dk, dv = backward(q, k, v, *_given(segment_ids), out, lse.astype(jnp.float32), grad)
     elif impl == "cudnn":
-        pullback = jax.vjp(attention._kernel("cudnn", causal, 1.0), q, k, v)[1]
-        dq, dk, dv = pullback(grad.astype(q.dtype))
+        primal, pullback = jax.vjp(attention._kernel("cudnn", causal, 1.0, window), q, k, v)
+        dq, dk, dv = pullback(grad.astype(primal.dtype))
     else:
         mask, mask_causal = _mask(q, segment_ids, causal, window)
         dq, dk, dv, _ = attention._traced_backward(
