@@ -4,6 +4,7 @@ blockwise form against the plain one; the implementation chosen per platform; SP
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -138,13 +139,18 @@ def _tiles(causal=False, mask=None, seq=1024):
 def test_the_blockwise_form_visits_only_tiles_a_query_sees():
     """1,024 queries in 4 tiles of 256 against 8 key blocks of 128 (32 tiles): causal, query
     tile r sees key blocks 0 to 2r + 1 (20 tiles); a causal window of 128, blocks 2r - 1 to
-    2r + 1 (11); with segment ids every tile, where a query that sees no key averages them all."""
+    2r + 1 (11), with segment ids too where each query is a key of its own segment (splash's);
+    otherwise, with segment ids, every tile, since a query that sees no key averages them all."""
     window = attention.BlockMask(None, None, 1024, causal=True, window=128)
     ids = jnp.zeros((1, 1024), jnp.int32)
     assert _tiles() == 8  # one tile of every query
     assert _tiles(causal=True) == 20
     assert _tiles(mask=window) == 11
-    assert _tiles(mask=attention.BlockMask(ids, ids, 1024, causal=True, window=128)) == 8
+    segmented = attention.BlockMask(ids, ids, 1024, causal=True, window=128)
+    assert _tiles(mask=segmented) == 8
+    assert _tiles(mask=dataclasses.replace(segmented, sees_itself=True)) == 11
+    assert _tiles(mask=dataclasses.replace(segmented, window=None, sees_itself=True)) == 20
+    assert _tiles(mask=attention.BlockMask(ids, ids, 1024, sees_itself=True)) == 8
 
 
 def test_plain_attention_lowers_without_a_loop_and_long_keys_with_one():

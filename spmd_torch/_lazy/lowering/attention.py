@@ -311,13 +311,15 @@ def _band(bias, causal: bool, q_len: int, kv_len: int) -> tuple | None:
     positions and nothing outside it adds to any query's attention; None otherwise.
 
     Causal masking by ``-inf`` is such a band. A ``BlockMask`` gives unseen scores a finite
-    value, so a query that sees no key averages every key: only without segment ids, and where
-    every query sees a key by position, is its band's outside nothing."""
-    if isinstance(bias, BlockMask) and bias.q is None:
+    value, so a query that sees no key averages every key: its band's outside is nothing only
+    where every query sees a key, its own (``sees_itself``) or, without segment ids, one in the
+    band."""
+    if isinstance(bias, BlockMask) and (bias.q is None or bias.sees_itself):
         window = math.inf if bias.window is None else bias.window
         lowest, highest = -window, min(0 if bias.causal else math.inf, window)
-        every_query_sees_a_key = q_len - 1 + lowest <= kv_len - 1
-        return (lowest, highest) if every_query_sees_a_key else None
+        every_query_sees_a_key = bias.sees_itself or q_len - 1 + lowest <= kv_len - 1
+        bounded = lowest > -math.inf or highest < math.inf
+        return (lowest, highest) if bounded and every_query_sees_a_key else None
     if causal and not isinstance(bias, BlockMask):
         return (-math.inf, 0)
     return None
@@ -363,7 +365,7 @@ def _put_tile(x, update, first, axis: int):
 @partial(
     jax.tree_util.register_dataclass,
     data_fields=("q", "kv"),
-    meta_fields=("q_len", "causal", "window"),
+    meta_fields=("q_len", "causal", "window", "sees_itself"),
 )
 @dataclasses.dataclass(frozen=True)
 class BlockMask:
@@ -371,13 +373,16 @@ class BlockMask:
     ``i`` sees key ``j`` where their ids are equal (where there are ids), ``j <= i`` when
     ``causal``, and ``|i - j| <= window`` where there is a window. An unseen score gets
     ``MASK_VALUE``, finite as in the Pallas kernels, so a query that sees no key averages them
-    all. ``q`` is (B, L), ``kv`` (B, S), int32, or both None; ``q_len`` is L."""
+    all. ``q`` is (B, L), ``kv`` (B, S), int32, or both None; ``q_len`` is L. ``sees_itself``:
+    query ``i`` and key ``i`` share their id (self-attention with one set of ids), so every
+    query sees a key, its own."""
 
     q: jax.Array | None
     kv: jax.Array | None
     q_len: int
     causal: bool = False
     window: int | None = None
+    sees_itself: bool = False
 
     def seen(self, start, size: int, first=0, rows: int | None = None):
         """(B or 1, rows, size): which of ``size`` keys from ``start`` each of ``rows`` queries

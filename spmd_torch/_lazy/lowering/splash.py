@@ -15,7 +15,8 @@ chosen per platform when the program is traced:
   with a window only where causal (cuDNN's sliding window looks back only); its backward
   differentiates the kernel (the forward runs again inside).
 - ``plain`` or ``blockwise`` elsewhere, as for any attention (``attention.py``): the mask built
-  one key block at a time (``BlockMask``), the cap applied to each block's scores and
+  one tile at a time (``BlockMask``), the tiles outside a causal mask or window skipped (every
+  query sees itself, so none of them adds anything), the cap applied to each tile's scores and
   differentiated through.
 
 Under a partitioner that splits the program (SPMD), the splash kernel is an op it splits over
@@ -115,7 +116,7 @@ def _mask(q, segment_ids, causal: bool, window) -> tuple:
     if segment_ids is None and window is None:
         return None, causal
     ids = None if segment_ids is None else segment_ids.astype(jnp.int32)
-    return attention.BlockMask(ids, ids, q.shape[2], causal, window), False
+    return attention.BlockMask(ids, ids, q.shape[2], causal, window, sees_itself=True), False
 
 
 @lowers(torch.ops.xla.splash_attention.default)
