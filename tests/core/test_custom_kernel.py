@@ -565,3 +565,37 @@ def test_repeat_with_fixed_output_size_is_repeat_interleave_cut_or_padded(repeat
     result = repeat_with_fixed_output_size(x.to(dev), repeats.to(dev), total)
     assert not [n for n in counters.COUNTERS if n.startswith("aten::")]  # no CPU fallback
     assert torch.equal(result.cpu(), expected)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["one_ids_tensor", "two_ids_tensors"])
+def test_long_packed_causal_attention_skips_tiles_where_queries_see_themselves(monkeypatch, shared):
+    """Packed causal sequences of 600 tokens (3 query tiles x 5 key blocks), against float64.
+    One ids tensor given for queries and keys: every query sees itself, so the 4 tiles above the
+    diagonal are left out, forward and backward. Two tensors (here equal, which tracing cannot
+    know): a query might see no key and then averages them all, so every key block is visited
+    (by one tile of all the queries)."""
+    from spmd_torch._lazy.lowering import attention
+
+    visited = []
+    visible_tiles = attention._visible_tiles
+    monkeypatch.setattr(
+        attention,
+        "_visible_tiles",
+        lambda *a: visited.append(len(visible_tiles(*a))) or visible_tiles(*a),
+    )
+    q, k, v = _qkv((2, 2, 600, 8))
+    positions = torch.arange(600)
+    ids = torch.stack([(positions >= 150).int() + (positions >= 420).int(), positions * 0])
+    cotangent = _randn(*q.shape, seed=9)
+    leaves = [t.to(dev).requires_grad_() for t in (q, k, v)]
+    q_ids = ids.to(dev)
+    kv_ids = q_ids if shared else ids.to(dev)
+    out = flash_attention(*leaves, True, q_ids, kv_ids)
+    grads = torch.autograd.grad(out, leaves, cotangent.to(dev))
+    spmd_torch.sync()
+    assert visited == ([11, 11] if shared else [5, 5])  # one tile of all queries: 5
+    leaves64 = [t.double().requires_grad_() for t in (q, k, v)]
+    expected = attention_float64(*leaves64, True, ids, ids)
+    grads64 = torch.autograd.grad(expected, leaves64, cotangent.double())
+    assert_close(out, expected.float())
+    assert_close(list(grads), [g.float() for g in grads64], **tolerance(torch.float32, "grad"))

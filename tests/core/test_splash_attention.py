@@ -64,10 +64,13 @@ def _inputs(batch=2, heads=4, kv_heads=2, seq=64, dim=16):
 
 
 def _packed_ids(batch: int, seq: int) -> torch.Tensor:
-    """Three packed sequences a row, cut at different places in each row."""
+    """Four packed sequences a row, cut at different places in each row (the last cut inside
+    the last tile of 256 queries at 640 tokens)."""
     positions = torch.arange(seq)
-    cuts = [(seq // 4 + 8 * row, seq // 2 + 16 * row) for row in range(batch)]
-    return torch.stack([(positions >= a).int() + (positions >= b).int() for a, b in cuts])
+    cuts = [
+        (seq // 4 + 8 * row, seq // 2 + 16 * row, seq * 7 // 8 - 8 * row) for row in range(batch)
+    ]
+    return torch.stack([sum((positions >= cut).int() for cut in row) for row in cuts])
 
 
 def _config(window=None, **blocks) -> str:

@@ -225,7 +225,7 @@ class _Problem:
         if self.shift is not None:
             self.shift = self.pad_rows(self.shift)
         if isinstance(self.bias, BlockMask):
-            self.bias = self.bias.padded(padding)
+            self.bias = self.bias.padded(padding, self.rows - self.q_len)
         elif self.bias is not None:
             if self.bias.shape[-1] != 1:
                 self.bias = _pad_keys(self.bias, padding, axis=4)
@@ -412,10 +412,13 @@ class BlockMask:
         seen = self.seen(0, kv_len).any(-1)
         return jnp.where(seen, 0.0, MASK_VALUE)[:, None, None, :, None]
 
-    def padded(self, padding: int) -> BlockMask:
-        """Keys added past the last (the blockwise form masks them by position)."""
-        kv = None if self.kv is None else _pad_keys(self.kv, padding, axis=1)
-        return dataclasses.replace(self, kv=kv)
+    def padded(self, padding: int, query_padding: int = 0) -> BlockMask:
+        """Keys added past the last (the blockwise form masks them by position), and queries
+        (whose rows it drops)."""
+        if self.q is None:
+            return self
+        q = _pad_keys(self.q, query_padding, axis=1)
+        return dataclasses.replace(self, q=q, kv=_pad_keys(self.kv, padding, axis=1))
 
 
 def _pad_keys(x, padding: int, axis: int):
@@ -1149,8 +1152,11 @@ class _KernelProblem:
 
 
 def _segments(q_segment_ids, kv_segment_ids, causal: bool) -> BlockMask:
+    """The ids' mask; one array given for both (self-attention's usual call) is a mask where
+    every query sees itself."""
     ids = (t.astype(jnp.int32) for t in (q_segment_ids, kv_segment_ids))
-    return BlockMask(*ids, q_segment_ids.shape[1], causal)
+    shared = q_segment_ids is kv_segment_ids
+    return BlockMask(*ids, q_segment_ids.shape[1], causal, sees_itself=shared)
 
 
 @lowers(torch.ops.xla.flash_kernel_attention.default)
