@@ -153,6 +153,75 @@ def test_the_blockwise_form_visits_only_tiles_a_query_sees():
     assert _tiles(mask=attention.BlockMask(ids, ids, 1024, sees_itself=True)) == 8
 
 
+def _segment_ids(rng, seq: int) -> jnp.ndarray:
+    return jnp.asarray(np.cumsum(rng.random((2, seq)) < 0.01, axis=1), jnp.int32)
+
+
+_BANDED = {  # (q_len, kv_len, causal, mask maker, soft cap)
+    "causal_gqa": (700, 700, True, None, None),
+    "causal_fewer_queries": (300, 900, True, None, None),
+    "causal_fewer_keys": (900, 300, True, None, None),
+    "causal_window": (
+        777,
+        777,
+        False,
+        lambda rng, n: attention.BlockMask(None, None, n, True, 100),
+        None,
+    ),
+    "window": (600, 600, False, lambda rng, n: attention.BlockMask(None, None, n, window=50), None),
+    "shared_ids_window_cap": (
+        650,
+        650,
+        False,
+        lambda rng, n: (lambda ids: attention.BlockMask(ids, ids, n, True, 200, True))(
+            _segment_ids(rng, n)
+        ),
+        3.0,
+    ),
+    "causal_float_bias": (
+        520,
+        520,
+        True,
+        lambda rng, n: jnp.asarray(rng.normal(size=(2, 4, n, n))),
+        None,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", _BANDED)
+def test_leaving_out_tiles_outside_the_band_changes_nothing(monkeypatch, case):
+    """The blockwise form's forward and backward, in float64, with the tiles outside the band
+    left out and with every key block visited by one tile of all queries: the same output,
+    log-sum-exp and gradients (the mask's too), to float64 rounding."""
+    q_len, kv_len, causal, make_mask, soft_cap = _BANDED[case]
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(2, 4, q_len, 8)))
+    k, v = (jnp.asarray(rng.normal(size=(2, 2, kv_len, 8))) for _ in range(2))
+    grad = jnp.asarray(rng.normal(size=(2, 4, q_len, 8)))
+    mask = None if make_mask is None else make_mask(rng, q_len)
+
+    def attend():
+        options = (causal, 0.3, 0.0, None, attention.BLOCK)
+        out, lse = attention.blockwise_forward(q, k, v, mask, *options, soft_cap)
+        grads = attention.blockwise_backward(
+            grad, q, k, v, mask, out, lse, *options, True, soft_cap
+        )
+        return out, lse, *grads
+
+    skipped = attention._band(mask, causal, q_len, kv_len)
+    assert skipped is not None
+    banded = attend()
+    monkeypatch.setattr(attention, "_band", lambda *args: None)
+    whole = attend()
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dmask"), banded, whole):
+        if b is None:
+            assert a is None, name
+            continue
+        np.testing.assert_allclose(
+            np.asarray(a), np.asarray(b), rtol=1e-9, atol=1e-12, err_msg=name
+        )
+
+
 def test_plain_attention_lowers_without_a_loop_and_long_keys_with_one():
     """Plain attention is the blockwise code with one block, called once: no one-trip loop for
     XLA to take apart at every layer (a 32-layer step had 64); blockwise keeps its scan."""
