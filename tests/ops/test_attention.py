@@ -619,18 +619,41 @@ def test_the_pallas_kernel_interpreted_matches_float64_attention(
     assert after[0] > before[0] and after[1] > before[1]
 
 
+def test_a_masked_step_runs_the_pallas_forward_kernel_once(monkeypatch):
+    """Lowered for TPU, a training step's attention with a float mask shaped like the scores (the
+    kernel's ``ab``) has the forward kernel once: the backward starts from the output and the
+    log-sum-exp (it ran the forward kernel again, and a blockwise pass for the log-sum-exp)."""
+    q, k, v, mask = (
+        t.to(dev).requires_grad_()
+        for t in (*_qkv((1, 2, 128, 64), (1, 2, 256, 64)), _randn(1, 2, 128, 256, seed=5))
+    )
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    out.square().sum().backward()
+    lowered = lowered_as_on("tpu", [out, q.grad, k.grad, v.grad, mask.grad], monkeypatch)
+    text = lowered.as_text()
+    kernels = re.findall(r'tpu_custom_call.*kernel_name = "(\w+)"', text)
+    assert kernels == [
+        "_flash_attention_kernel",
+        "_flash_attention_dkv_kernel",
+        "_flash_attention_dq_kernel",
+    ], kernels
+    assert " while(" not in text and "stablehlo.while" not in text  # no blockwise pass
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_float_mask_shaped_like_the_scores_reaches_the_pallas_kernel(monkeypatch, dtype):
     """On the TPU path a float mask as large as the scores goes to the kernel as its ``ab``
     (queries scaled first: the kernel scales after adding it), and the mask's gradient is the
-    kernel's; a row of ``-inf`` gives zeros, as PyTorch's; a mask that broadcasts takes the
-    blockwise form (the kernel would need it whole). Values and gradients, the mask's too, are
-    float64 attention's."""
+    kernel's, its backward starting from the forward's output and log-sum-exp; a row of ``-inf``
+    gives zeros, as PyTorch's; a row of ``finfo.min`` averages every key, its sum surviving to
+    the backward; a mask that broadcasts takes the blockwise form (the kernel would need it
+    whole). Values and gradients, the mask's too, are float64 attention's."""
     q, k, v = _qkv((2, 2, 128, 32), (2, 2, 256, 32), dtype)
     mask = _randn(2, 2, 128, 256, seed=5, dtype=dtype)
     mask[:, :, :, 200:] = torch.finfo(dtype).min  # padding, with the value libraries use
     mask[0, 1, 5] = -torch.inf  # a query that sees no key: zeros, with no gradient
     mask[1, 0, 7, ::2] = -torch.inf
+    mask[1, 1, 9] = torch.finfo(dtype).min  # every key masked by a huge value: all averaged
     cotangent = _randn(*q.shape, seed=9, dtype=dtype)
     with pallas_interpreted(monkeypatch):
         shapes = pallas_kernel_shapes(monkeypatch)

@@ -27,8 +27,9 @@ op with a rule of ours, split over batch and heads, each device running the kern
 shards (``_split_kernel``).
 
 The forward's second result is the float32 log-sum-exp of the scaled, masked scores, less a float
-mask's largest value in each row (see ``_Problem``); only the blockwise backward reads it, the
-cudnn and pallas backwards differentiate their kernels (``jax.vjp``). Rows with every key masked
+mask's largest value in each row (see ``_Problem``; the Pallas kernel's, its largest seen value):
+the blockwise and pallas backwards start from it and the output, the cudnn backward
+differentiates its kernel (``jax.vjp``: its forward runs again). Rows with every key masked
 (``-inf``) give zeros, as PyTorch's ``_safe_softmax``. Dropout draws one mask per key block from
 the node's PRNG key, which the forward returns bit-cast into ``philox_seed`` for the backward to
 draw the same masks again. Each lowering bumps ``Attention::<impl>`` (forward) or
@@ -618,18 +619,15 @@ def _cudnn_here(q, k, v, causal: bool, scale: float, window: int | None = None) 
     return out.transpose(0, 2, 1, 3), lse.transpose(0, 2, 1)
 
 
-def _pallas(
-    q, k, v, causal: bool, scale: float, *extras, named: tuple = (), residuals: bool = True
-) -> tuple:
+def _pallas(q, k, v, causal: bool, scale: float, *extras, named: tuple = ()) -> tuple:
     """The Pallas TPU flash kernel's results on (B, H, L, E) arrays, key/value heads repeated per
     group: (output, shift, sum), the softmax's residuals (B, H, L) (its probabilities are
-    ``exp(s - shift) / sum``), for ``_pallas_backward``; or, without ``residuals``, (output,),
-    differentiable by JAX (the backward then runs the forward again: for an op that has no slot
-    for both residuals). ``extras`` are the kernel's optional operands ``named`` (``_EXTRAS``):
+    ``exp(s - shift) / sum``), for ``_pallas_backward``. ``extras`` are the kernel's optional
+    operands ``named`` (``_EXTRAS``):
     ``"ab"``, a (B, H, L, S) bias added to the scores before ``scale``; ``"segments"``, the
     queries' and keys' segment ids (B, L) and (B, S), int32."""
     k, v = _repeated(q, k, v)
-    return _fused("pallas", q, k, v, causal, scale, *extras, named=named, residuals=residuals)
+    return _fused("pallas", q, k, v, causal, scale, *extras, named=named)
 
 
 def _repeated(q, k, v) -> tuple:
@@ -691,36 +689,16 @@ def _pallas_backward_here(q, k, v, *rest, causal: bool, scale: float, named: tup
 
 
 @cache
-def _pallas_kernel(causal: bool, scale: float, named: tuple = (), residuals: bool = True):
+def _pallas_kernel(causal: bool, scale: float, named: tuple = ()):
     """The Pallas flash kernel on (q, k, v, *extras ``named``), differentiable in q, k, v and
     ``ab``, traced with 64-bit types off forward and backward wherever JAX traces them. JAX's
     Pallas kernels are written for 32-bit types: under spmd_torch's ``jax_enable_x64`` their grid
     indices become int64 and they fail to trace (the flash kernel's ``lax.select`` of an index
     and a literal 0), and JAX differentiates a scan's body (``scan_layers``) outside any context
     the lowering sets."""
-    wrt = _differentiable(named)
-    if residuals:
-        forward = partial(_pallas_forward_here, causal=causal, scale=scale, named=named)
-        backward = partial(_pallas_backward_here, causal=causal, scale=scale, named=named)
-        return _from_residuals(forward, backward, wrt)
-
-    def kernel(q, k, v, *extras):
-        ab, ids = _given(named, extras)
-        with jax.enable_x64(False):
-            out = _flash().flash_attention(
-                q, k, v, ab=ab, segment_ids=ids, causal=causal, sm_scale=scale
-            )
-        return (out,)
-
-    def pullback(saved, cotangents):
-        with jax.enable_x64(False):
-            pull = jax.vjp(lambda *d: kernel(*d, *saved[wrt:])[0], *saved[:wrt])[1]
-            grads = pull(cotangents[0])
-        return *grads, *(None for _ in saved[wrt:])
-
-    attend = jax.custom_vjp(kernel)
-    attend.defvjp(lambda *args: (kernel(*args), args), pullback)
-    return attend
+    forward = partial(_pallas_forward_here, causal=causal, scale=scale, named=named)
+    backward = partial(_pallas_backward_here, causal=causal, scale=scale, named=named)
+    return _from_residuals(forward, backward, _differentiable(named))
 
 
 def _from_residuals(forward, backward, wrt: int):
@@ -738,24 +716,19 @@ def _from_residuals(forward, backward, wrt: int):
     return attend
 
 
-def _fused(
-    impl: str, q, k, v, causal: bool, scale: float, *extras, named=(), residuals=True, window=None
-) -> tuple:
+def _fused(impl: str, q, k, v, causal: bool, scale: float, *extras, named=(), window=None) -> tuple:
     """Fused kernel ``impl``'s results; on each device's batch and heads where the partitioner
     splits the program. Only the Pallas kernel takes extras, only cuDNN's a window."""
     if _PARTITIONED.get():
-        return _split_kernel(impl, causal, scale, named, residuals, window)(q, k, v, *extras)
-    options = {"named": named, "residuals": residuals, "window": window}
-    return _here(impl, q, k, v, causal, scale, *extras, **options)
+        return _split_kernel(impl, causal, scale, named, window)(q, k, v, *extras)
+    return _here(impl, q, k, v, causal, scale, *extras, named=named, window=window)
 
 
-def _here(
-    impl: str, q, k, v, causal: bool, scale: float, *extras, named, residuals, window
-) -> tuple:
+def _here(impl: str, q, k, v, causal: bool, scale: float, *extras, named, window) -> tuple:
     """Fused kernel ``impl``'s results on the arrays as they are."""
     if impl == "cudnn":
         return _cudnn_here(q, k, v, causal, scale, window)
-    return _pallas_kernel(causal, scale, named, residuals)(q, k, v, *extras)
+    return _pallas_kernel(causal, scale, named)(q, k, v, *extras)
 
 
 _QKV = ("b h q d", "b g k d", "b g k d")  # q's, k's and v's dimensions, named as
@@ -763,12 +736,8 @@ _QKV = ("b h q d", "b g k d", "b g k d")  # q's, k's and v's dimensions, named a
 _EXTRAS = {"ab": {"ab": "b h q k"}, "segments": {"q_ids": "b q", "kv_ids": "b k"}}
 # the Pallas kernel's optional operands in the order given, "ab" first (differentiable)
 _OUTPUTS = {"cudnn": ("b h q d", "b h q"), "pallas": ("b h q d", "b h q", "b h q")}
-
-
-def _outputs(impl: str, residuals: bool) -> tuple:
-    """The dimensions of kernel ``impl``'s results: cuDNN's output and log-sum-exp, the Pallas
-    kernel's output and residuals (its output alone without ``residuals``)."""
-    return _OUTPUTS[impl] if residuals else ("b h q d",)
+# the dimensions of each kernel's results: cuDNN's output and log-sum-exp, the Pallas kernel's
+# output and residuals
 
 
 def _flat_names(named: tuple) -> tuple:
@@ -796,15 +765,15 @@ def _differentiable(named: tuple) -> int:
 
 
 @cache
-def _split_kernel(impl: str, causal: bool, scale: float, named=(), residuals=True, window=None):
+def _split_kernel(impl: str, causal: bool, scale: float, named=(), window=None):
     """Kernel ``impl`` (``_here``) as an op the partitioner splits over batch and heads,
     differentiable: forward, each device runs it on its shards of q, k, v and the extras
     ``named``; backward, the Pallas kernel's backward from the forward's residuals
-    (``_split_backward``), or, for cuDNN's kernel and the Pallas kernel without ``residuals``, on
-    those and the output's cotangent, differentiating it there (its forward runs again inside:
-    the residuals it saves are the kernel's own, which cannot leave the shard's function).
-    Results after the output (the log-sum-exp, the residuals) take no cotangent."""
-    kernel = partial(_here, impl, named=named, residuals=residuals, window=window)
+    (``_split_backward``), or, for cuDNN's kernel, on those and the output's cotangent,
+    differentiating it there (its forward runs again inside: the residuals it saves are the
+    kernel's own, which cannot leave the shard's function). Results after the output (the
+    log-sum-exp, the residuals) take no cotangent."""
+    kernel = partial(_here, impl, named=named, window=window)
     operands = (*_QKV, *_extra_dims(named))
     wrt = _differentiable(named)
 
@@ -812,8 +781,8 @@ def _split_kernel(impl: str, causal: bool, scale: float, named=(), residuals=Tru
         q, k, v, *extras = args
         return kernel(q, k, v, causal, scale, *extras)
 
-    forward = _split_over_batch_and_heads(forward_here, operands, _outputs(impl, residuals))
-    if impl == "pallas" and residuals:
+    forward = _split_over_batch_and_heads(forward_here, operands, _OUTPUTS[impl])
+    if impl == "pallas":
         return _from_residuals(forward, _split_backward(causal, scale, named), wrt)
 
     def pullback_here(*args):
@@ -911,24 +880,57 @@ def _batch_and_heads(sharding, shape: tuple) -> dict:
 
 
 def _kernel(impl: str, causal: bool, scale: float, window: int | None = None):
-    """The fused kernel's output as a function of (q, k, v), or (q, k, v, bias) for the Pallas
-    kernel (which, without a bias, has a backward of its own: ``_pallas_backward``), for
-    ``jax.vjp``."""
-    if impl == "cudnn":
-        return lambda q, k, v: _cudnn(q, k, v, causal, scale, window)[0]
-    return partial(_pallas_biased, causal=causal, scale=scale)
+    """cuDNN's kernel's output as a function of (q, k, v), for ``jax.vjp``."""
+    assert impl == "cudnn", impl  # the Pallas kernel has a backward of its own
+    return lambda q, k, v: _cudnn(q, k, v, causal, scale, window)[0]
 
 
-def _pallas_biased(q, k, v, bias, causal: bool, scale: float):
-    """``q k^T * scale + bias`` through the kernel, which adds its ``ab`` before scaling: the
-    queries are scaled first (as PyTorch's own math attention does), the bias goes in as it is
-    (no division that would take a large negative mask value to ``-inf``). ``-inf`` goes in as
-    ``MASK_VALUE``: a row of them would be NaNs in the kernel, and is zeros, as in PyTorch (and
-    in the blockwise form), with no gradient."""
-    scaled = q if scale == 1.0 else (q * scale).astype(q.dtype)
+def _pallas_masked(q, k, v, bias, causal: bool, scale: float) -> tuple:
+    """(output, log-sum-exp less the mask's largest seen value per row, as ``_Problem`` keeps
+    it) of ``q k^T * scale + bias`` through the kernel, which adds its ``ab`` before scaling: the
+    queries go in scaled (as PyTorch's own math attention scales them), the bias as it is (no
+    division that would take a large negative mask value to ``-inf``). Less that value, the
+    log-sum-exp keeps the softmax's sum where a row's mask is huge (``finfo.min`` on every key:
+    ``m + log(l) = m`` in float32), so the backward can start from it."""
     ab, alive = _kernel_ab(bias, causal)
-    (out,) = _pallas(scaled, k, v, causal, 1.0, ab, named=("ab",), residuals=False)
-    return jnp.where(alive, out, 0).astype(out.dtype)
+    out, top, total = _pallas(_scaled(q, scale), k, v, causal, 1.0, ab, named=("ab",))
+    lse = (top - _seen_max(ab, causal)) + jnp.log(total)
+    return jnp.where(alive, out, 0).astype(out.dtype), lse
+
+
+def _pallas_masked_backward(grad, q, k, v, bias, out, lse, causal: bool, scale: float) -> tuple:
+    """(dq, dk, dv, dbias) of ``_pallas_masked`` by the kernel's backward from its output and
+    log-sum-exp: the forward kernel does not run again. The kernel's residuals (shift, sum) are
+    rebuilt as (the mask's largest seen value + ``lse``, rounded; ``exp`` of what rounding
+    lost), so ``exp(s - shift) / sum`` are the forward's probabilities even where the shift
+    is huge."""
+    ab, alive = _kernel_ab(bias, causal)
+    grad = jnp.where(alive, grad, 0).astype(grad.dtype)
+    largest, lse = _seen_max(ab, causal), lse.astype(jnp.float32)
+    shift = largest + lse
+    lost = _rounding_error(largest, lse, shift)
+    residuals = (out, shift, jnp.exp(lost), grad)
+    dq, dk, dv, dab = _pallas_backward(
+        _scaled(q, scale), k, v, ab, *residuals, causal=causal, scale=1.0, named=("ab",)
+    )
+    return (dq * scale).astype(q.dtype), dk, dv, dab.astype(bias.dtype)
+
+
+def _scaled(q, scale: float):
+    return q if scale == 1.0 else (q * scale).astype(q.dtype)
+
+
+def _seen_max(ab, causal: bool):
+    """The largest of the kernel's ``ab`` each query sees, (B, H, L)."""
+    if causal:
+        ab = jnp.where(jnp.tri(*ab.shape[2:], dtype=bool), ab, MASK_VALUE)
+    return ab.max(-1)
+
+
+def _rounding_error(a, b, total):
+    """``a + b - total`` exactly, ``total`` being ``a + b`` rounded (Knuth's two-sum)."""
+    b_part = total - a
+    return (a - (total - b_part)) + (b - b_part)
 
 
 def _kernel_ab(bias, causal: bool) -> tuple:
@@ -996,8 +998,7 @@ def _attention(
             out, top, total = _pallas(q, k, v, is_causal, scale)
             lse = top + jnp.log(total)  # every query sees a key: the sum survives
         else:
-            out = _pallas_biased(q, k, v, attn_bias, is_causal, scale)
-            lse = blockwise_forward(q, k, v, attn_bias, is_causal, scale, 0.0, None, BLOCK)[1]
+            out, lse = _pallas_masked(q, k, v, attn_bias, is_causal, scale)
         lse = lse.astype(jnp.promote_types(q.dtype, jnp.float32))
     elif impl == "blockwise":
         words = jax.random.key_data(key) if dropout_p else None  # a residual must be an array
@@ -1037,12 +1038,11 @@ def _attention_backward(
         lse = lse.astype(jnp.float32)
         residuals = (out, lse, jnp.ones_like(lse))  # exp(s - lse) / 1: the same probabilities
         return *_pallas_backward(q, k, v, *residuals, grad, causal=is_causal, scale=scale), None
-    if impl in ("cudnn", "pallas"):
-        biased = attn_bias is not None
-        operands = (q, k, v, attn_bias) if biased else (q, k, v)
-        primal, pullback = jax.vjp(_kernel(impl, is_causal, scale), *operands)
-        grads = pullback(grad.astype(primal.dtype))
-        return grads if biased else (*grads, None)
+    if impl == "pallas":
+        return _pallas_masked_backward(grad, q, k, v, attn_bias, out, lse, is_causal, scale)
+    if impl == "cudnn":
+        primal, pullback = jax.vjp(_kernel(impl, is_causal, scale), q, k, v)
+        return *pullback(grad.astype(primal.dtype)), None
     key = _key_of(philox_seed)
     dq, dk, dv, dbias = _traced_backward(
         grad,
