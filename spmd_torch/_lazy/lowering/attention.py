@@ -214,8 +214,8 @@ class _Problem:
         self.tiles = _visible_tiles(self, blocks, band)
         q = q.astype(self.wide).reshape(batch, kv_heads, self.group, self.q_len, -1)
         self.q = self.pad_rows(q)
-        self.k = _pad_keys(k.astype(self.wide), padding, axis=2)
-        self.v = _pad_keys(v.astype(self.wide), padding, axis=2)
+        self.k = _pad_end(k.astype(self.wide), padding, axis=2)
+        self.v = _pad_end(v.astype(self.wide), padding, axis=2)
         self.bias = None if bias is None else _grouped_bias(bias, heads, kv_heads, self.group)
         self.shift = None
         if isinstance(bias, BlockMask):
@@ -229,18 +229,14 @@ class _Problem:
             self.bias = self.bias.padded(padding, self.rows - self.q_len)
         elif self.bias is not None:
             if self.bias.shape[-1] != 1:
-                self.bias = _pad_keys(self.bias, padding, axis=4)
+                self.bias = _pad_end(self.bias, padding, axis=4)
             self.bias = self.pad_rows(self.bias)
         self.padded = padding > 0
 
-    def pad_rows(self, x, value=0):
+    def pad_rows(self, x):
         """``x`` (..., L, ...) along axis 3 padded to whole query tiles; one that broadcasts
         along it (size 1) as it is."""
-        if x.shape[3] == 1 or self.rows == self.q_len:
-            return x
-        widths = [(0, 0)] * x.ndim
-        widths[3] = (0, self.rows - self.q_len)
-        return jnp.pad(x, widths, constant_values=value)
+        return x if x.shape[3] == 1 else _pad_end(x, self.rows - self.q_len, axis=3)
 
     def unpad_rows(self, x):
         return x if self.rows == self.q_len else lax.slice_in_dim(x, 0, self.q_len, axis=3)
@@ -418,11 +414,12 @@ class BlockMask:
         (whose rows it drops)."""
         if self.q is None:
             return self
-        q = _pad_keys(self.q, query_padding, axis=1)
-        return dataclasses.replace(self, q=q, kv=_pad_keys(self.kv, padding, axis=1))
+        q = _pad_end(self.q, query_padding, axis=1)
+        return dataclasses.replace(self, q=q, kv=_pad_end(self.kv, padding, axis=1))
 
 
-def _pad_keys(x, padding: int, axis: int):
+def _pad_end(x, padding: int, axis: int):
+    """``x`` with ``padding`` zeros (False) after its last entry along ``axis``."""
     if not padding:
         return x
     widths = [(0, 0)] * x.ndim
