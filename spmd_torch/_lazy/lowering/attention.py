@@ -491,7 +491,7 @@ def blockwise_backward(
     grouped = p.q.shape[:3] + (p.q_len,)
     grad = p.pad_rows(grad.astype(p.wide).reshape(grouped + (-1,)))
     lse = lse.astype(p.wide).reshape(grouped)
-    safe_lse = p.pad_rows(jnp.where(lse == -jnp.inf, 0, lse)[..., None])[..., 0]
+    safe_lse = p.pad_rows(jnp.where(lse == -jnp.inf, 0, lse))
     delta = (grad * p.pad_rows(out.astype(p.wide).reshape(grouped + (-1,)))).sum(-1)
     bias_grad = bias_grad and isinstance(p.bias, jax.Array) and p.bias.dtype != jnp.bool_
 
@@ -587,6 +587,18 @@ def _blockwise_attend(
 # Every layer's attention is the same trace: JAX traces each form once per shapes and arguments.
 _traced_forward = traced_once(blockwise_forward)
 _traced_backward = traced_once(blockwise_backward)
+
+
+def in_blocks(impl: str, q, k, v, mask, causal: bool, scale: float, *, soft_cap=None, **dropout):
+    """(output, log-sum-exp) of the ``blockwise`` or ``plain`` form; with ``dropout_p`` and
+    ``key`` given, dropout. The blockwise form goes through its differentiable wrapper, since a
+    scan's body differentiates it (``_differentiable_blockwise``)."""
+    dropout_p, key = dropout.get("dropout_p", 0.0), dropout.get("key")
+    if impl == "blockwise":
+        words = jax.random.key_data(key) if dropout_p else None  # a residual must be an array
+        return _blockwise_attend(q, k, v, mask, words, causal, scale, dropout_p, soft_cap)
+    block = _block(impl, k)
+    return _traced_forward(q, k, v, mask, causal, scale, dropout_p, key, block, soft_cap)
 
 
 def _sum_to(x, shape: tuple):
@@ -876,9 +888,9 @@ def _batch_and_heads(sharding, shape: tuple) -> dict:
     }
 
 
-def _kernel(impl: str, causal: bool, scale: float, window: int | None = None):
-    """cuDNN's kernel's output as a function of (q, k, v), for ``jax.vjp``."""
-    assert impl == "cudnn", impl  # the Pallas kernel has a backward of its own
+def cudnn_output(causal: bool, scale: float, window: int | None = None):
+    """cuDNN's kernel's output as a function of (q, k, v), for ``jax.vjp`` (the Pallas kernel
+    has a backward of its own)."""
     return lambda q, k, v: _cudnn(q, k, v, causal, scale, window)[0]
 
 
@@ -997,13 +1009,9 @@ def _attention(
         else:
             out, lse = _pallas_masked(q, k, v, attn_bias, is_causal, scale)
         lse = lse.astype(jnp.promote_types(q.dtype, jnp.float32))
-    elif impl == "blockwise":
-        words = jax.random.key_data(key) if dropout_p else None  # a residual must be an array
-        out, lse = _blockwise_attend(q, k, v, attn_bias, words, is_causal, scale, dropout_p)
     else:
-        out, lse = _traced_forward(
-            q, k, v, attn_bias, is_causal, scale, dropout_p, key, _block(impl, k)
-        )
+        dropout = {"dropout_p": dropout_p, "key": key}
+        out, lse = in_blocks(impl, q, k, v, attn_bias, is_causal, scale, **dropout)
     return out, lse, _seed_of(key), jnp.zeros((), jnp.int64)
 
 
@@ -1038,7 +1046,7 @@ def _attention_backward(
     if impl == "pallas":
         return _pallas_masked_backward(grad, q, k, v, attn_bias, out, lse, is_causal, scale)
     if impl == "cudnn":
-        primal, pullback = jax.vjp(_kernel(impl, is_causal, scale), q, k, v)
+        primal, pullback = jax.vjp(cudnn_output(is_causal, scale), q, k, v)
         return *pullback(grad.astype(primal.dtype)), None
     key = _key_of(philox_seed)
     dq, dk, dv, dbias = _traced_backward(
@@ -1170,12 +1178,7 @@ def _flash_kernel_attention(q, k, v, ab, q_segment_ids, kv_segment_ids, causal, 
         if p.alive is not None:
             out = jnp.where(p.alive, out, 0).astype(out.dtype)
     else:
-        if p.impl == "blockwise":
-            out, shift = _blockwise_attend(q, k, v, p.bias, None, p.causal, scale, 0.0)
-        else:
-            out, shift = _traced_forward(
-                q, k, v, p.bias, p.causal, scale, 0.0, None, _block(p.impl, k)
-            )
+        out, shift = in_blocks(p.impl, q, k, v, p.bias, p.causal, scale)
         total = jnp.ones_like(shift)
     wide = jnp.promote_types(q.dtype, jnp.float32)
     return out.astype(q.dtype), shift.astype(wide), total.astype(wide)

@@ -133,15 +133,7 @@ def _splash_attention(q, k, v, segment_ids, causal, window, soft_cap, blocks):
         out, lse = attention._cudnn(q, k, v, causal, 1.0, window)
     else:
         mask, mask_causal = _mask(q, segment_ids, causal, window)
-        if impl == "blockwise":
-            out, lse = attention._blockwise_attend(
-                q, k, v, mask, None, mask_causal, 1.0, 0.0, soft_cap
-            )
-        else:
-            block = attention._block(impl, k)
-            out, lse = attention._traced_forward(
-                q, k, v, mask, mask_causal, 1.0, 0.0, None, block, soft_cap
-            )
+        out, lse = attention.in_blocks(impl, q, k, v, mask, mask_causal, 1.0, soft_cap=soft_cap)
     return out.astype(q.dtype), lse.astype(wide)
 
 
@@ -157,7 +149,7 @@ def _splash_attention_backward(
         backward = _kernel("backward", options, segment_ids is not None)
         dq, dk, dv = backward(q, k, v, *_given(segment_ids), out, lse.astype(jnp.float32), grad)
     elif impl == "cudnn":
-        primal, pullback = jax.vjp(attention._kernel("cudnn", causal, 1.0, window), q, k, v)
+        primal, pullback = jax.vjp(attention.cudnn_output(causal, 1.0, window), q, k, v)
         dq, dk, dv = pullback(grad.astype(primal.dtype))
     else:
         mask, mask_causal = _mask(q, segment_ids, causal, window)
@@ -297,8 +289,7 @@ def _here(phase: str, options: tuple, *args):
         return jax.vmap(getattr(kernel, phase))(*args)
 
 
-_OPERANDS = ("b h q d", "b g k d", "b g k d")
-_RESULTS = ("b h q d", "b h q")
+_RESULTS = attention._OUTPUTS["cudnn"]  # the output and the log-sum-exp, as cuDNN's kernel gives
 
 
 def _kernel(phase: str, options: tuple, has_ids: bool):
@@ -314,8 +305,8 @@ def _split(phase: str, options: tuple, has_ids: bool):
     # Through jit, the kernel's mask tables are constants of its own function: an op the
     # partitioner splits may close over none.
     here = jax.jit(partial(_here, phase, options))
-    operands = _OPERANDS + (("b q",) if has_ids else ())
+    operands = attention._QKV + (("b q",) if has_ids else ())
     if phase == "forward":
         return attention._split_over_batch_and_heads(here, operands, _RESULTS)
     operands += (*_RESULTS, "b h q d")
-    return attention._split_over_batch_and_heads(here, operands, _OPERANDS)
+    return attention._split_over_batch_and_heads(here, operands, attention._QKV)
