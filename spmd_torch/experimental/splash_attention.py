@@ -35,6 +35,7 @@ _BLOCKS = (
     "block_kv_dq",
 )
 _LAYOUTS = ("HEAD_DIM_MINOR", "SEQ_MINOR")
+_LAYOUT_OF = ("q_layout", "k_layout", "v_layout")  # the config's sa_<these>
 
 
 @dataclasses.dataclass(eq=True, frozen=True)
@@ -70,11 +71,11 @@ class SplashAttentionConfig:
                     f"SplashAttentionConfig: sa_{name}={size!r}: block sizes are positive "
                     "multiples of 128"
                 )
-        for name in ("sa_q_layout", "sa_k_layout", "sa_v_layout"):
-            if getattr(self, name) not in _LAYOUTS:
+        for name in _LAYOUT_OF:
+            if getattr(self, f"sa_{name}") not in _LAYOUTS:
                 raise ValueError(
-                    f"SplashAttentionConfig: {name}={getattr(self, name)!r} is not one of "
-                    f"{_LAYOUTS}"
+                    f"SplashAttentionConfig: sa_{name}={getattr(self, f'sa_{name}')!r} is not "
+                    f"one of {_LAYOUTS}"
                 )
         window = self.slide_window_size
         if self.attentiontype_local_sliding and not (isinstance(window, int) and window >= 0):
@@ -99,11 +100,8 @@ class SplashAttentionConfig:
 
     def kernel_blocks(self) -> str:
         """The TPU kernel's block sizes and layouts as the op's JSON argument."""
-        blocks = {name: getattr(self, f"sa_{name}") for name in _BLOCKS}
-        blocks["use_fused_bwd_kernel"] = self.sa_use_fused_bwd_kernel
-        for name in ("q_layout", "k_layout", "v_layout"):
-            blocks[name] = getattr(self, f"sa_{name}")
-        return json.dumps(blocks, sort_keys=True)
+        names = (*_BLOCKS, "use_fused_bwd_kernel", *_LAYOUT_OF)
+        return json.dumps({name: getattr(self, f"sa_{name}") for name in names}, sort_keys=True)
 
 
 def splash_attention(
