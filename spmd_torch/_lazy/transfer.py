@@ -209,11 +209,13 @@ def to_torch(array: jax.Array, dtype: torch.dtype, shape: tuple | None = None) -
         counters.record("InboundData", host.nbytes)  # bytes, as PyTorch/XLA counts them
         if shape is not None:
             host = crop(host, shape)
-        if dtype is torch.bfloat16:
-            out = torch.from_numpy(host.astype(ml_dtypes.bfloat16).view(np.uint16).copy())
-            out = out.view(torch.bfloat16)
+        bits = _AS_BITS.get(dtype)
+        if bits is not None:  # numpy has no such dtype: its bits travel as unsigned ints
+            unsigned, ml_type = bits
+            out = torch.from_numpy(host.astype(ml_type).view(np.dtype(unsigned)).copy())
+            out = out.view(dtype)
         else:
-            if host.dtype == ml_dtypes.bfloat16:
+            if host.dtype.type in _ML_DTYPES:
                 host = host.astype(np.float32)
             out = torch.from_numpy(np.array(host, copy=True)).to(dtype)
     counters.bump("TransferFromDevice")
@@ -231,7 +233,19 @@ def raise_if_given_up(error: RuntimeError) -> None:
         ) from error
 
 
+# PyTorch's floating dtypes numpy lacks -> (their bits' unsigned int, ml_dtypes' type)
+_AS_BITS = {
+    torch.bfloat16: (np.uint16, ml_dtypes.bfloat16),
+    torch.float8_e5m2: (np.uint8, ml_dtypes.float8_e5m2),
+    torch.float8_e4m3fn: (np.uint8, ml_dtypes.float8_e4m3fn),
+}
+_TORCH_UNSIGNED = {np.uint16: torch.uint16, np.uint8: torch.uint8}
+_ML_DTYPES = {np.dtype(ml_type).type for _, ml_type in _AS_BITS.values()}
+
+
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
-    if t.dtype is torch.bfloat16:
-        return t.contiguous().view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
+    bits = _AS_BITS.get(t.dtype)
+    if bits is not None:
+        unsigned, ml_type = bits
+        return t.contiguous().view(_TORCH_UNSIGNED[unsigned]).numpy().view(ml_type)
     return t.contiguous().numpy()

@@ -483,10 +483,25 @@ def test_mixing_cpu_and_device_tensors_raises_device_mismatch():
     assert_close(x + torch.tensor(2.0), torch.full((3,), 3.0))  # 0-dim CPU tensors are allowed
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e5m2, torch.float8_e4m3fn])
+def test_float8_tensors_travel_bit_for_bit_and_compute(dtype):
+    """fp8 (inference caches and weights): uploaded and read back bit for bit, cast on the
+    device as PyTorch casts on the CPU (round to nearest even)."""
+    values = torch.tensor([0.0, -1.5, 3.25, 448.0 if dtype is torch.float8_e4m3fn else 57344.0])
+    eight = values.to(dtype)
+    on_device = eight.to(dev)
+    assert torch.equal(on_device.cpu().view(torch.uint8), eight.view(torch.uint8))
+    wide = torch.tensor([0.1, -2.7, 100.3, 1e-3])
+    cast = wide.to(dev).to(dtype).cpu()
+    assert cast.dtype == dtype
+    assert torch.equal(cast.view(torch.uint8), wide.to(dtype).view(torch.uint8))
+    assert torch.equal((on_device.float() * 2).cpu(), eight.float() * 2)
+
+
 def test_unsupported_dtype_names_op_and_dtype():
     x = torch.ones(3, device=dev)
-    with pytest.raises(TypeError, match=r"float8_e4m3fn.*xla|xla.*float8_e4m3fn"):
-        x.to(torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match=r"complex32.*xla|xla.*complex32"):
+        x.to(torch.complex32)
 
 
 def test_inplace_dtype_rules_match_pytorch():

@@ -157,8 +157,9 @@ def test_dtypes_as_kernels_see_them(monkeypatch):
     assert convert_torch_dtype_to_jax(torch.int8) == jnp.int8
     struct = to_jax_shape_dtype_struct(torch.zeros(2, 3, dtype=torch.float16))
     assert struct.shape == (2, 3) and struct.dtype == jnp.float16
-    with pytest.raises(ValueError, match="torch.float8_e4m3fn"):
-        convert_torch_dtype_to_jax(torch.float8_e4m3fn)
+    assert convert_torch_dtype_to_jax(torch.float8_e4m3fn) == jnp.float8_e4m3fn
+    with pytest.raises(ValueError, match="torch.complex32"):
+        convert_torch_dtype_to_jax(torch.complex32)
     monkeypatch.setattr(config.USE_BF16, "value", True)
     with pytest.raises(RuntimeError, match="XLA_USE_BF16"):
         convert_torch_dtype_to_jax(torch.float32)

@@ -13,6 +13,8 @@ _TORCH_TO_JAX = {
     torch.float64: jnp.dtype(jnp.float64),
     torch.bfloat16: jnp.dtype(jnp.bfloat16),
     torch.float16: jnp.dtype(jnp.float16),
+    torch.float8_e5m2: jnp.dtype(jnp.float8_e5m2),  # fp8 caches and weights (inference)
+    torch.float8_e4m3fn: jnp.dtype(jnp.float8_e4m3fn),
     torch.int8: jnp.dtype(jnp.int8),
     torch.int16: jnp.dtype(jnp.int16),
     torch.int32: jnp.dtype(jnp.int32),
