@@ -27,7 +27,10 @@ PyTorch/XLA serialises a TPU kernel into a custom call. Results carry no autogra
 there.
 
 The inference kernels of the same module (``paged_attention``, ``multi_queries_paged_attention``,
-``ragged_paged_attention``) are not provided.
+``ragged_paged_attention``) are ops of the graph too (``lowering/paged.py``): JAX's Pallas paged
+and ragged paged attention kernels on TPU, elsewhere the pages each sequence lists gathered and
+attended to in float32. ``multi_queries_paged_attention`` takes that XLA form on every platform
+(its TPU kernel is PyTorch/XLA's own; JAX ships none).
 """
 
 from __future__ import annotations
@@ -54,6 +57,9 @@ __all__ = [
     "gmm",
     "gmm_backward",
     "make_kernel_from_pallas",
+    "multi_queries_paged_attention",
+    "paged_attention",
+    "ragged_paged_attention",
     "repeat_with_fixed_output_size",
     "tgmm",
     "to_jax_shape_dtype_struct",
@@ -438,6 +444,149 @@ def repeat_with_fixed_output_size(
     positions = torch.arange(total_repeat_length, device=input.device, dtype=ends.dtype)
     source = torch.searchsorted(ends, positions, right=True).clamp(max=input.shape[0] - 1)
     return input[source]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    lengths: torch.Tensor,
+    page_indices: torch.Tensor,
+    pages_per_compute_block: int,
+    megacore_mode: str | None = None,
+    attn_logits_soft_cap: float | None = None,
+) -> torch.Tensor:
+    """Decode attention over a paged cache: each sequence's one query against its first
+    ``lengths[b]`` keys, read from the pages ``page_indices[b]`` lists, in order. No scale.
+
+    Args:
+        q: ``[batch, heads, head_dim]``.
+        k_pages: ``[kv_heads, total_pages, page_size, head_dim]``; ``heads`` a multiple of
+            ``kv_heads`` (grouped-query attention).
+        v_pages: shaped like ``k_pages``.
+        lengths: ``[batch]`` int32 key counts.
+        page_indices: ``[batch, pages_per_sequence]`` int32 page numbers.
+        pages_per_compute_block: pages the TPU kernel takes at a time; divides
+            ``pages_per_sequence``.
+        megacore_mode: the TPU kernel's split over two cores: ``"kv_head"``, ``"batch"`` or None.
+        attn_logits_soft_cap: scores become ``cap * tanh(score / cap)``.
+
+    Returns:
+        ``[batch, heads, head_dim]`` in ``q``'s dtype; a sequence of length 0 gives zeros.
+    """
+    cap = None if attn_logits_soft_cap is None else float(attn_logits_soft_cap)
+    return torch.ops.xla.paged_attention(
+        q, k_pages, v_pages, lengths, page_indices, pages_per_compute_block, megacore_mode, cap
+    )
+
+
+def multi_queries_paged_attention(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    lengths: torch.Tensor,
+    page_indices: torch.Tensor,
+    effective_q_lens: torch.Tensor,
+    num_kv_pages_per_compute_block: int,
+    num_queries_per_compute_block: int,
+    use_kernel: bool = True,
+    attn_logits_soft_cap: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of several new queries per sequence over a paged cache that already
+    holds their keys: query ``i`` of sequence ``b`` sits at position ``lengths[b] -
+    effective_q_lens[b] + i`` and sees the keys up to it. No scale.
+
+    Args:
+        q: ``[batch, query_len, heads, head_dim]``; the rows past ``effective_q_lens[b]`` are
+            padding (they see all ``lengths[b]`` keys).
+        k_pages, v_pages, lengths, page_indices: as :func:`paged_attention`'s.
+        effective_q_lens: ``[batch]`` int32 counts of real queries.
+        num_kv_pages_per_compute_block, num_queries_per_compute_block: PyTorch/XLA's TPU
+            kernel's blocks; no effect here.
+        use_kernel: PyTorch/XLA's choice of its kernel or its reference; one form here.
+        attn_logits_soft_cap: scores become ``cap * tanh(score / cap)``.
+
+    Returns:
+        ``[batch, query_len, heads, head_dim]`` in ``q``'s dtype.
+    """
+    cap = None if attn_logits_soft_cap is None else float(attn_logits_soft_cap)
+    return torch.ops.xla.multi_queries_paged_attention(
+        q,
+        k_pages,
+        v_pages,
+        lengths,
+        page_indices,
+        effective_q_lens,
+        num_kv_pages_per_compute_block,
+        num_queries_per_compute_block,
+        use_kernel,
+        cap,
+    )
+
+
+def ragged_paged_attention(
+    q: torch.Tensor,
+    kv_pages: torch.Tensor,
+    kv_lens: torch.Tensor,
+    page_indices: torch.Tensor,
+    cu_q_lens: torch.Tensor,
+    num_seqs: torch.Tensor,
+    *,
+    sm_scale: float = 1.0,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    mask_value: float | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    use_kernel: bool = True,
+    num_kv_pages_per_block: int | None = None,
+    num_queries_per_block: int | None = None,
+    vmem_limit_bytes: int | None = None,
+) -> torch.Tensor:
+    """Prefill and decode in one call: the queries of ``num_seqs`` sequences concatenated, each
+    sequence's causal over its paged keys (vLLM's attention on TPU).
+
+    Sequence ``s`` owns the query rows ``cu_q_lens[s]:cu_q_lens[s + 1]``, its last ones: its
+    query ``i`` sits at position ``kv_lens[s] - q_len + i`` and sees the keys up to it (and
+    only the last ``sliding_window`` of those, with a window).
+
+    Args:
+        q: ``[max_num_batched_tokens, heads, head_dim]``.
+        kv_pages: ``[total_pages, page_size, 2 * kv_heads, head_dim]``, each kv head's keys at
+            an even position of the third axis and its values at the odd one after.
+        kv_lens: ``[max_num_seqs]`` int32 key counts.
+        page_indices: ``[max_num_seqs, pages_per_sequence]`` int32 page numbers.
+        cu_q_lens: ``[max_num_seqs + 1]`` int32 offsets of each sequence's queries.
+        num_seqs: ``[1]`` int32: how many of the ``max_num_seqs`` are live.
+        sm_scale: multiplies the scores.
+        sliding_window, soft_cap: as above; ``cap * tanh(score / cap)``.
+        mask_value: added to hidden scores (default: a large negative finite number).
+        k_scale, v_scale: the scales of an fp8 cache's keys and values.
+        use_kernel: False takes the XLA form on TPU too.
+        num_kv_pages_per_block, num_queries_per_block, vmem_limit_bytes: the TPU kernel's.
+
+    Returns:
+        ``[max_num_batched_tokens, heads, head_dim]`` in ``q``'s dtype; the rows after the
+        last live sequence's queries are unspecified (zeros off TPU).
+    """
+    return torch.ops.xla.ragged_paged_attention(
+        q,
+        kv_pages,
+        kv_lens,
+        page_indices,
+        cu_q_lens,
+        num_seqs,
+        sm_scale=float(sm_scale),
+        sliding_window=sliding_window,
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        mask_value=None if mask_value is None else float(mask_value),
+        k_scale=None if k_scale is None else float(k_scale),
+        v_scale=None if v_scale is None else float(v_scale),
+        use_kernel=use_kernel,
+        num_kv_pages_per_block=num_kv_pages_per_block,
+        num_queries_per_block=num_queries_per_block,
+        vmem_limit_bytes=vmem_limit_bytes,
+    )
 
 
 def gmm(

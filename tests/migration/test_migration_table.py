@@ -912,6 +912,44 @@ def check_gmm(fn):
     assert fn(lhs[:, :1], rhs, sizes).cpu().tolist() == [[1.0], [30.0], [50.0]]
 
 
+def _paged_cache():
+    """Two sequences of 3 and 1 keys over a pool of 4 pages of 2: keys of 0s and 1s, values
+    10s, 20s and 30s, in page order."""
+    k_pages = _xla([[[[0.0], [1.0]], [[0.0], [0.0]], [[1.0], [0.0]], [[0.0], [0.0]]]])
+    v_pages = _xla([[[[10.0], [20.0]], [[0.0], [0.0]], [[30.0], [0.0]], [[5.0], [0.0]]]])
+    lengths = torch.tensor([3, 1], dtype=torch.int32).to(_device())
+    page_indices = torch.tensor([[0, 2], [3, 1]], dtype=torch.int32).to(_device())
+    return k_pages, v_pages, lengths, page_indices
+
+
+def check_paged_attention(fn):
+    """A query of 0 weighs each key alike: the mean of the values it sees."""
+    k_pages, v_pages, lengths, page_indices = _paged_cache()
+    out = fn(_xla([[[0.0]], [[0.0]]]), k_pages, v_pages, lengths, page_indices, 1)
+    assert_close(out.cpu(), torch.tensor([[[20.0]], [[5.0]]]))
+
+
+def check_multi_queries_paged_attention(fn):
+    """Sequence 0's two queries sit at keys 1 and 2: means of the first two and three values."""
+    k_pages, v_pages, lengths, page_indices = _paged_cache()
+    effective = torch.tensor([2, 1], dtype=torch.int32).to(_device())
+    out = fn(
+        _xla([[[[0.0]], [[0.0]]]] * 2), k_pages, v_pages, lengths, page_indices, effective, 1, 1
+    )
+    assert_close(out[0].cpu().flatten(), torch.tensor([15.0, 20.0]))
+
+
+def check_ragged_paged_attention(fn):
+    """The cache of ``_paged_cache`` with keys and values interleaved by head; sequence 0's two
+    queries (rows 0, 1) at keys 1 and 2, sequence 1's one (row 2) at key 0."""
+    k_pages, v_pages, lengths, page_indices = _paged_cache()
+    kv_pages = torch.stack([k_pages[0], v_pages[0]], dim=2)  # [pages, page_size, 2, 1]
+    cu_q_lens = torch.tensor([0, 2, 3], dtype=torch.int32).to(_device())
+    num_seqs = torch.tensor([2], dtype=torch.int32).to(_device())
+    out = fn(_xla([[[0.0]]] * 4), kv_pages, lengths, page_indices, cu_q_lens, num_seqs)
+    assert_close(out[:3].cpu().flatten(), torch.tensor([15.0, 20.0, 5.0]))
+
+
 def _pallas_add(x, y):
     from jax.experimental import pallas
 
@@ -1447,6 +1485,9 @@ CHECKS: dict[str, Callable] = {
     "value_and_grad_partitioned": check_value_and_grad_partitioned,
     "tree_flatten_none": check_tree_flatten_none,
     "gmm": check_gmm,
+    "paged_attention": check_paged_attention,
+    "multi_queries_paged_attention": check_multi_queries_paged_attention,
+    "ragged_paged_attention": check_ragged_paged_attention,
     "make_kernel_from_pallas": check_make_kernel_from_pallas,
     "trace_pallas": check_trace_pallas,
     "splash_attention": check_splash_attention,

@@ -16,6 +16,7 @@ from . import (  # noqa: F401  (each module fills LOWERINGS at import)
     ldl,
     linalg,
     nn,
+    paged,
     random,
     reductions,
     rnn,
