@@ -30,7 +30,9 @@ The inference kernels of the same module (``paged_attention``, ``multi_queries_p
 ``ragged_paged_attention``) are ops of the graph too (``lowering/paged.py``): JAX's Pallas paged
 and ragged paged attention kernels on TPU, elsewhere the pages each sequence lists gathered and
 attended to in float32. ``multi_queries_paged_attention`` takes that XLA form on every platform
-(its TPU kernel is PyTorch/XLA's own; JAX ships none).
+(its TPU kernel is PyTorch/XLA's own; JAX ships none). ``quantized_matmul_int8`` (int8 weights
+with per-channel scales, activations optionally quantized per row) is one op of the graph too,
+one XLA form everywhere (``lowering/quantized.py``).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ __all__ = [
     "make_kernel_from_pallas",
     "multi_queries_paged_attention",
     "paged_attention",
+    "quantized_matmul_int8",
     "ragged_paged_attention",
     "repeat_with_fixed_output_size",
     "tgmm",
@@ -586,6 +589,35 @@ def ragged_paged_attention(
         num_kv_pages_per_block=num_kv_pages_per_block,
         num_queries_per_block=num_queries_per_block,
         vmem_limit_bytes=vmem_limit_bytes,
+    )
+
+
+def quantized_matmul_int8(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scalar: torch.Tensor,
+    zero_point: torch.Tensor | None = None,
+    quant_block_size: torch.Tensor | None = None,
+    quantize_activation: bool = False,
+    batch_block_size: int | None = None,
+    out_block_size: int | None = None,
+    in_block_size: int | None = None,
+) -> torch.Tensor:
+    """``x @ (w * scalar[:, None]).T`` for int8 weights ``w [out, in]`` with a float scale per
+    output channel; with ``quantize_activation`` each row of ``x`` is quantized to int8 as well
+    and the product taken in int32. ``zero_point`` and ``quant_block_size`` are not supported
+    (nor by PyTorch/XLA's kernel); the block sizes have no effect. Returns ``[batch, out]`` in
+    ``x``'s dtype."""
+    return torch.ops.xla.quantized_matmul_int8(
+        x,
+        w,
+        scalar,
+        zero_point,
+        quant_block_size,
+        quantize_activation,
+        batch_block_size,
+        out_block_size,
+        in_block_size,
     )
 
 

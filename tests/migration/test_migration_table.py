@@ -950,6 +950,15 @@ def check_ragged_paged_attention(fn):
     assert_close(out[:3].cpu().flatten(), torch.tensor([15.0, 20.0, 5.0]))
 
 
+def check_quantized_matmul_int8(fn):
+    """Weights 1 and -2 scaled by 0.5; the row (127, 1) quantizes to itself (scale 1)."""
+    w = torch.tensor([[1, -2]], dtype=torch.int8).to(_device())
+    scale = _xla([0.5])
+    assert_close(fn(_xla([[4.0, 2.0]]), w, scale).cpu(), torch.tensor([[0.0]]))
+    out = fn(_xla([[127.0, 1.0]]), w, scale, quantize_activation=True)
+    assert_close(out.cpu(), torch.tensor([[62.5]]))
+
+
 def _pallas_add(x, y):
     from jax.experimental import pallas
 
@@ -1486,6 +1495,7 @@ CHECKS: dict[str, Callable] = {
     "tree_flatten_none": check_tree_flatten_none,
     "gmm": check_gmm,
     "paged_attention": check_paged_attention,
+    "quantized_matmul_int8": check_quantized_matmul_int8,
     "multi_queries_paged_attention": check_multi_queries_paged_attention,
     "ragged_paged_attention": check_ragged_paged_attention,
     "make_kernel_from_pallas": check_make_kernel_from_pallas,

@@ -17,6 +17,7 @@ from . import (  # noqa: F401  (each module fills LOWERINGS at import)
     linalg,
     nn,
     paged,
+    quantized,
     random,
     reductions,
     rnn,

@@ -402,6 +402,7 @@ def _ragged_in_blocks(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *
         blocks=blocks,
         block_ends=block_ends,
     )
+
     def block(number):
         return _ragged_block(number, padded, tokens, seq_of, options)
 
