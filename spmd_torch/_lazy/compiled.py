@@ -211,6 +211,8 @@ class CompiledGraph:
         # only the values it takes as arguments (sizes of dynamic shapes) tell calls apart.
         # And which arguments are the members of one stack (stacks.py): recorded as one input.
         plain = tuple([type(a) is LazyTensor or _signature_of(a) for a in args])
+        if _META in plain:  # shapes only, no values: the graph runs as it is, on meta tensors
+            return self.graph(*args)
         last = self.last_call
         if last is not None and last[0] == plain and stacks.still_grouped(args, last[1]):
             groups = last[1]  # as at the last call (a step's optimizer: every call)
@@ -397,8 +399,14 @@ def _no_call() -> None:
 
 
 def _signature_of(arg) -> Any:
-    """What tells calls apart at a position not holding an xla tensor: a CPU tensor, or a value."""
-    return False if isinstance(arg, torch.Tensor) else (type(arg), arg)
+    """What tells calls apart at a position not holding an xla tensor: a CPU tensor, a meta
+    tensor, or a value."""
+    if isinstance(arg, torch.Tensor):
+        return _META if arg.is_meta else False
+    return (type(arg), arg)
+
+
+_META = "meta tensor"
 
 
 def _on_cpu(value) -> bool:

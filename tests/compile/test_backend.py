@@ -372,6 +372,21 @@ def test_graph_break_gives_the_right_answer():
         assert_close(compiled(x.to(dev)).cpu(), f(x))
 
 
+def test_a_graph_of_meta_tensors_runs_as_it_is():
+    """Meta tensors carry shapes, no values: the compiled graph runs on them as it is (nothing
+    uploaded), as a library checks output shapes before the real call (PyTorch/XLA's kernel
+    tests do); the same function then runs on xla tensors."""
+
+    def f(x, w):
+        return torch.nn.functional.linear(x, w).relu() * 2
+
+    compiled = torch.compile(f, backend="spmd_torch")
+    out = compiled(torch.empty(5, 3, device="meta"), torch.empty(4, 3, device="meta"))
+    assert out.is_meta and out.shape == (5, 4)
+    x, w = torch.randn(5, 3), torch.randn(4, 3)
+    assert_close(compiled(x.to(dev), w.to(dev)).cpu(), f(x, w))
+
+
 @torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)
 def test_graph_with_data_dependent_shape_runs_op_by_op():
     """``nonzero`` inside a graph (Dynamo told to keep such ops): it cannot be recorded once for
