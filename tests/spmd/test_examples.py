@@ -49,6 +49,16 @@ def test_checkpoint_resume_example_continues_the_uninterrupted_run_after_sigkill
 
 
 @pytest.mark.slow
+def test_paged_decode_example_generates_eager_cpus_tokens_with_one_program():
+    """Prefill and five decode steps of three sequences through ragged paged attention over a
+    paged cache: eager CPU's tokens, and one program for every step."""
+    output = _run("paged_decode.py")
+    assert "step 5: tokens" in output and "generated 6 tokens for 3 sequences" in output
+    assert "compilations 1" in output
+    assert "MISMATCH" not in output and "FAILED" not in output
+
+
+@pytest.mark.slow
 def test_profile_mnist_example_captures_steps_regions_and_program(tmp_path):
     output = _run("profile_mnist.py", "--logdir", str(tmp_path), "--steps", "4")
     assert "host region train_step: 4" in output and "host region forward: 4" in output
