@@ -129,7 +129,11 @@ def _patch_torch() -> None:
     """What ``import torch_xla`` changes in torch, done here only under its name: ``nn.GRU`` is
     the scanned GRU (one step per layer in the program, whatever the sequence's length), and
     ``nn.utils.clip_grad_norm_`` of xla parameters none of which has a gradient gives a zero on
-    the xla device (torch's gives a CPU zero). Each keeps torch's own as ``._orig``."""
+    the xla device (torch's gives a CPU zero). Each keeps torch's own as ``._orig``. And
+    ``torch.ops.quantized_decomposed`` (PT2E quantization's ops, which scripts quantizing
+    weights for ``XlaQuantizedLinear`` call) is defined, as PyTorch/XLA's import defines it."""
+    import torch.ao.quantization.fx._decomposed  # noqa: F401  (defines the ops)
+
     from spmd_torch.experimental.gru import GRU
 
     if getattr(torch.nn.GRU, "_orig", None) is None:

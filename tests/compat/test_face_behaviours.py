@@ -2,7 +2,7 @@
 spmd_torch's own (docs/migration.md): a CPU tensor joining a device op is uploaded, a profiler
 region open at a barrier is an error, an SPMD upload lands once an op reads it, and
 ``import torch_xla`` patches ``nn.GRU`` and
-``clip_grad_norm_`` as PyTorch/XLA's import does. Outside the face each stays as spmd_torch has it.
+``clip_grad_norm_`` and defines ``torch.ops.quantized_decomposed`` as PyTorch/XLA's import does. Outside the face each stays as spmd_torch has it.
 """
 
 from __future__ import annotations
@@ -151,6 +151,11 @@ ref = torch.zeros(3, 3, requires_grad=True)
 ref.grad = g.clone()
 assert torch.allclose(norm.cpu(), torch.nn.utils.clip_grad_norm_._orig([ref], 1.0))
 assert torch.allclose(w.grad.cpu(), ref.grad, atol=1e-6)
+# PT2E quantization's ops are defined, as PyTorch/XLA's import defines them
+q = torch.ops.quantized_decomposed.quantize_per_channel(
+    torch.tensor([[1.0, -2.0]]), torch.tensor([0.5]), torch.tensor([0]), 0, -128, 127, torch.int8
+)
+assert q.tolist() == [[2, -4]]
 import importlib; importlib.reload(torch_xla)  # importing again patches nothing twice
 assert torch.nn.utils.clip_grad_norm_ is before and torch.nn.GRU is GRU
 print("checked")

@@ -959,6 +959,16 @@ def check_quantized_matmul_int8(fn):
     assert_close(out.cpu(), torch.tensor([[62.5]]))
 
 
+def check_XlaQuantizedLinear(cls):
+    """One output channel of weights (2, -1) scaled by 0.5, less a zero point of 1."""
+    layer = cls(2, 1)
+    layer.load_quantized_weight(
+        torch.tensor([[2, -1]], dtype=torch.int8), torch.tensor([0.5]), torch.tensor([1.0])
+    )
+    out = layer.to(_device())(_xla([[3.0, 4.0]]))
+    assert_close(out.cpu(), torch.tensor([[3.0 - 2.0 - 7.0]]))
+
+
 def _pallas_add(x, y):
     from jax.experimental import pallas
 
@@ -1496,6 +1506,7 @@ CHECKS: dict[str, Callable] = {
     "gmm": check_gmm,
     "paged_attention": check_paged_attention,
     "quantized_matmul_int8": check_quantized_matmul_int8,
+    "XlaQuantizedLinear": check_XlaQuantizedLinear,
     "multi_queries_paged_attention": check_multi_queries_paged_attention,
     "ragged_paged_attention": check_ragged_paged_attention,
     "make_kernel_from_pallas": check_make_kernel_from_pallas,
