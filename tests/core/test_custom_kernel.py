@@ -163,6 +163,17 @@ def _fully_masked_rows_step(shape, q_ids, kv_ids, sm_scale):
     )
 
 
+def test_queries_seeing_no_key_keep_every_tile_of_a_long_sequence(monkeypatch):
+    """600 queries, two ids tensors, causal: two queries of the first query tile see no key, so
+    that tile computes all 5 key blocks (they average every key); the second skips the block
+    after its last query; values and gradients as float64's."""
+    listed, computed = _count_tiles(monkeypatch)
+    q_ids = torch.ones(1, 600, dtype=torch.int64)
+    q_ids[0, [3, 100]] = 2
+    _fully_masked_rows_step((1, 2, 600, 8), q_ids, torch.ones(1, 600, dtype=torch.int64), 0.5)
+    assert listed == [15, 15] and len(computed) == 2 * (5 + 4 + 5)
+
+
 def test_fully_masked_query_backpropagates_as_the_kernel():
     q_ids, kv_ids = torch.tensor([[2, 1, 1, 3, 1, 1]]), torch.ones(1, 6, dtype=torch.int64)
     _fully_masked_rows_step((1, 2, 6, 4), q_ids, kv_ids, 0.5)
@@ -567,22 +578,41 @@ def test_repeat_with_fixed_output_size_is_repeat_interleave_cut_or_padded(repeat
     assert torch.equal(result.cpu(), expected)
 
 
+def _count_tiles(monkeypatch) -> tuple[list, list]:
+    """(the number of tiles each blockwise loop lists, one entry a loop; one entry per tile the
+    program computes when it runs, skipped tiles left out)."""
+    import jax
+
+    from spmd_torch._lazy.lowering import attention
+
+    listed, computed = [], []
+    visible_tiles, unless_unseen = attention._visible_tiles, attention._Problem.unless_unseen
+
+    def counted(self, step):
+        def step_counted(carry, tile):
+            jax.debug.callback(lambda: computed.append(1))
+            return step(carry, tile)
+
+        return unless_unseen(self, step_counted)
+
+    monkeypatch.setattr(
+        attention,
+        "_visible_tiles",
+        lambda *a: listed.append(len(visible_tiles(*a))) or visible_tiles(*a),
+    )
+    monkeypatch.setattr(attention._Problem, "unless_unseen", counted)
+    return listed, computed
+
+
 @pytest.mark.parametrize("shared", [True, False], ids=["one_ids_tensor", "two_ids_tensors"])
 def test_long_packed_causal_attention_skips_tiles_where_queries_see_themselves(monkeypatch, shared):
     """Packed causal sequences of 600 tokens (3 query tiles x 5 key blocks), against float64.
     One ids tensor given for queries and keys: every query sees itself, so the 4 tiles above the
-    diagonal are left out, forward and backward. Two tensors (here equal, which tracing cannot
-    know): a query might see no key and then averages them all, so every key block is visited
-    (by one tile of all the queries)."""
-    from spmd_torch._lazy.lowering import attention
-
-    visited = []
-    visible_tiles = attention._visible_tiles
-    monkeypatch.setattr(
-        attention,
-        "_visible_tiles",
-        lambda *a: visited.append(len(visible_tiles(*a))) or visible_tiles(*a),
-    )
+    diagonal are left out of the program, forward and backward. Two tensors (here equal, which
+    tracing cannot know): a query might see no key and then averages them all, so all 15 tiles
+    are in the program, and each is skipped when it runs if none of its queries sees any of its
+    keys while each sees one elsewhere: the same 11 are computed."""
+    listed, computed = _count_tiles(monkeypatch)
     q, k, v = _qkv((2, 2, 600, 8))
     positions = torch.arange(600)
     ids = torch.stack([(positions >= 150).int() + (positions >= 420).int(), positions * 0])
@@ -593,7 +623,8 @@ def test_long_packed_causal_attention_skips_tiles_where_queries_see_themselves(m
     out = flash_attention(*leaves, True, q_ids, kv_ids)
     grads = torch.autograd.grad(out, leaves, cotangent.to(dev))
     spmd_torch.sync()
-    assert visited == ([11, 11] if shared else [5, 5])  # one tile of all queries: 5
+    assert listed == ([11, 11] if shared else [15, 15])
+    assert len(computed) == 22
     leaves64 = [t.double().requires_grad_() for t in (q, k, v)]
     expected = attention_float64(*leaves64, True, ids, ids)
     grads64 = torch.autograd.grad(expected, leaves64, cotangent.double())

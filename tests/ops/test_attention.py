@@ -140,17 +140,19 @@ def test_the_blockwise_form_visits_only_tiles_a_query_sees():
     """1,024 queries in 4 tiles of 256 against 8 key blocks of 128 (32 tiles): causal, query
     tile r sees key blocks 0 to 2r + 1 (20 tiles); a causal window of 128, blocks 2r - 1 to
     2r + 1 (11), with segment ids too where each query is a key of its own segment (splash's);
-    otherwise, with segment ids, every tile, since a query that sees no key averages them all."""
+    otherwise, with segment ids, every tile is in the program (a query that sees no key averages
+    them all), each skipped when it runs if unseen (``_Problem.unless_unseen``)."""
     window = attention.BlockMask(None, None, 1024, causal=True, window=128)
     ids = jnp.zeros((1, 1024), jnp.int32)
     assert _tiles() == 8  # one tile of every query
     assert _tiles(causal=True) == 20
     assert _tiles(mask=window) == 11
     segmented = attention.BlockMask(ids, ids, 1024, causal=True, window=128)
-    assert _tiles(mask=segmented) == 8
+    assert _tiles(mask=segmented) == 32
     assert _tiles(mask=dataclasses.replace(segmented, sees_itself=True)) == 11
     assert _tiles(mask=dataclasses.replace(segmented, window=None, sees_itself=True)) == 20
-    assert _tiles(mask=attention.BlockMask(ids, ids, 1024, sees_itself=True)) == 8
+    # ids without a band (packed sequences attending both ways): every tile, skipped if unseen
+    assert _tiles(mask=attention.BlockMask(ids, ids, 1024, sees_itself=True)) == 32
 
 
 def _segment_ids(rng, seq: int) -> jnp.ndarray:
@@ -217,6 +219,35 @@ def test_leaving_out_tiles_outside_the_band_changes_nothing(monkeypatch, case):
         if b is None:
             assert a is None, name
             continue
+        np.testing.assert_allclose(
+            np.asarray(a), np.asarray(b), rtol=1e-9, atol=1e-12, err_msg=name
+        )
+
+
+@pytest.mark.parametrize("blind", [False, True], ids=["every_query_sees_a_key", "blind_queries"])
+def test_skipping_unseen_tiles_when_the_program_runs_changes_nothing(monkeypatch, blind):
+    """Segment ids given apart for queries and keys, causal, 700 positions: the blockwise form's
+    forward and backward in float64 with the unseen tiles skipped when the program runs, and with
+    one tile of all queries visiting every key block, agree to float64 rounding; ``blind``: two
+    queries of the first tile see no key (each averages every key, so that tile skips none)."""
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.normal(size=(2, 4, 700, 8)))
+    k, v = (jnp.asarray(rng.normal(size=(2, 2, 700, 8))) for _ in range(2))
+    grad = jnp.asarray(rng.normal(size=(2, 4, 700, 8)))
+    kv_ids = _segment_ids(rng, 700)
+    q_ids = kv_ids.at[:, jnp.array([5, 200])].set(10**6) if blind else kv_ids + 0
+    mask = attention.BlockMask(q_ids, kv_ids, 700, causal=True)
+
+    def attend():
+        options = (False, 0.3, 0.0, None, attention.BLOCK)
+        out, lse = attention.blockwise_forward(q, k, v, mask, *options)
+        grads = attention.blockwise_backward(grad, q, k, v, mask, out, lse, *options, True)
+        return out, lse, *grads[:3]
+
+    skipping = attend()
+    monkeypatch.setattr(attention, "Q_BLOCK", 10**6)  # one tile of all queries: nothing skipped
+    whole = attend()
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), skipping, whole):
         np.testing.assert_allclose(
             np.asarray(a), np.asarray(b), rtol=1e-9, atol=1e-12, err_msg=name
         )

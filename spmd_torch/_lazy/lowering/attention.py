@@ -192,8 +192,10 @@ class _Problem:
     The loops run over ``tiles``, (query tile, key block) pairs. Where the mask is a band of
     positions (causal, a window) whose outside adds exactly nothing, the queries are cut into
     tiles of ``Q_BLOCK`` (padded to whole tiles) and the pairs wholly outside the band are left
-    out: causal attention computes about half the scores. Otherwise one tile holds every query and
-    every key block is visited."""
+    out: causal attention computes about half the scores. Where it is segment ids known only at
+    run time (``skips_unseen``), the queries are cut so too and a pair none of whose queries sees
+    any of its keys is skipped when the program runs (``unless_unseen``). Otherwise one tile
+    holds every query and every key block is visited."""
 
     def __init__(
         self, q, k, v, bias, causal: bool, scale: float, dropout_p: float, key, block, soft_cap
@@ -208,7 +210,9 @@ class _Problem:
         blocks = -(-self.kv_len // self.block)
         padding = blocks * self.block - self.kv_len
         band = _band(bias, causal, self.q_len, self.kv_len)
-        self.q_block = Q_BLOCK if band and blocks > 1 and self.q_len > Q_BLOCK else self.q_len
+        self.skips_unseen = band is None and isinstance(bias, BlockMask) and bias.q is not None
+        tiled = band or self.skips_unseen
+        self.q_block = Q_BLOCK if tiled and blocks > 1 and self.q_len > Q_BLOCK else self.q_len
         self.q_tiles = -(-self.q_len // self.q_block)
         self.rows = self.q_tiles * self.q_block  # the queries padded to whole tiles
         self.tiles = _visible_tiles(self, blocks, band)
@@ -290,6 +294,24 @@ class _Problem:
             inside = cols < self.kv_len
             visible = inside if visible is None else visible & inside
         return s if visible is None else jnp.where(visible, s, -jnp.inf)
+
+    def unless_unseen(self, step):
+        """``step``, made to leave the carry as it is on a tile none of whose queries sees any
+        of its keys, where each of those queries sees a key elsewhere (a query that sees none
+        averages every key, so each tile counts for it). Only for segment ids read at run time:
+        the comparison of ids costs little beside the tile's products."""
+        if not self.skips_unseen or self.q_block == self.q_len:
+            return step
+
+        def unless(carry, tile):
+            _, i, j = tile
+            first, start = i * self.q_block, j * self.block
+            seen = self.bias.seen(start, self.block, first, self.q_block).any()
+            everywhere_blind = _tile(self.shift, first, self.q_block, axis=3) != 0
+            needed = seen | everywhere_blind.any()
+            return lax.cond(needed, step, lambda carry, tile: carry, carry, tile)
+
+        return unless
 
     def kept(self, t, shape):
         """Tile ``t``'s dropout factors (0 or 1 / (1 - p)), or None without dropout."""
@@ -475,7 +497,7 @@ def blockwise_forward(q, k, v, bias, causal, scale, dropout_p, key, block, soft_
         jnp.zeros(rows, p.wide),
         jnp.zeros(rows + (v.shape[-1],), p.wide),
     )
-    top, total, acc = (p.unpad_rows(x) for x in _over_tiles(step, start, p.tiles))
+    top, total, acc = (p.unpad_rows(x) for x in _over_tiles(p.unless_unseen(step), start, p.tiles))
     empty = total == 0  # every key masked: zeros, as PyTorch's _safe_softmax
     out = jnp.where(empty[..., None], 0, acc / jnp.where(empty, 1, total)[..., None])
     lse = jnp.where(empty, -jnp.inf, top + jnp.log(jnp.where(empty, 1, total)))
@@ -525,7 +547,7 @@ def blockwise_backward(
 
     dbias = jnp.zeros(p.bias.shape, p.wide) if bias_grad else None
     init = (jnp.zeros_like(p.q), jnp.zeros_like(p.k), jnp.zeros_like(p.v), dbias)
-    dq, dk, dv, dbias = _over_tiles(step, init, p.tiles)
+    dq, dk, dv, dbias = _over_tiles(p.unless_unseen(step), init, p.tiles)
     dk, dv = (lax.slice_in_dim(x, 0, p.kv_len, axis=2) for x in (dk, dv))
     if dbias is not None:
         dbias = lax.slice_in_dim(dbias, 0, min(dbias.shape[4], p.kv_len), axis=4)
