@@ -135,6 +135,20 @@ def test_ragged_paged_attention_more_blocks_than_one_loop_step():
     torch.testing.assert_close(out[:360].double(), expected, atol=1e-5, rtol=1e-5)
 
 
+def test_ragged_paged_attention_of_long_prefills_takes_large_query_blocks():
+    """Two prefill chunks of 300 and 150 queries in a batch of 512 tokens over 4 sequence slots:
+    blocks of 128 queries (each block reads its sequence's keys once), float64's values; a
+    decode batch keeps blocks of 16."""
+    from spmd_torch._lazy.lowering import paged
+
+    sequences = [(300, 310), (150, 400)]
+    inputs = _ragged_inputs(sequences, heads=4, kv_heads=2, dim=16, page_size=32, tokens=512)
+    assert paged._query_block(512, 4) == 128 and paged._query_block(72, 6) == 16
+    out = _ragged_on_device(inputs, sm_scale=0.5, sliding_window=100)
+    expected = ragged_float64(*inputs, sm_scale=0.5, window=100)
+    torch.testing.assert_close(out[:450].double(), expected, atol=1e-5, rtol=1e-5)
+
+
 def test_ragged_paged_attention_reads_an_fp8_cache_with_its_scales():
     """bf16 queries over a float8_e5m2 cache: keys and values scaled into bf16, as the kernel
     reads them; the output rounded to bf16 once."""

@@ -54,10 +54,9 @@ _LIBRARY.define(
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 """What the kernels add to a masked score (JAX's and PyTorch/XLA's default)."""
 _INDEX_DTYPE = torch.int32
-# The XLA form of ragged attention takes the queries of one sequence in blocks of this many, and
-# this many blocks at a time (their keys gathered side by side).
-_QUERY_BLOCK = 16
-_BLOCKS_AT_ONCE = 8
+# The XLA form of ragged attention takes the queries of one sequence in blocks of 16 to 128 (each
+# block reads its sequence's keys once), about this many query rows a loop step.
+_SMALLEST_BLOCK, _LARGEST_BLOCK, _ROWS_A_STEP = 16, 128, 128
 
 
 class PagedAttentionError(ValueError):
@@ -380,19 +379,21 @@ def _tiles(module, q, kv_pages) -> bool:
 
 
 def _ragged_in_blocks(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **options):
-    """The XLA form of ragged paged attention: each sequence's queries in blocks of
-    ``_QUERY_BLOCK``, ``_BLOCKS_AT_ONCE`` blocks a loop step, each block attending to its
-    sequence's gathered keys (``options``: ``_attend_sequence``'s); as many steps as the live
-    sequences' blocks need (padding sequences and tokens cost nothing). A block's rows past its
-    sequence's queries are dropped when the outputs are written; tokens after the last
-    sequence's stay zero."""
+    """The XLA form of ragged paged attention: each sequence's queries in blocks
+    (``_query_block``), a few blocks a loop step, each block attending to its sequence's
+    gathered keys (``options``: ``_attend_sequence``'s); as many steps as the live sequences'
+    blocks need (padding sequences and tokens cost nothing). A block's rows past its sequence's
+    queries are dropped when the outputs are written; tokens after the last sequence's stay
+    zero."""
     tokens, heads, dim = q.shape
     seqs = page_indices.shape[0]
+    size = _query_block(tokens, seqs)
+    at_once = max(1, _ROWS_A_STEP // size)
     query_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     live = jnp.arange(seqs) < num_seqs[0]
-    blocks = jnp.where(live, -(-query_lens // _QUERY_BLOCK), 0)
+    blocks = jnp.where(live, -(-query_lens // size), 0)
     block_ends = jnp.cumsum(blocks)
-    padded = jnp.pad(q, ((0, _QUERY_BLOCK), (0, 0), (0, 0)))
+    padded = jnp.pad(q, ((0, size), (0, 0), (0, 0)))
     seq_of = dict(
         kv_pages=kv_pages,
         kv_lens=kv_lens,
@@ -404,13 +405,13 @@ def _ragged_in_blocks(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *
     )
 
     def block(number):
-        return _ragged_block(number, padded, tokens, seq_of, options)
+        return _ragged_block(number, size, padded, tokens, seq_of, options)
 
     def step(carry):
         first, out = carry
-        rows, values = jax.vmap(block)(first + jnp.arange(_BLOCKS_AT_ONCE))
+        rows, values = jax.vmap(block)(first + jnp.arange(at_once))
         out = out.at[rows.reshape(-1)].set(values.reshape(-1, heads, dim), mode="drop")
-        return first + _BLOCKS_AT_ONCE, out
+        return first + at_once, out
 
     _, out = jax.lax.while_loop(
         lambda carry: carry[0] < block_ends[-1], step, (jnp.int32(0), jnp.zeros_like(q))
@@ -418,19 +419,28 @@ def _ragged_in_blocks(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *
     return out
 
 
-def _ragged_block(number, q, tokens: int, seq: dict, options: dict):
-    """Block ``number`` of all live sequences' query blocks: (the rows of the output it writes,
-    ``tokens`` for rows it does not, [_QUERY_BLOCK] ; its output [_QUERY_BLOCK, heads, dim])."""
+def _query_block(tokens: int, seqs: int) -> int:
+    """Queries a block takes: the mean a sequence has where the batch is full (``tokens`` over
+    ``seqs``), as a power of two from 16 to 128. A block reads its sequence's keys once, so a
+    long prefill wants large blocks; a decode step's sequences have one query each, and each of
+    their blocks computes all its rows."""
+    mean = max(1, tokens // max(1, seqs))
+    return min(_LARGEST_BLOCK, max(_SMALLEST_BLOCK, 1 << (mean.bit_length() - 1)))
+
+
+def _ragged_block(number, size: int, q, tokens: int, seq: dict, options: dict):
+    """Block ``number`` of all live sequences' query blocks of ``size``: (the rows of the output
+    it writes, ``tokens`` for rows it does not, [size]; its output [size, heads, dim])."""
     s = jnp.minimum(
         jnp.searchsorted(seq["block_ends"], number, side="right"), len(seq["blocks"]) - 1
     )
     within = number - (seq["block_ends"][s] - seq["blocks"][s])
-    start = seq["cu_q_lens"][s] + within * _QUERY_BLOCK
-    rows = start + jnp.arange(_QUERY_BLOCK, dtype=jnp.int32)
+    start = seq["cu_q_lens"][s] + within * size
+    rows = start + jnp.arange(size, dtype=jnp.int32)
     written = (rows < seq["cu_q_lens"][s + 1]) & (number < seq["block_ends"][-1])
-    queries = jax.lax.dynamic_slice_in_dim(q, start, _QUERY_BLOCK)
+    queries = jax.lax.dynamic_slice_in_dim(q, start, size)
     kv_len = seq["kv_lens"][s]
-    positions = kv_len - seq["query_lens"][s] + within * _QUERY_BLOCK + jnp.arange(_QUERY_BLOCK)
+    positions = kv_len - seq["query_lens"][s] + within * size + jnp.arange(size)
     out = _attend_sequence(
         queries, seq["kv_pages"], seq["page_indices"][s], kv_len, positions, **options
     )
