@@ -370,9 +370,13 @@ def _ragged_paged_attention(
 
 def _tiles(module, q, kv_pages) -> bool:
     """Whether the ragged kernel takes these heads (it needs the combined kv heads in whole
-    tiles of its layout, else it raises while tracing)."""
+    tiles of its layout, else it raises while tracing); where this JAX's module has no such
+    check, the kernel checks for itself."""
+    check = getattr(getattr(module, "kernel", None), "get_min_heads_per_blk", None)
+    if check is None:
+        return True
     try:
-        module.kernel.get_min_heads_per_blk(q.shape[1], kv_pages.shape[2], q.dtype, kv_pages.dtype)
+        check(q.shape[1], kv_pages.shape[2], q.dtype, kv_pages.dtype)
     except ValueError:
         return False
     return True
