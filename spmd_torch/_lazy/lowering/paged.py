@@ -247,17 +247,10 @@ def _paged_attention(
                 attn_logits_soft_cap=attn_logits_soft_cap,
             )
     counters.bump("PagedAttention::xla")
-    out = _attend_pages(
-        q[:, None],
-        k_pages,
-        v_pages,
-        lengths,
-        page_indices,
-        lengths[:, None] - 1,
-        attn_logits_soft_cap,
-        MASK_VALUE,
-    )
-    return out[:, 0]
+    last = lengths[:, None] - 1  # each query sees every key of its sequence
+    return _attend_pages(
+        q[:, None], k_pages, v_pages, lengths, page_indices, last, attn_logits_soft_cap
+    )[:, 0]
 
 
 @lowers(torch.ops.xla.multi_queries_paged_attention.default)
@@ -278,33 +271,47 @@ def _multi_queries_paged_attention(
     counters.bump("PagedAttention::xla")
     positions = (lengths - effective_q_lens)[:, None] + jnp.arange(q.shape[1], dtype=jnp.int32)
     return _attend_pages(
-        q, k_pages, v_pages, lengths, page_indices, positions, attn_logits_soft_cap, None
+        q, k_pages, v_pages, lengths, page_indices, positions, attn_logits_soft_cap
     )
 
 
-def _attend_pages(q, k_pages, v_pages, lengths, page_indices, positions, soft_cap, mask_value):
-    """q [batch, queries, heads, dim] attending to the pages each sequence lists, up to its
-    length, query ``i`` seeing the keys up to ``positions[b, i]``: hidden keys get
-    ``mask_value`` added (None: they count for nothing) and keys past the length count for
-    nothing. Scores and weights in float32."""
-    batch, queries, heads, dim = q.shape
-    kv_heads, _, page_size, _ = k_pages.shape
-    keys = page_indices.shape[1] * page_size
-    k = k_pages[:, page_indices].reshape(kv_heads, batch, keys, dim)
-    v = v_pages[:, page_indices].reshape(kv_heads, batch, keys, dim)
-    grouped = q.reshape(batch, queries, kv_heads, heads // kv_heads, dim)
-    scores = jnp.einsum("bqhgd,hbkd->bhgqk", grouped, k, preferred_element_type=jnp.float32)
-    scores = _capped(scores, soft_cap)
-    key = jnp.arange(keys, dtype=jnp.int32)
-    hidden = (key > positions[:, :, None])[:, None, None]  # [batch, 1, 1, queries, keys]
-    if mask_value is None:
-        scores = jnp.where(hidden, -jnp.inf, scores)
-    else:
-        scores = scores + jnp.where(hidden, mask_value, 0.0)
-    beyond = (key >= lengths[:, None])[:, None, None, None]
-    weights = _softmax(jnp.where(beyond, -jnp.inf, scores))
-    out = jnp.einsum("bhgqk,hbkd->bqhgd", weights, v.astype(jnp.float32))
-    return out.reshape(batch, queries, heads, dim).astype(q.dtype)
+def _attend_pages(q, k_pages, v_pages, lengths, page_indices, positions, soft_cap):
+    """q [batch, queries, heads, dim], each sequence attending to the keys of the pages it
+    lists (``_attend``), its query ``i`` at ``positions[b, i]``."""
+
+    def sequence(q, pages, length, positions):
+        k, v = (_read_pages(pool, pages) for pool in (k_pages, v_pages))
+        return _attend(q, k, v, length, positions, soft_cap=soft_cap)
+
+    return jax.vmap(sequence)(q, page_indices, lengths, positions)
+
+
+def _read_pages(pool, pages):
+    """One sequence's keys (or values) [keys, kv_heads, dim] from the pages it lists of a pool
+    [kv_heads, pages, page_size, dim]."""
+    kv_heads, _, _, dim = pool.shape
+    return pool[:, pages].reshape(kv_heads, -1, dim).swapaxes(0, 1)
+
+
+def _attend(q, k, v, kv_len, positions, *, sm_scale=1.0, sliding_window=None, soft_cap=None,
+            mask_value=MASK_VALUE):  # fmt: skip
+    """One sequence's attention: q [queries, heads, dim] at ``positions`` against k, v [keys,
+    kv_heads, dim], heads grouped over kv heads, scores scaled by ``sm_scale`` and capped; keys
+    after a query (or ``sliding_window`` or more before it) get ``mask_value`` added, keys past
+    ``kv_len`` count for nothing. Scores and weights in float32."""
+    queries, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    grouped = q.reshape(queries, kv_heads, heads // kv_heads, dim)
+    scores = jnp.einsum("qhgd,khd->hgqk", grouped, k, preferred_element_type=jnp.float32)
+    scores = _capped(scores * sm_scale, soft_cap)
+    key = jnp.arange(k.shape[0], dtype=jnp.int32)
+    hidden = key[None] > positions[:, None]
+    if sliding_window is not None:
+        hidden |= key[None] <= positions[:, None] - sliding_window
+    scores = scores + jnp.where(hidden, mask_value, 0.0)
+    weights = _softmax(jnp.where(key < kv_len, scores, -jnp.inf))
+    out = jnp.einsum("hgqk,khd->qhgd", weights, v.astype(jnp.float32))
+    return out.reshape(queries, heads, dim).astype(q.dtype)
 
 
 def _softmax(scores):
@@ -451,41 +458,14 @@ def _ragged_block(number, size: int, q, tokens: int, seq: dict, options: dict):
     return jnp.where(written, rows, tokens), out
 
 
-def _attend_sequence(
-    q,
-    kv_pages,
-    pages,
-    kv_len,
-    positions,
-    *,
-    sm_scale,
-    sliding_window,
-    soft_cap,
-    mask_value,
-    k_scale,
-    v_scale,
-):
-    """q [block, heads, dim] at ``positions`` attending to one sequence's keys in ``pages``
-    (keys at even combined heads, values at odd), scaled by ``sm_scale`` and capped; keys after
-    a query or ``sliding_window`` or more before it get ``mask_value`` added, keys past
-    ``kv_len`` count for nothing."""
-    block, heads, dim = q.shape
-    _, page_size, combined, _ = kv_pages.shape
-    kv_heads = combined // 2
-    kv = kv_pages[pages].reshape(pages.shape[0] * page_size, combined, dim)
+def _attend_sequence(q, kv_pages, pages, kv_len, positions, *, k_scale, v_scale, **options):
+    """``_attend`` over one sequence's ``pages`` of a combined cache (keys at even heads,
+    values at odd; an fp8 cache scaled into the queries' dtype)."""
+    _, _, combined, dim = kv_pages.shape
+    kv = kv_pages[pages].reshape(-1, combined, dim)
     k = _dequantized(kv[:, 0::2], k_scale, q.dtype)
     v = _dequantized(kv[:, 1::2], v_scale, q.dtype)
-    grouped = q.reshape(block, kv_heads, heads // kv_heads, dim)
-    scores = jnp.einsum("qhgd,khd->hgqk", grouped, k, preferred_element_type=jnp.float32)
-    scores = _capped(scores * sm_scale, soft_cap)
-    key = jnp.arange(k.shape[0], dtype=jnp.int32)
-    hidden = key[None] > positions[:, None]
-    if sliding_window is not None:
-        hidden |= key[None] <= positions[:, None] - sliding_window
-    scores = scores + jnp.where(hidden, mask_value, 0.0)
-    weights = _softmax(jnp.where(key < kv_len, scores, -jnp.inf))
-    out = jnp.einsum("hgqk,khd->qhgd", weights, v.astype(jnp.float32))
-    return out.reshape(block, heads, dim).astype(q.dtype)
+    return _attend(q, k, v, kv_len, positions, **options)
 
 
 def _dequantized(pages, scale, dtype):
