@@ -60,15 +60,8 @@ def _quantized_matmul_int8_shape(x, w, scalar, zero_point=None, quant_block_size
 @lowers(torch.ops.xla.quantized_matmul_int8.default)
 def _quantized_matmul_int8(x, w, scalar, zero_point=None, quant_block_size=None,
                            quantize_activation=False, *blocks):  # fmt: skip
-    scale = scalar.astype(jnp.float32)
-    if not quantize_activation:
-        out = jnp.dot(x, w.astype(x.dtype).T, preferred_element_type=jnp.float32) * scale
-        return out.astype(x.dtype)
-    quantized, row_scale = _quantized_rows(x)
-    product = lax.dot_general(
-        quantized, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32
-    )
-    return (product.astype(jnp.float32) * scale * row_scale).astype(x.dtype)
+    """``quantized_matmul``'s per-channel case (its fake kernel refuses the rest)."""
+    return _quantized_matmul(x, w, scalar, quantize_activation=quantize_activation)
 
 
 def _quantized_rows(x):
