@@ -92,9 +92,10 @@ def mark(t: LazyTensor, sharding: NamedSharding) -> None:
     _grads_follow(t)
     node, index = storage.ref
     aval = node.avals[index]
-    if node.is_leaf(index):
+    if node.is_leaf(index) and type(node.arrays[index]) is not jax.ShapeDtypeStruct:
         storage.set((Node.data(_place(node.arrays[index], aval, sharding), aval), 0))
         return
+    # a pending value, or an input of a graph being traced (a placeholder: no data to move)
     storage.set(_constrained(storage.ref, sharding))
 
 

@@ -515,6 +515,21 @@ def test_mark_sharding_inside_traced_graphs():
         assert spec(out).startswith("{devices=[1,8]")  # unmarked, it comes out replicated ('')
         assert_close(out.cpu(), torch.sin(x) * 2 + 1)
 
+        # the graph's own input marked (its backward graph's input too, as FSDPv2's
+        # shard_output meets it): a constraint inside the program, where there is no data yet
+        @torch.compile(backend="spmd_torch")
+        def scale(t):
+            xs.mark_sharding(t, mesh, ("x", None))
+            return t * 3
+
+        u = torch.randn(8, 4).to(dev).requires_grad_(True)
+        scaled = scale(u)
+        scaled.sum().backward()
+        xm.mark_step()
+        assert spec(scaled).startswith("{devices=[8,1]")
+        assert_close(scaled.cpu(), u.detach().cpu() * 3)
+        assert_close(u.grad.cpu(), torch.full((8, 4), 3.0))
+
         def g(t):
             return xs.MarkShardingFunction.apply(torch.cos(t), mesh, ("x",)) * 3
 
