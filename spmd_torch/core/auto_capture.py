@@ -379,7 +379,11 @@ def _left_alone_because(owner, kind: str) -> str:
 
 def _at_barrier() -> None:
     """Before the barrier's program runs: if the step repeated the one before (the same program
-    identity) capture every callable the step called from user code."""
+    identity) capture every callable the step called from user code.
+
+    A barrier that called none (a data loader's, the one that runs a logged loss's running sum)
+    is not a step and leaves the comparison as it was: transformers' Trainer and accelerate run
+    such a barrier between every two training steps."""
     local = _LOCAL
     own = engine.current()
     if local.engine is not own or own.steps != local.steps + 1:  # a new engine, or reset
@@ -387,8 +391,10 @@ def _at_barrier() -> None:
     compiles, local.compiles = local.compiles, _compiles()
     local.steps = own.steps
     seen, local.seen = local.seen, None
-    if not seen or own.eager:
+    if own.eager:
         local.last = None
+        return
+    if not seen:
         return
     if not local.armed:
         local.armed, local.last = _step_of_barrier(seen, compiles, local.last)

@@ -203,6 +203,46 @@ def test_eval_under_no_grad_after_training():
         spmd_torch.auto_capture(False)
 
 
+def _trainer_style(model, opt) -> tuple[torch.Tensor, list]:
+    """transformers' Trainer's and accelerate's loop: ``MpDeviceLoader`` hands each batch over at
+    a barrier of its own, which also runs the running sum of the losses logged (no module called
+    there); the step ends at ``xm.optimizer_step``'s barrier. Returns the losses and what the
+    sum's last barrier left, with the names of the captured callables after each step."""
+    import spmd_torch.distributed.parallel_loader as pl
+
+    batches = [(x, y) for x, y in _batches("mlp")]
+    total = torch.zeros((), device=dev)
+    losses, captured = [], []
+    for x, y in pl.MpDeviceLoader(batches, dev):
+        opt.zero_grad()
+        loss = _loss(model, x, y)
+        loss.backward()
+        xm.optimizer_step(opt, barrier=True)
+        total = total + loss.detach()
+        losses.append(loss.detach())
+        captured.append(capture.callables().get("captured", []))
+    return torch.stack([loss.cpu() for loss in losses + [total]]), captured
+
+
+def test_barriers_between_steps_that_call_no_module_do_not_stop_capture():
+    """A loader's barrier between every two steps is not a step: the step still repeats, so the
+    forward and AdamW's step are captured from the fourth step on, and the losses and their
+    running sum are lazy's (the sum's barrier used to reset the comparison: nothing was ever
+    captured)."""
+    torch.manual_seed(0)
+    models = [MLP().to(dev) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    lazy, _ = _trainer_style(models[0], opts[0])
+    spmd_torch.auto_capture(True)
+    try:
+        captured, names = _trainer_style(models[1], opts[1])
+    finally:
+        spmd_torch.auto_capture(False)
+    assert names[1] == [] and names[2] == names[-1] == ["MLP.forward", "AdamW.step"], names
+    assert_close(captured, lazy, **LAZY)
+
+
 @pytest.mark.parametrize("make", [MLP, Scanned], ids=["mlp", "scanned"])
 def test_sharded_parameters_keep_their_shardings(make):
     """FSDP-style marks over the 8-device mesh: captured steps keep every weight's sharding and

@@ -20,8 +20,9 @@ FLOWS = ROOT / "tests" / "libraries" / "flows"
 pytestmark = pytest.mark.multiprocess
 
 
-def run_flow(name: str, *args: str, shim: bool, home) -> dict:
-    """One flow in a child process; its last stdout line is its JSON report."""
+def run_flow(name: str, *args: str, shim: bool, home, capture: bool = False) -> dict:
+    """One flow in a child process; its last stdout line is its JSON report. ``capture``: with
+    spmd_torch's automatic capture on."""
     script = [str(FLOWS / f"{name}.py"), *args]
     command = [sys.executable, *(["-m", "spmd_torch.run_as_torch_xla"] if shim else []), *script]
     env = {
@@ -34,19 +35,23 @@ def run_flow(name: str, *args: str, shim: bool, home) -> dict:
         "TOKENIZERS_PARALLELISM": "false",
         "JAX_PLATFORMS": "cpu",
         "XLA_FLAGS": child_flags(),
+        **({"SPMD_TORCH_AUTO_CAPTURE": "1"} if capture else {}),
     }
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, cwd=home)
     assert done.returncode == 0, f"{name} {args} (shim={shim}) failed:\n{done.stderr[-6000:]}"
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def both(name: str, *args: str, tmp_path, eager_args: tuple | None = None) -> tuple[dict, dict]:
-    """The flow on eager CPU (with ``eager_args`` if given) and through the shim (``args``)."""
+def both(
+    name: str, *args: str, tmp_path, eager_args: tuple | None = None, capture: bool = False
+) -> tuple[dict, dict]:
+    """The flow on eager CPU (with ``eager_args`` if given) and through the shim (``args``),
+    there with automatic capture on if ``capture``."""
     (tmp_path / "cpu").mkdir()
     (tmp_path / "xla").mkdir()
     eager_args = args if eager_args is None else eager_args
     eager = run_flow(name, *eager_args, shim=False, home=tmp_path / "cpu")
-    lazy = run_flow(name, *args, shim=True, home=tmp_path / "xla")
+    lazy = run_flow(name, *args, shim=True, home=tmp_path / "xla", capture=capture)
     assert eager["device"] == "cpu" and lazy["device"] == "xla:0"
     return eager, lazy
 
@@ -80,6 +85,23 @@ def test_transformers_trainer(fsdp, tmp_path):
         assert "pytorch_model.bin" in lazy["saved"]
     else:
         assert "model.safetensors" in lazy["saved"] and lazy["saved"] == eager["saved"]
+
+
+@pytest.mark.parametrize(
+    "library, flow, captured",
+    [
+        ("accelerate", "accelerate_loop", ["Sequential.forward", "AdamW.step"]),
+        ("transformers", "trainer_llama", ["LlamaForCausalLM.forward", "AdamW.step"]),
+    ],
+)
+def test_automatic_capture_takes_over_library_loops(library, flow, captured, tmp_path):
+    """With ``SPMD_TORCH_AUTO_CAPTURE=1`` the libraries' loops, unchanged, run their model's
+    forward and their optimizer's step through Dynamo once the step repeats, though the data
+    loader's barrier comes between every two steps; the losses stay eager's."""
+    pytest.importorskip(library)
+    eager, lazy = both(flow, tmp_path=tmp_path, capture=True)
+    assert eager["captured"] == [] and lazy["captured"] == captured
+    assert_close(torch.tensor(lazy["losses"]), torch.tensor(eager["losses"]))
 
 
 def test_diffusers_pipeline(tmp_path):

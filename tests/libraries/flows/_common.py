@@ -15,5 +15,12 @@ def compiles() -> int | None:
     return met.counter_value("UncachedCompile") or 0
 
 
+def captured() -> list[str]:
+    """The callables spmd_torch's automatic capture runs through Dynamo (none where it is off, or
+    on eager CPU)."""
+    capture = sys.modules.get("spmd_torch.core.auto_capture")
+    return capture.callables().get("captured", []) if capture and capture.enabled() else []
+
+
 def report(**result) -> None:
     print(json.dumps(result), file=sys.stdout, flush=True)

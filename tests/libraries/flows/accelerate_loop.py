@@ -6,7 +6,7 @@ from __future__ import annotations
 import tempfile
 
 import torch
-from _common import compiles, report
+from _common import captured, compiles, report
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch import nn
@@ -46,6 +46,7 @@ def main() -> None:
         losses=losses,
         restored=restored,
         compiles_per_epoch=compiles_per_epoch,
+        captured=captured(),
     )
 
 

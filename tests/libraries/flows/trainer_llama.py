@@ -9,7 +9,7 @@ import sys
 import tempfile
 
 import torch
-from _common import compiles, report
+from _common import captured, compiles, report
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -101,6 +101,7 @@ def main(fsdp: bool) -> None:
         saved=sorted(os.listdir(os.path.join(out, "final"))),
         compiles_per_step=counter.counts,
         sharding=sharding,
+        captured=captured(),
     )
 
 
