@@ -206,14 +206,37 @@ def _captured_forward(entry: _Callable, ref: weakref.ref):
 
 def _step_of(optimizer, *args, **kwargs):
     """``optimizer.step`` once captured (also as an LR scheduler made later wraps it). Traced
-    itself (inside a function the user compiled), it is the optimizer's plain step."""
+    itself (inside a function the user compiled), it is the optimizer's plain step.
+
+    A closure (Lightning passes one at every step: forward, backward, gradient reduction) is
+    called lazily, as the optimizer would call it, before the captured step without it, where the
+    optimizer calls it once before it updates anything; otherwise (LBFGS, an optimizer of the
+    user's) the whole step runs lazily."""
     if _is_compiling():
         return type(optimizer).step(optimizer, *args, **kwargs)
     entry = _CALLABLES.get(id(optimizer))
     step = types.MethodType(type(optimizer).step, optimizer)
-    if entry is None or entry.state != _CAPTURED or args or kwargs.get("closure"):
-        return step(*args, **kwargs)  # a closure (LBFGS) is called lazily
-    return entry.call(step, args, kwargs)
+    if entry is None or entry.state != _CAPTURED or len(args) > 1:
+        return step(*args, **kwargs)
+    closure = args[0] if args else kwargs.pop("closure", None)
+    if closure is None:
+        return entry.call(step, (), kwargs)
+    if not _calls_closure_first(type(optimizer)):
+        return step(closure, **kwargs)
+    with torch.enable_grad():
+        loss = closure()
+    entry.call(step, (), kwargs)
+    return loss
+
+
+_CLOSURE_FIRST = ("torch.optim.", "spmd_torch.amp.syncfree.")
+
+
+def _calls_closure_first(cls: type) -> bool:
+    """Whether ``cls.step`` calls its closure once, under ``enable_grad``, before anything else:
+    torch.optim's steps and the syncfree ones, LBFGS's aside (it calls it again and again)."""
+    module = getattr(cls.step, "__module__", "") + "."
+    return module.startswith(_CLOSURE_FIRST) and not issubclass(cls, torch.optim.LBFGS)
 
 
 def _captured_step(entry: _Callable, ref: weakref.ref):

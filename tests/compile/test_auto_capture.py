@@ -243,6 +243,48 @@ def test_barriers_between_steps_that_call_no_module_do_not_stop_capture():
     assert_close(captured, lazy, **LAZY)
 
 
+def _closure_loop(model, opt) -> torch.Tensor:
+    """Lightning's loop: the step's forward and backward in a closure ``optimizer.step`` calls."""
+    losses = []
+    for x, y in _batches("mlp"):
+
+        def closure(x=x.to(dev), y=y.to(dev)):
+            opt.zero_grad()
+            loss = _loss(model, x, y)
+            loss.backward()
+            return loss
+
+        losses.append(opt.step(closure).detach())
+        xm.mark_step()
+    return torch.stack([loss.cpu() for loss in losses])
+
+
+@pytest.mark.parametrize("opt", [torch.optim.AdamW, torch.optim.LBFGS], ids=["adamw", "lbfgs"])
+def test_a_step_given_a_closure(opt):
+    """AdamW calls its closure once, first: capture calls it lazily (its forward captured on its
+    own), then the step compiled by Dynamo. LBFGS calls it again and again: its steps run lazily.
+    The losses are lazy's (LBFGS's line search amplifies the captured forward's rounding: within
+    training tolerance)."""
+    torch.manual_seed(0)
+    models = [MLP().to(dev) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [opt(m.parameters(), lr=1e-2) for m in models]
+    lazy = _closure_loop(models[0], opts[0])
+    spmd_torch.auto_capture(True)
+    try:
+        captured = _closure_loop(models[1], opts[1])
+        report = capture.report()
+    finally:
+        spmd_torch.auto_capture(False)
+    if opt is torch.optim.AdamW:
+        assert_close(captured, lazy, **LAZY)
+    else:
+        assert_close(captured, lazy, tol="training")
+    name = f"AutoCapture: {opt.__name__}.step\n  State: captured\n"
+    assert (name + "  Compiles: 1\n" in report) == (opt is torch.optim.AdamW), report
+    assert name in report and "AutoCapture: MLP.forward\n  State: captured\n" in report
+
+
 @pytest.mark.parametrize("make", [MLP, Scanned], ids=["mlp", "scanned"])
 def test_sharded_parameters_keep_their_shardings(make):
     """FSDP-style marks over the 8-device mesh: captured steps keep every weight's sharding and

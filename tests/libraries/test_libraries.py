@@ -92,12 +92,14 @@ def test_transformers_trainer(fsdp, tmp_path):
     [
         ("accelerate", "accelerate_loop", ["Sequential.forward", "AdamW.step"]),
         ("transformers", "trainer_llama", ["LlamaForCausalLM.forward", "AdamW.step"]),
+        ("lightning", "lightning_fit", ["SGD.step", "Sequential.forward"]),
     ],
 )
 def test_automatic_capture_takes_over_library_loops(library, flow, captured, tmp_path):
     """With ``SPMD_TORCH_AUTO_CAPTURE=1`` the libraries' loops, unchanged, run their model's
-    forward and their optimizer's step through Dynamo once the step repeats, though the data
-    loader's barrier comes between every two steps; the losses stay eager's."""
+    forward and their optimizer's step through Dynamo once the step repeats, though a data
+    loader's barrier comes between every two steps (accelerate, Trainer) or the step is given a
+    closure holding the forward (Lightning); the losses stay eager's."""
     pytest.importorskip(library)
     eager, lazy = both(flow, tmp_path=tmp_path, capture=True)
     assert eager["captured"] == [] and lazy["captured"] == captured

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import lightning as L
 import torch
-from _common import compiles, report
+from _common import captured, compiles, report
 from torch import nn
 
 
@@ -70,6 +70,7 @@ def main() -> None:
         losses=[float(loss) for loss in model.losses],
         weight=model.net[0].weight.detach().cpu().tolist(),
         compiles_per_epoch=model.compiles_per_epoch,
+        captured=captured(),
     )
 
 
